@@ -1,0 +1,61 @@
+"""disttrain: data-parallel training from one command.
+
+The in-script runtime is exported lazily so that ``import disttrain`` in the launcher
+does not pay for importing torch before it needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from .version import __version__
+
+_EXPORTS = {
+    "init": "runtime.context",
+    "context": "runtime.context",
+    "shutdown": "runtime.context",
+    "Context": "runtime.context",
+    "prepare": "runtime.data",
+    "epochs": "runtime.loop",
+    "reduce_sum": "runtime.metrics",
+    "reduce_mean": "runtime.metrics",
+    "reduce_max": "runtime.metrics",
+    "MeanMeter": "runtime.metrics",
+    "AverageMeter": "runtime.metrics",
+    "topk_correct": "runtime.metrics",
+    "accuracy": "runtime.metrics",
+    "print0": "runtime.metrics",
+    "barrier": "runtime.metrics",
+    "checkpoint": "runtime.checkpoint",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'disttrain' has no attribute {name!r}")
+    mod = importlib.import_module(f".{module}", __name__)
+    value = mod if name == "checkpoint" else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import checkpoint
+    from .runtime.context import Context, context, init, shutdown
+    from .runtime.data import prepare
+    from .runtime.loop import epochs
+    from .runtime.metrics import (
+        AverageMeter,
+        MeanMeter,
+        accuracy,
+        barrier,
+        print0,
+        reduce_max,
+        reduce_mean,
+        reduce_sum,
+        topk_correct,
+    )

@@ -1,0 +1,69 @@
+"""Where processes run and what they run on: pure choices, shared by launcher and runtime.
+
+Everything here takes the facts (core count, CUDA devices) as arguments so that the GPU
+paths are chosen by the same code on a machine without a GPU, and are unit-tested there.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import UsageError
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (cgroup/affinity aware, unlike ``os.cpu_count``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
+
+
+def auto_nproc(*, cuda_devices: int, cpus: int) -> int:
+    """Processes per node for ``-n auto``.
+
+    One per GPU when there are GPUs. On CPU, one per two cores: each DDP process then keeps
+    a core for its compute threads and one for gloo's communication and data loading; one
+    process per core oversubscribes (the seed chapter saw no gain from 4 processes on 4
+    cores).
+    """
+    if cuda_devices > 0:
+        return cuda_devices
+    return max(1, cpus // 2)
+
+
+def omp_threads(*, cpus: int, nproc: int) -> int:
+    """Intra-op threads per process so that the node's processes share its cores exactly."""
+    return max(1, cpus // max(1, nproc))
+
+
+def choose_backend(requested: str | None, *, cuda_available: bool) -> str:
+    if requested:
+        if requested not in BACKENDS:
+            raise UsageError(
+                f"unknown backend {requested!r}: choose one of {', '.join(BACKENDS)}"
+            )
+        return requested
+    return "nccl" if cuda_available else "gloo"
+
+
+def choose_device(*, local_rank: int, cuda_devices: int, backend: str) -> str:
+    """``cuda:<local_rank>`` when this node has GPUs, else ``cpu``.
+
+    A gloo job on a GPU machine still trains on the GPU (gloo can reduce CUDA tensors);
+    an explicit NCCL job without GPUs is a mistake worth naming.
+    """
+    if cuda_devices <= 0:
+        if backend == "nccl":
+            raise UsageError(
+                "backend 'nccl' needs CUDA GPUs but none are visible: use --backend gloo"
+            )
+        return "cpu"
+    if local_rank >= cuda_devices:
+        raise UsageError(
+            f"LOCAL_RANK={local_rank} has no GPU: only {cuda_devices} visible on this node; "
+            "start at most that many processes per node (-n auto does)"
+        )
+    return f"cuda:{local_rank}"

@@ -1,0 +1,104 @@
+"""The worker environment contract.
+
+torch's elastic agent sets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RESTART_COUNT``). disttrain adds its own in :func:`launcher_env`, the one
+place they are written, and :class:`WorkerEnv` is the one place any of them is read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+BACKEND = "DISTTRAIN_BACKEND"
+RUN_DIR = "DISTTRAIN_RUN_DIR"
+CHECKPOINT_DIR = "DISTTRAIN_CHECKPOINT_DIR"
+PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
+
+# Interface variables that pin gloo/NCCL to the network that reaches the master.
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def launcher_env(
+    *,
+    backend: str,
+    run_dir: str,
+    omp_threads: int,
+    inherited: Mapping[str, str],
+    socket_ifname: str | None = None,
+    checkpoint_dir: str | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Variables a node's agent exports to its workers, on top of torch elastic's own.
+
+    User settings win: an ``OMP_NUM_THREADS`` or socket interface already in ``inherited``
+    is kept, and ``extra`` (``--env KEY=VALUE``) overrides everything.
+    """
+    env = {BACKEND: backend, RUN_DIR: run_dir}
+    if checkpoint_dir:
+        env[CHECKPOINT_DIR] = checkpoint_dir
+    if "OMP_NUM_THREADS" not in inherited:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    if socket_ifname:
+        for name in SOCKET_IFNAME_VARS:
+            if name not in inherited:
+                env[name] = socket_ifname
+    env.update(extra or {})
+    return env
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEnv:
+    """What a training process learns from its environment.
+
+    Without a launcher (a plain ``python train.py``) this is a world of one.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    group_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    restart_count: int = 0
+    backend: str | None = None
+    run_dir: str | None = None
+    checkpoint_dir: str | None = None
+    pg_timeout_s: float = 300.0
+
+    @property
+    def launched(self) -> bool:
+        """True when a launcher (disttrain, torchrun, Slurm+torchrun...) set up a world."""
+        return self.master_addr is not None and self.world_size >= 1
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        environ = os.environ if environ is None else environ
+        port = environ.get("MASTER_PORT")
+        return cls(
+            rank=_int(environ, "RANK", 0),
+            local_rank=_int(environ, "LOCAL_RANK", 0),
+            world_size=_int(environ, "WORLD_SIZE", 1),
+            local_world_size=_int(environ, "LOCAL_WORLD_SIZE", 1),
+            group_rank=_int(environ, "GROUP_RANK", 0),
+            master_addr=environ.get("MASTER_ADDR") if "WORLD_SIZE" in environ else None,
+            master_port=int(port) if port else None,
+            restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+            backend=environ.get(BACKEND) or None,
+            run_dir=environ.get(RUN_DIR) or None,
+            checkpoint_dir=environ.get(CHECKPOINT_DIR) or None,
+            pg_timeout_s=float(environ.get(PG_TIMEOUT) or 300.0),
+        )

@@ -1,0 +1,116 @@
+"""Run one node's share of a launch with torch's elastic agent, in this process.
+
+torch's ``LocalElasticAgent`` starts, monitors, restarts and stops the workers; disttrain
+adds the worker environment, per-rank log files named by global rank, a ``[rankN]``
+prefix on every line, and a root-cause report when a rank fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator, Mapping
+from typing import TextIO
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from ..errors import DisttrainError
+from ..plan.launch import LaunchPlan, NodePlan
+from .logs import RankLogs
+from .report import RankFailure, format_failure, root_cause, shell_exit_code
+
+MONITOR_INTERVAL_S = 0.1
+
+
+@contextlib.contextmanager
+def _exported(env: Mapping[str, str]) -> Iterator[None]:
+    """Workers inherit the agent's environment; set ours for the launch, then restore."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _quiet_torch_elastic() -> None:
+    # The agent logs every shutdown step at WARNING and each failure at ERROR; disttrain
+    # prints one root-cause block instead. LOGLEVEL=INFO (torch's own knob) brings them back.
+    if "LOGLEVEL" in os.environ:
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def line_prefix(plan: LaunchPlan, node: NodePlan) -> str:
+    """``[rank3] `` on one node, ``[node1 rank3] `` when several nodes share the terminal."""
+    if plan.nnodes > 1:
+        return f"[{node.host} rank${{rank}}] "
+    return "[rank${rank}] "
+
+
+def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailure]:
+    failures = []
+    for rank, failure in err.failures.items():
+        code, sig = shell_exit_code(failure.exitcode)
+        failures.append(
+            RankFailure(
+                rank=rank, host=host, exit_code=code, signal_name=sig, pid=failure.pid,
+                timestamp=failure.timestamp, attempt=attempt,
+                stopped_by_agent=failure.exitcode == -signal.SIGTERM,
+            )
+        )
+    return failures
+
+
+def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr) -> int:
+    """Start, watch and stop this node's workers; return the exit code for the launcher."""
+    config = LaunchConfig(
+        min_nodes=plan.nnodes,
+        max_nodes=plan.nnodes,
+        nproc_per_node=node.nproc,
+        run_id=plan.run_id,
+        role="worker",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
+        rdzv_configs={"rank": node.node_rank, "timeout": plan.rdzv_timeout_s},
+        max_restarts=plan.max_restarts,
+        monitor_interval=MONITOR_INTERVAL_S,
+        logs_specs=RankLogs(plan.run_dir, node.shown_local_ranks(plan.shown_ranks)),
+        log_line_prefix_template=line_prefix(plan, node),
+        shutdown_timeout=plan.stop_grace_s,
+    )
+    _quiet_torch_elastic()
+    with _exported(node.env):
+        try:
+            elastic_launch(config, plan.argv[0])(*plan.argv[1:])
+        except ChildFailedError as err:
+            failures = _failures(err, node.host, attempt=plan.max_restarts)
+            first = root_cause(failures, plan.run_dir)
+            print(format_failure(first, failures, plan.run_dir), file=report_to, flush=True)
+            return first.exit_code
+        except SignalException as err:
+            print(
+                f"disttrain: got {err.sigval.name}, stopped all {node.nproc} workers on {node.host}",
+                file=report_to,
+                flush=True,
+            )
+            return 128 + int(err.sigval)
+        except KeyboardInterrupt:
+            return 130
+        except Exception as err:  # rendezvous/store failures: name them, no traceback
+            raise DisttrainError(
+                f"the elastic agent on {node.host} failed before the workers finished: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+    return 0

@@ -1,0 +1,47 @@
+"""``disttrain`` entry point: dispatch to one module per subcommand, map errors to exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import DisttrainError, UsageError
+from ..version import __version__
+from . import run as run_cmd
+
+SUBCOMMANDS = (run_cmd,)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage plus an error; a user needs one line saying what to fix."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="disttrain",
+        description="Run a PyTorch training script as a data-parallel job.",
+    )
+    parser.add_argument("--version", action="version", version=f"disttrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for module in SUBCOMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.handler(args)
+    except DisttrainError as err:
+        print(f"disttrain: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("disttrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

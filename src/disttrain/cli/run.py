@@ -1,0 +1,166 @@
+"""``disttrain run``: torchrun's flags, disttrain's defaults, one node (this machine)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ..config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
+from ..errors import UsageError
+from ..net import free_port, port_in_use
+from ..placement import usable_cpus
+from ..plan.launch import LaunchPlan, NodeFacts, make_plan
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a training script on N processes",
+        description="Run SCRIPT (or -m MODULE) as a data-parallel job. Everything after the "
+        "script is passed to it verbatim. Flags use torchrun's names, so "
+        "`torchrun --nproc-per-node 2 train.py` becomes `disttrain run --nproc-per-node 2 train.py`.",
+    )
+    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", default="auto",
+                   help="processes per node: a number or 'auto' (one per GPU; on CPU one per two cores)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="treat SCRIPT as a Python module, like `python -m`")
+    p.add_argument("--backend", default=None,
+                   help="process-group backend (default: nccl with CUDA, else gloo)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (torchrun-style manual multi-node)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                   help="this node's rank when --nnodes > 1")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None,
+                   help="address of node rank 0 (default 127.0.0.1 on one node)")
+    p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                   help="rendezvous port on the master (default: a free one)")
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                   help="restart the worker group up to this many times when a worker fails")
+    p.add_argument("--standalone", action="store_true",
+                   help="accepted for torchrun compatibility (one node is the default)")
+    p.add_argument("--ranks", default="all",
+                   help="show output of these ranks only, e.g. 0 or 0,2-3 (all are still logged)")
+    p.add_argument("--log-dir", default=None,
+                   help="folder for this run's per-rank logs (default: a new run folder under "
+                   "$DISTTRAIN_HOME/runs, printed at start)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set an environment variable for every worker (repeatable)")
+    p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=int, default=120,
+                   help="seconds to wait for all nodes to join before failing (default 120)")
+    p.add_argument("--stop-grace", dest="stop_grace", type=int, default=15,
+                   help="seconds workers get to exit after SIGTERM before SIGKILL (default 15)")
+    p.add_argument("--dry-run", action="store_true", help="print the launch plan as JSON and exit")
+    p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
+                   help="arguments for the script, passed verbatim")
+    p.set_defaults(handler=handle)
+
+
+def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
+    return LaunchSpec(
+        entry=args.script,
+        is_module=args.module,
+        script_args=tuple(args.script_args),
+        nproc_per_node=parse_nproc(args.nproc),
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        backend=args.backend,
+        max_restarts=args.max_restarts,
+        ranks=parse_ranks(args.ranks),
+        log_dir=args.log_dir,
+        env=parse_env(args.env),
+        rdzv_timeout_s=args.rdzv_timeout,
+        stop_grace_s=args.stop_grace,
+    )
+
+
+def check_entry(spec: LaunchSpec) -> None:
+    """A missing script or module is reported before any process starts."""
+    if spec.is_module:
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(spec.entry) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise UsageError(f"module {spec.entry!r} not found (is it on PYTHONPATH or in {os.getcwd()}?)")
+    elif not Path(spec.entry).is_file():
+        raise UsageError(f"script not found: {spec.entry}")
+
+
+def local_facts() -> NodeFacts:
+    import torch  # the agent needs it anyway; imported here only to count GPUs
+
+    return NodeFacts(
+        hostname=socket.gethostname(),
+        cpus=usable_cpus(),
+        cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    )
+
+
+def choose_port(spec: LaunchSpec) -> int:
+    host = spec.master_addr or "127.0.0.1"
+    if spec.master_port is None:
+        return free_port(host)
+    # Only the node that hosts the rendezvous store binds the port.
+    if spec.node_rank == 0 and port_in_use(host, spec.master_port):
+        raise UsageError(
+            f"--master-port {spec.master_port} is already in use on {host}: "
+            "pick another port or omit --master-port to use a free one"
+        )
+    return spec.master_port
+
+
+def disttrain_home() -> Path:
+    return Path(os.environ.get("DISTTRAIN_HOME") or Path.home() / ".disttrain")
+
+
+def new_run_id(entry: str) -> str:
+    stem = Path(entry).stem if not entry.startswith(".") else entry
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in stem.split(".")[-1] or stem)
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
+
+
+def plan_from_args(args: argparse.Namespace) -> LaunchPlan:
+    spec = spec_from_args(args)
+    check_entry(spec)
+    run_id = new_run_id(spec.entry)
+    run_dir = spec.log_dir or str(disttrain_home() / "runs" / run_id)
+    return make_plan(
+        spec,
+        local_facts(),
+        python=sys.executable,
+        master_port=choose_port(spec),
+        run_id=run_id,
+        run_dir=os.path.abspath(run_dir),
+        inherited_env=os.environ,
+    )
+
+
+def handle(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    if args.dry_run:
+        print(plan.to_json())
+        return 0
+    Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(plan.run_dir) / "plan.json").write_text(plan.to_json())
+    node = plan.nodes[0]
+    print(
+        f"disttrain: {plan.world_size} worker{'s' if plan.world_size > 1 else ''} ({plan.backend}) "
+        f"on {node.host}, rendezvous {plan.master_addr}:{plan.master_port}; logs: {plan.run_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    from ..agent.node import run_node  # imports torch's elastic agent
+
+    return run_node(plan, node)

@@ -1,0 +1,105 @@
+"""The launch spec: what ``disttrain run`` was asked to do, validated once."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+from ..placement import BACKENDS
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_nproc(raw: str) -> int | str:
+    """``-n`` accepts a positive integer or ``auto``."""
+    if raw == "auto":
+        return raw
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UsageError(
+            f"-n/--nproc-per-node must be a positive integer or 'auto', got {raw!r}"
+        ) from None
+    if value < 1:
+        raise UsageError(f"-n/--nproc-per-node must be at least 1, got {value}")
+    return value
+
+
+def parse_ranks(raw: str) -> tuple[int, ...] | None:
+    """``--ranks 0,2-3`` → (0, 2, 3); ``all`` → None (show every rank)."""
+    if raw == "all":
+        return None
+    ranks: set[int] = set()
+    for part in raw.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            first = int(lo)
+            last = int(hi) if hi else first
+        except ValueError:
+            raise UsageError(
+                f"--ranks takes rank numbers like '0' or '0,2-3' or 'all', got {raw!r}"
+            ) from None
+        if first < 0 or last < first:
+            raise UsageError(f"--ranks: bad range {part!r} in {raw!r}")
+        ranks.update(range(first, last + 1))
+    return tuple(sorted(ranks))
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not _ENV_NAME.match(key):
+            raise UsageError(f"--env takes KEY=VALUE with a valid variable name, got {item!r}")
+        env[key] = value
+    return env
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """One ``disttrain run``; every field is validated here, naming its flag."""
+
+    entry: str
+    is_module: bool = False
+    script_args: tuple[str, ...] = ()
+    nproc_per_node: int | str = "auto"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    backend: str | None = None
+    max_restarts: int = 0
+    ranks: tuple[int, ...] | None = None
+    log_dir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    rdzv_timeout_s: int = 120
+    stop_grace_s: int = 15
+
+    def __post_init__(self) -> None:
+        if not self.entry:
+            raise UsageError("no script given: disttrain run [options] train.py [script args]")
+        if isinstance(self.nproc_per_node, int) and self.nproc_per_node < 1:
+            raise UsageError(f"-n/--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if isinstance(self.nproc_per_node, str) and self.nproc_per_node != "auto":
+            raise UsageError(f"-n/--nproc-per-node must be a number or 'auto', got {self.nproc_per_node!r}")
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(
+                f"--node-rank must be in 0..{self.nnodes - 1} for --nnodes {self.nnodes}, got {self.node_rank}"
+            )
+        if self.nnodes > 1 and not self.master_addr:
+            raise UsageError("--nnodes > 1 needs --master-addr (the address of node rank 0)")
+        if self.nnodes > 1 and self.master_port is None:
+            raise UsageError("--nnodes > 1 needs --master-port (the same on every node)")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise UsageError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts cannot be negative, got {self.max_restarts}")
+        if self.rdzv_timeout_s < 1:
+            raise UsageError(f"--rdzv-timeout must be at least 1 second, got {self.rdzv_timeout_s}")
+        if self.stop_grace_s < 0:
+            raise UsageError(f"--stop-grace cannot be negative, got {self.stop_grace_s}")

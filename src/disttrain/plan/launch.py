@@ -1,0 +1,149 @@
+"""Pure planning: a validated spec plus facts about the node → a JSON-serialisable plan.
+
+No side effects here (ports are probed and clocks read by the caller), so every rank,
+environment variable and argv a launch will use can be printed by ``--dry-run`` and
+checked by unit tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..config.launch import LaunchSpec
+from ..errors import UsageError
+from ..placement import auto_nproc, choose_backend, omp_threads
+from ..workerenv import launcher_env
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeFacts:
+    """What the planner needs to know about the node it plans for."""
+
+    hostname: str
+    cpus: int
+    cuda_devices: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerPlan:
+    rank: int
+    local_rank: int
+    env: dict[str, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodePlan:
+    node_rank: int
+    host: str
+    nproc: int
+    env: dict[str, str]
+    workers: tuple[WorkerPlan, ...]
+
+    def shown_local_ranks(self, shown: tuple[int, ...] | None) -> set[int] | None:
+        """Local ranks whose output reaches the terminal (None: all of them)."""
+        if shown is None:
+            return None
+        return {w.local_rank for w in self.workers if w.rank in shown}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchPlan:
+    run_id: str
+    run_dir: str
+    argv: tuple[str, ...]
+    backend: str
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    rdzv_backend: str
+    rdzv_timeout_s: int
+    max_restarts: int
+    stop_grace_s: int
+    shown_ranks: tuple[int, ...] | None
+    nodes: tuple[NodePlan, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def make_plan(
+    spec: LaunchSpec,
+    facts: NodeFacts,
+    *,
+    python: str,
+    master_port: int,
+    run_id: str,
+    run_dir: str,
+    inherited_env: Mapping[str, str],
+) -> LaunchPlan:
+    """Plan this node's part of the launch (``spec.node_rank`` of ``spec.nnodes``)."""
+    nproc = (
+        auto_nproc(cuda_devices=facts.cuda_devices, cpus=facts.cpus)
+        if spec.nproc_per_node == "auto"
+        else int(spec.nproc_per_node)
+    )
+    world_size = nproc * spec.nnodes
+    if spec.ranks is not None:
+        missing = [r for r in spec.ranks if r >= world_size]
+        if missing:
+            raise UsageError(
+                f"--ranks names rank {missing[0]} but the job has ranks 0..{world_size - 1}"
+            )
+    backend = choose_backend(spec.backend, cuda_available=facts.cuda_devices > 0)
+    master_addr = spec.master_addr or "127.0.0.1"
+
+    if spec.is_module:
+        argv = (python, "-u", "-m", spec.entry, *spec.script_args)
+    else:
+        argv = (python, "-u", spec.entry, *spec.script_args)
+
+    node_env = launcher_env(
+        backend=backend,
+        run_dir=run_dir,
+        omp_threads=omp_threads(cpus=facts.cpus, nproc=nproc),
+        inherited=inherited_env,
+        extra=spec.env,
+    )
+    workers = tuple(
+        WorkerPlan(
+            rank=spec.node_rank * nproc + local_rank,
+            local_rank=local_rank,
+            # Mirrors what torch's elastic agent sets for static rendezvous; shown by
+            # --dry-run so users see exactly what their script will read.
+            env={
+                "RANK": str(spec.node_rank * nproc + local_rank),
+                "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": str(spec.node_rank),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+            },
+        )
+        for local_rank in range(nproc)
+    )
+    node = NodePlan(
+        node_rank=spec.node_rank, host=facts.hostname, nproc=nproc, env=node_env, workers=workers
+    )
+    return LaunchPlan(
+        run_id=run_id,
+        run_dir=run_dir,
+        argv=argv,
+        backend=backend,
+        nnodes=spec.nnodes,
+        nproc_per_node=nproc,
+        world_size=world_size,
+        master_addr=master_addr,
+        master_port=master_port,
+        rdzv_backend="static",
+        rdzv_timeout_s=spec.rdzv_timeout_s,
+        max_restarts=spec.max_restarts,
+        stop_grace_s=spec.stop_grace_s,
+        shown_ranks=spec.ranks,
+        nodes=(node,),
+    )

@@ -1,0 +1,56 @@
+"""Shared fixtures: run the real ``disttrain`` CLI in a subprocess and check for leaks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An isolated DISTTRAIN_HOME, so run folders land in the test's tmp dir."""
+    path = tmp_path / "home"
+    monkeypatch.setenv("DISTTRAIN_HOME", str(path))
+    return path
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def disttrain(*args: str, timeout: float = 90, cwd: Path | None = None, env: dict | None = None):
+    """Run ``python -m disttrain ARGS`` to completion and return the CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, "-m", "disttrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env or cli_env(),
+    )
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def assert_all_gone(procs: list[psutil.Process], timeout: float = 10) -> None:
+    """Every process in ``procs`` has exited (zombies reaped or not, none still running)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for proc in alive:  # leave nothing behind even when the assertion fails
+        proc.kill()
+    assert not alive, f"processes left behind: {[p.pid for p in alive]}"

@@ -1,0 +1,53 @@
+"""Bad input: one line, exit code 2, nothing started, no run folder, no traceback."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from conftest import SCRIPTS, cli_env, disttrain
+
+GOOD = str(SCRIPTS / "sleeper.py")
+
+
+def assert_usage_error(result, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["run", "-n", "2", "missing_script.py"], ["script not found: missing_script.py"]),
+        (["run", "-n", "0", GOOD], ["-n/--nproc-per-node must be at least 1"]),
+        (["run", "-n", "abc", GOOD], ["positive integer or 'auto'", "'abc'"]),
+        (["run", "--master-port", "70000", GOOD], ["1..65535"]),
+        (["run", "--backend", "nope", GOOD], ["unknown backend 'nope'"]),
+        (["run", "-m", "no_such_module_xyz"], ["module 'no_such_module_xyz' not found"]),
+        (["run", "--ranks", "7", "-n", "2", GOOD], ["rank 7"]),
+        (["run", "--env", "oops", GOOD], ["KEY=VALUE"]),
+        (["run", "--bogus-flag", GOOD], ["unrecognized arguments"]),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, fragments):
+    result = disttrain(*args, env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+    assert_usage_error(result, *fragments)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_master_port_in_use_is_reported_before_start(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = disttrain("run", "--master-port", str(port), GOOD,
+                           env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+    assert_usage_error(result, f"--master-port {port} is already in use")
+    assert not (tmp_path / "runs").exists()

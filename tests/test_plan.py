@@ -1,0 +1,133 @@
+"""The pure layers: spec validation, planning, placement choices."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from disttrain.config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
+from disttrain.errors import UsageError
+from disttrain.placement import auto_nproc, choose_backend, choose_device, omp_threads
+from disttrain.plan.launch import NodeFacts, make_plan
+
+CPU_NODE = NodeFacts(hostname="box", cpus=8)
+GPU_NODE = NodeFacts(hostname="gpu", cpus=32, cuda_devices=4)
+
+
+def plan(spec: LaunchSpec, facts: NodeFacts = CPU_NODE, env: dict | None = None):
+    return make_plan(
+        spec, facts, python="/py", master_port=29500, run_id="r1", run_dir="/runs/r1",
+        inherited_env=env or {},
+    )
+
+
+def test_two_local_ranks_get_torchrun_env_and_verbatim_argv():
+    p = plan(LaunchSpec(entry="train.py", script_args=("--lr", "a b;c'd"), nproc_per_node=2))
+    assert p.world_size == 2 and p.backend == "gloo"
+    assert p.argv == ("/py", "-u", "train.py", "--lr", "a b;c'd")
+    (node,) = p.nodes
+    assert [w.rank for w in node.workers] == [0, 1]
+    assert node.workers[1].env == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+    }
+    assert node.env["OMP_NUM_THREADS"] == "4"  # 8 cores / 2 processes
+    assert node.env["DISTTRAIN_BACKEND"] == "gloo"
+    assert json.loads(p.to_json())["nodes"][0]["workers"][1]["rank"] == 1
+
+
+def test_module_launch_argv():
+    p = plan(LaunchSpec(entry="pkg.train", is_module=True, script_args=("-x",), nproc_per_node=1))
+    assert p.argv == ("/py", "-u", "-m", "pkg.train", "-x")
+
+
+def test_user_settings_win_over_defaults():
+    p = plan(
+        LaunchSpec(entry="t.py", nproc_per_node=2, env={"OMP_NUM_THREADS": "3", "FOO": "1"}),
+        env={"OMP_NUM_THREADS": "2"},
+    )
+    assert p.nodes[0].env["OMP_NUM_THREADS"] == "3"
+    assert p.nodes[0].env["FOO"] == "1"
+    p = plan(LaunchSpec(entry="t.py", nproc_per_node=2), env={"OMP_NUM_THREADS": "2"})
+    assert "OMP_NUM_THREADS" not in p.nodes[0].env  # inherited as the user set it
+
+
+def test_second_node_of_manual_multinode_gets_offset_ranks():
+    spec = LaunchSpec(entry="t.py", nproc_per_node=2, nnodes=2, node_rank=1,
+                      master_addr="10.0.0.1", master_port=29500)
+    p = plan(spec)
+    assert p.world_size == 4
+    assert [w.rank for w in p.nodes[0].workers] == [2, 3]
+    assert p.nodes[0].workers[0].env["MASTER_ADDR"] == "10.0.0.1"
+
+
+def test_auto_uses_gpus_and_nccl_when_cuda_is_present():
+    p = plan(LaunchSpec(entry="t.py"), facts=GPU_NODE)
+    assert p.nproc_per_node == 4 and p.backend == "nccl"
+    assert p.nodes[0].env["OMP_NUM_THREADS"] == "8"
+
+
+def test_auto_on_cpu_keeps_two_cores_per_process():
+    assert plan(LaunchSpec(entry="t.py")).nproc_per_node == 4
+    assert auto_nproc(cuda_devices=0, cpus=1) == 1
+    assert auto_nproc(cuda_devices=0, cpus=2) == 1
+
+
+def test_ranks_filter_maps_to_local_ranks_and_rejects_missing_ranks():
+    p = plan(LaunchSpec(entry="t.py", nproc_per_node=2, ranks=(1,)))
+    assert p.nodes[0].shown_local_ranks(p.shown_ranks) == {1}
+    with pytest.raises(UsageError, match="rank 5"):
+        plan(LaunchSpec(entry="t.py", nproc_per_node=2, ranks=(5,)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nproc_per_node": 0}, "at least 1"),
+        ({"master_port": 70000}, "1..65535"),
+        ({"master_port": 0}, "1..65535"),
+        ({"backend": "carrier-pigeon"}, "unknown backend"),
+        ({"max_restarts": -1}, "cannot be negative"),
+        ({"nnodes": 2, "master_port": 1234}, "--master-addr"),
+        ({"nnodes": 2, "node_rank": 2, "master_addr": "h", "master_port": 1}, "--node-rank"),
+    ],
+)
+def test_spec_rejects_bad_values_naming_the_flag(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        LaunchSpec(entry="t.py", **kwargs)
+
+
+def test_parsers():
+    assert parse_nproc("auto") == "auto" and parse_nproc("3") == 3
+    for bad in ("0", "-1", "abc", "2.5"):
+        with pytest.raises(UsageError, match="-n"):
+            parse_nproc(bad)
+    assert parse_ranks("all") is None
+    assert parse_ranks("0,2-3") == (0, 2, 3)
+    with pytest.raises(UsageError):
+        parse_ranks("x")
+    assert parse_env(["A=1", "B=x=y"]) == {"A": "1", "B": "x=y"}
+    with pytest.raises(UsageError, match="KEY=VALUE"):
+        parse_env(["no-equals"])
+
+
+@given(st.sets(st.integers(min_value=0, max_value=64), min_size=1))
+def test_parse_ranks_roundtrips_any_set(ranks):
+    assert parse_ranks(",".join(map(str, sorted(ranks)))) == tuple(sorted(ranks))
+
+
+def test_placement_choices():
+    assert omp_threads(cpus=2, nproc=4) == 1
+    assert omp_threads(cpus=16, nproc=4) == 4
+    assert choose_backend(None, cuda_available=True) == "nccl"
+    assert choose_backend(None, cuda_available=False) == "gloo"
+    assert choose_backend("gloo", cuda_available=True) == "gloo"
+    assert choose_device(local_rank=3, cuda_devices=4, backend="nccl") == "cuda:3"
+    assert choose_device(local_rank=0, cuda_devices=0, backend="gloo") == "cpu"
+    with pytest.raises(UsageError, match="LOCAL_RANK=4"):
+        choose_device(local_rank=4, cuda_devices=4, backend="nccl")
+    with pytest.raises(UsageError, match="needs CUDA"):
+        choose_device(local_rank=0, cuda_devices=0, backend="nccl")

@@ -13,6 +13,18 @@ import pytest
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_home(tmp_path_factory: pytest.TempPathFactory):
+    """Run folders of every test land in a temporary DISTTRAIN_HOME, never in ~/.disttrain."""
+    saved = os.environ.get("DISTTRAIN_HOME")
+    os.environ["DISTTRAIN_HOME"] = str(tmp_path_factory.mktemp("disttrain-home"))
+    yield
+    if saved is None:
+        os.environ.pop("DISTTRAIN_HOME", None)
+    else:
+        os.environ["DISTTRAIN_HOME"] = saved
+
+
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An isolated DISTTRAIN_HOME, so run folders land in the test's tmp dir."""

@@ -17,6 +17,7 @@ _EXPORTS = {
     "shutdown": "runtime.context",
     "Context": "runtime.context",
     "prepare": "runtime.data",
+    "unwrap": "runtime.data",
     "epochs": "runtime.loop",
     "reduce_sum": "runtime.metrics",
     "reduce_mean": "runtime.metrics",
@@ -46,7 +47,7 @@ def __getattr__(name: str):
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import checkpoint
     from .runtime.context import Context, context, init, shutdown
-    from .runtime.data import prepare
+    from .runtime.data import prepare, unwrap
     from .runtime.loop import epochs
     from .runtime.metrics import (
         AverageMeter,

@@ -1,0 +1,239 @@
+"""Checkpoints that a crash cannot corrupt and that every rank can resume from.
+
+``disttrain.checkpoint.save(dir, step=..., model=model, optimizer=opt, epoch=e)`` on every
+rank (rank 0 writes), then at start-up ``disttrain.checkpoint.load_latest(dir,
+model=model, optimizer=opt)``. The layout is described in :mod:`.checkpoint_layout`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import warnings
+from collections import OrderedDict
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DisttrainError, UsageError
+from .checkpoint_layout import STATE_FILE, CheckpointLayout, commit, prune, write_durably
+from .context import Context, context
+from .data import unwrap
+
+__all__ = ["save", "load_latest", "latest", "CheckpointLayout"]
+
+# What torch.load(weights_only=True) accepts back, so save() can refuse the rest up front.
+# Exact types: a subclass (an IntEnum, a named tuple) is pickled by class name and refused.
+_PLAIN_LEAVES = {type(None), bool, int, float, str, bytes, torch.Tensor, torch.nn.Parameter,
+                 torch.Size, torch.dtype, torch.device}
+_PLAIN_CONTAINERS = {dict, OrderedDict, list, tuple}
+
+
+def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3,
+         **state: Any) -> Path | None:
+    """Save ``state`` as the checkpoint for ``step``; call it on every rank.
+
+    Objects with ``state_dict()`` (model -- DDP or compiled --, optimizer, scheduler) are
+    saved through it; plain values (numbers, strings, tensors, and dicts/lists/tuples of
+    them) as they are. Rank 0 writes into a temporary directory and renames it to
+    ``step_<8 digits>`` only when complete, then keeps the newest ``keep_last`` (None keeps
+    all). The other ranks wait, so anyone may load right after. Returns the checkpoint's
+    path on rank 0, None on the others.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise UsageError(f"checkpoint.save(step={step!r}): step must be an integer >= 0")
+    if keep_last is not None and keep_last < 1:
+        raise UsageError(
+            f"checkpoint.save(keep_last={keep_last}): keep at least 1, or None for all")
+    ctx = context()
+    layout = CheckpointLayout(Path(directory))
+    for name, value in state.items():  # on every rank, so that all raise alike
+        _check_saveable(name, value)
+    path, error, failure = None, None, None
+    if ctx.is_main:
+        try:
+            payload = {"step": step, **{name: _saveable(v) for name, v in state.items()}}
+            path = _write(layout, step, payload, ctx)
+            prune(layout, keep_last)
+        except OSError as err:
+            error = _write_error(layout.root, err)
+            failure = err
+        except Exception as err:  # re-raised below, once the other ranks know
+            error, failure = f"{type(err).__name__}: {err}", err
+    # The broadcast is also the barrier: no rank returns before the checkpoint exists.
+    error = _from_main(ctx, error)
+    if isinstance(failure, OSError):
+        raise DisttrainError(error) from failure
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise DisttrainError(f"rank 0 failed to save a checkpoint in {layout.root}: {error}")
+    return path
+
+
+def load_latest(directory: str | PathLike[str], *, map_location: Any = None,
+                weights_only: bool = True, **objects: Any) -> dict[str, Any] | None:
+    """Restore ``objects`` from the newest complete checkpoint; None when there is none.
+
+    Each object passed (``model=model, optimizer=opt``...) gets ``load_state_dict`` with
+    what was saved under its name; the return value is everything saved (``step``, the
+    plain values, the state dicts). Call it on every rank: every rank reads the files, and
+    all agree on the step. A newest checkpoint that fails to load (truncated, corrupt) is
+    skipped with a warning for the one before it. ``map_location=None`` loads onto the
+    CPU -- ``load_state_dict`` copies onto each object's own device -- so that ranks do not
+    all allocate on the GPU rank 0 saved from. ``weights_only=False`` unpickles arbitrary
+    objects: only for checkpoints you trust.
+    """
+    ctx = context()
+    layout = CheckpointLayout(Path(directory))
+    location = "cpu" if map_location is None else map_location
+    candidates = _complete(layout)
+    step, state = _load_newest(candidates, location, weights_only)
+    agreed = _agree_on_step(ctx, -1 if step is None else step, layout.root)
+    if agreed is None:
+        return None
+    if agreed != step:
+        warnings.warn(f"rank {ctx.rank}: loading step {agreed}, the newest every rank could read",
+                      stacklevel=2)
+        path = dict((s, p) for s, p in candidates).get(agreed)
+        state = _load(path, location, weights_only) if path else None
+        if state is None:
+            raise DisttrainError(
+                f"rank {ctx.rank} cannot read checkpoint step {agreed} in {layout.root}")
+    for name, obj in objects.items():
+        _restore(name, obj, state, layout.step_dir(agreed))
+    return state
+
+
+def latest(directory: str | PathLike[str]) -> Path | None:
+    """The newest complete checkpoint directory, or None; loads nothing, not a collective."""
+    complete = _complete(CheckpointLayout(Path(directory)))
+    return complete[-1][1] if complete else None
+
+
+def _complete(layout: CheckpointLayout) -> list[tuple[int, Path]]:
+    try:
+        return layout.complete()
+    except OSError as err:
+        raise DisttrainError(
+            f"cannot read checkpoint directory {layout.root}: {err.strerror or err}") from err
+
+
+def _saveable(value: Any) -> Any:
+    target = unwrap(value)
+    return target.state_dict() if callable(getattr(target, "state_dict", None)) else value
+
+
+def _check_saveable(name: str, value: Any) -> None:
+    if callable(getattr(unwrap(value), "state_dict", None)):
+        return
+    bad = _first_unplain(value)
+    if bad is not None:
+        raise UsageError(
+            f"checkpoint value {name!r} holds a {type(bad).__name__}, which "
+            "torch.load(weights_only=True) would refuse: save numbers, strings, tensors and "
+            "dicts/lists/tuples of them, or an object with state_dict() "
+            "(for argparse arguments: vars(args))"
+        )
+
+
+def _first_unplain(value: Any) -> Any | None:
+    if type(value) in _PLAIN_LEAVES:
+        return None
+    if type(value) not in _PLAIN_CONTAINERS:
+        return value
+    children = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+    for child in children:
+        bad = _first_unplain(child)
+        if bad is not None:
+            return bad
+    return None
+
+
+def _write(layout: CheckpointLayout, step: int, payload: dict, ctx: Context) -> Path:
+    def write_files(directory: Path) -> list[str]:
+        write_durably(directory / STATE_FILE, lambda f: torch.save(payload, f))
+        return [STATE_FILE]
+
+    meta = {"world_size": ctx.world_size, "time": time.time(), "torch": torch.__version__}
+    return commit(layout, step, write_files, meta)
+
+
+def _write_error(root: Path, err: OSError) -> str:
+    if root.exists() and not root.is_dir():
+        return f"cannot write checkpoint directory {root}: it is a file"
+    where = f" ({err.filename})" if err.filename and Path(err.filename) != root else ""
+    return f"cannot write checkpoint directory {root}{where}: {err.strerror or err}"
+
+
+def _from_main(ctx: Context, error: str | None) -> str | None:
+    if not ctx.distributed:
+        return error
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _load(path: Path, location: Any, weights_only: bool) -> dict | None:
+    """The state in ``path``, or None (with a warning) when the files are damaged."""
+    try:
+        state = torch.load(path / STATE_FILE, map_location=location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        message = str(err)
+        if weights_only and "Unsupported global" in message:
+            # Refused, not damaged: falling back would quietly skip a checkpoint that
+            # holds code to run, hostile or not; the user must decide.
+            reason = message[message.index("Unsupported global"):].split(". ")[0]
+            raise DisttrainError(
+                f"checkpoint {path} holds objects that weights_only=True refuses to load "
+                f"({reason}); if you trust it, pass weights_only=False to load_latest()"
+            ) from err
+        warnings.warn(
+            f"skipping damaged checkpoint {path}: {message.splitlines()[0]}", stacklevel=3)
+        return None
+    except (OSError, EOFError, RuntimeError) as err:
+        warnings.warn(f"skipping unreadable checkpoint {path}: {err}", stacklevel=3)
+        return None
+    if not isinstance(state, dict) or "step" not in state:
+        warnings.warn(
+            f"skipping checkpoint {path}: {STATE_FILE} is not a disttrain state", stacklevel=3)
+        return None
+    return state
+
+
+def _load_newest(candidates: list[tuple[int, Path]], location: Any,
+                 weights_only: bool) -> tuple[int | None, dict | None]:
+    for step, path in reversed(candidates):
+        state = _load(path, location, weights_only)
+        if state is not None:
+            return step, state
+    return None, None
+
+
+def _agree_on_step(ctx: Context, step: int, root: Path) -> int | None:
+    """The step every rank loads: the oldest of the ranks' newest readable ones."""
+    if ctx.distributed:
+        bounds = torch.tensor([step, -step], dtype=torch.int64, device=ctx.device)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+        newest, oldest = int(bounds[0]), -int(bounds[1])
+        if oldest < 0 <= newest:
+            raise DisttrainError(
+                f"some ranks find no checkpoint in {root} while others find step {newest}: "
+                "the checkpoint directory must be on a filesystem every node shares"
+            )
+        step = oldest
+    return None if step < 0 else step
+
+
+def _restore(name: str, obj: Any, state: dict, path: Path) -> None:
+    target = unwrap(obj)
+    if not callable(getattr(target, "load_state_dict", None)):
+        raise UsageError(
+            f"load_latest({name}=...): a {type(obj).__name__} has no load_state_dict()")
+    if name not in state:
+        held = ", ".join(sorted(k for k in state if k != "step")) or "nothing else"
+        raise DisttrainError(f"checkpoint {path} has no {name!r} to restore (it holds {held})")
+    target.load_state_dict(state[name])

@@ -1,0 +1,146 @@
+"""The on-disk layout of a checkpoint directory, and the file operations that keep it valid.
+
+::
+
+    <directory>/
+        step_00000100/          one complete checkpoint per step
+            state.pt            what rank 0 saved (model, optimizer, ..., step)
+            COMPLETE            marker, written last; JSON metadata
+        .tmp-step_00000200-4242/   being written by process 4242; never read
+
+A step directory counts only when it holds the marker, and it only gets its final name
+through ``os.rename`` after everything in it was written and fsynced, so a crash at any
+point leaves either the old set of checkpoints or the new one. Per-rank files (RNG
+states, sampler position) are meant to join ``state.pt`` as ``rank_<NNNNN>.pt`` and be
+listed in the marker's ``files``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+STATE_FILE = "state.pt"
+MARKER = "COMPLETE"
+FORMAT = 1
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+_TEMP_DIR = re.compile(r"\.tmp-step_\d+-\d+")
+_TRASH_DIR = re.compile(r"\.trash-step_\d+-\d+")
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """The one place that knows the names inside a checkpoint directory."""
+
+    root: Path
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def temp_dir(self, step: int) -> Path:
+        # Hidden and not matching step_N, so readers never mistake it for a checkpoint.
+        return self.root / f".tmp-step_{step:08d}-{os.getpid()}"
+
+    def trash_dir(self, step: int) -> Path:
+        return self.root / f".trash-step_{step:08d}-{os.getpid()}"
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """``(step, directory)`` of every complete checkpoint, oldest first."""
+        try:
+            entries = list(self.root.iterdir())
+        except FileNotFoundError:
+            return []
+        found = []
+        for path in entries:
+            match = _STEP_DIR.fullmatch(path.name)
+            if match and (path / MARKER).is_file():
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def leftovers(self) -> list[Path]:
+        """Temporary directories left by writers that died before renaming."""
+        try:
+            return [
+                p for p in self.root.iterdir()
+                if _TEMP_DIR.fullmatch(p.name) or _TRASH_DIR.fullmatch(p.name)
+            ]
+        except FileNotFoundError:
+            return []
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the entries (new files, a rename) durable, not just the files' contents.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        # Some network filesystems cannot fsync a directory; the rename is still atomic.
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Create ``path`` with ``write(file)`` and fsync it before returning."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(layout: CheckpointLayout, step: int, write_files: Callable[[Path], list[str]],
+           meta: dict) -> Path:
+    """Write a checkpoint for ``step`` into a temporary directory, then publish it.
+
+    ``write_files(directory)`` writes the payload and returns the file names; the marker
+    comes after them, and the rename last. A checkpoint already at this step (a resumed run
+    saving the same step again) is replaced.
+    """
+    layout.root.mkdir(parents=True, exist_ok=True)
+    temp = layout.temp_dir(step)
+    if temp.exists():  # a previous writer with our pid (pid reuse) died here
+        shutil.rmtree(temp)
+    temp.mkdir()
+    files = write_files(temp)
+    marker = json.dumps({"format": FORMAT, "step": step, "files": files, **meta}, indent=1)
+    write_durably(temp / MARKER, lambda f: f.write(marker.encode()))
+    _fsync_dir(temp)
+    final = layout.step_dir(step)
+    if final.exists():
+        # rename() cannot replace a non-empty directory: move the old one aside first.
+        trash = layout.trash_dir(step)
+        os.rename(final, trash)
+        os.rename(temp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(temp, final)
+    _fsync_dir(layout.root)
+    return final
+
+
+def prune(layout: CheckpointLayout, keep_last: int | None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints, and dead temp dirs.
+
+    The marker goes first, so a deletion cut short leaves an incomplete directory that
+    readers ignore rather than a "complete" one with files missing.
+    """
+    removed = []
+    complete = layout.complete()
+    doomed = [] if keep_last is None else complete[: max(0, len(complete) - keep_last)]
+    for _, path in doomed:
+        (path / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    for path in layout.leftovers():
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

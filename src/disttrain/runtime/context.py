@@ -1,0 +1,141 @@
+"""This process's place in the job: rank, world, device, and the process group's lifetime."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import time
+import warnings
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DisttrainError
+from ..placement import choose_backend, choose_device
+from ..workerenv import WorkerEnv
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    """Where this process stands; the same object for the whole life of the script."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None for a world of one: there is no process group
+    is_main: bool
+    distributed: bool
+
+
+def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) -> Context:
+    """The Context for ``env`` on a node with ``cuda_devices`` GPUs; pure, no side effects.
+
+    The launcher's backend (``DISTTRAIN_BACKEND``) wins over the script's ``backend``
+    argument, so that ``disttrain run --backend`` can override a script written for one
+    kind of machine.
+    """
+    distributed = env.world_size > 1
+    if distributed and not env.launched:
+        raise DisttrainError(
+            f"WORLD_SIZE={env.world_size} but MASTER_ADDR is not set: start the script with "
+            "`disttrain run` (or torchrun), which sets up the rendezvous"
+        )
+    chosen = choose_backend(env.backend or backend, cuda_available=cuda_devices > 0)
+    device = choose_device(local_rank=env.local_rank, cuda_devices=cuda_devices, backend=chosen)
+    return Context(
+        rank=env.rank,
+        local_rank=env.local_rank,
+        world_size=env.world_size,
+        local_world_size=env.local_world_size,
+        device=torch.device(device),
+        backend=chosen if distributed else None,
+        is_main=env.rank == 0,
+        distributed=distributed,
+    )
+
+
+_current: Context | None = None
+# Only a group this module created is destroyed by shutdown(); a user's own stays theirs.
+_owns_group = False
+_atexit_registered = False
+# Long enough for a descheduled gloo thread to run; exit is slower by this much, once.
+_DRAIN_S = 0.1
+
+
+def init(*, backend: str | None = None, timeout_s: float | None = None) -> Context:
+    """Join the job the launcher started and return this process's :class:`Context`.
+
+    Reads the worker environment, picks backend and device (``cuda:<local_rank>`` when the
+    node has GPUs), and with more than one process initialises the default process group
+    (``env://``; ``timeout_s`` defaults to the launcher's ``DISTTRAIN_PG_TIMEOUT``).
+    A plain ``python train.py`` is a world of one: nothing is set up.
+    Later calls return the first Context; their arguments are ignored.
+    """
+    global _current, _owns_group, _atexit_registered
+    if _current is not None:
+        if backend is not None and _current.backend not in (None, backend):
+            warnings.warn(
+                f"disttrain.init(backend={backend!r}) ignored: already initialised "
+                f"with {_current.backend!r}",
+                stacklevel=2,
+            )
+        return _current
+    env = WorkerEnv.from_environ()
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ctx = resolve(env, cuda_devices=cuda_devices, backend=backend)
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    if ctx.distributed and dist.is_initialized():  # the script set up its own group
+        ctx = replace(ctx, backend=dist.get_backend())
+    elif ctx.distributed:
+        timeout = timedelta(seconds=env.pg_timeout_s if timeout_s is None else timeout_s)
+        extra = {"device_id": ctx.device} if ctx.backend == "nccl" else {}
+        dist.init_process_group(ctx.backend, init_method="env://", timeout=timeout, **extra)
+        _owns_group = True
+    if not _atexit_registered:
+        atexit.register(shutdown)
+        _atexit_registered = True
+    _current = ctx
+    return ctx
+
+
+def context() -> Context:
+    """The current :class:`Context`, initialising with defaults on first use."""
+    return _current if _current is not None else init()
+
+
+def current_rank() -> int:
+    """This process's rank without initialising anything (for printing before init)."""
+    return _current.rank if _current is not None else WorkerEnv.from_environ().rank
+
+
+def shutdown() -> None:
+    """Tear down the process group; registered with atexit by :func:`init`, safe to repeat.
+
+    Gloo's worker threads free each finished collective's work object themselves, a moment
+    after the main thread has moved on, and freeing it takes the GIL (it holds Python-owned
+    state). A thread that asks for the GIL once the interpreter is finalizing is unwound
+    mid-destructor, and the worker dies with SIGABRT ("terminate called without an active
+    exception") after training finished -- the last DDP backward makes this likely.
+    ``destroy_process_group`` alone does not help: the user's DDP model still references
+    the group, so its threads live on. Hence: ``gc.collect()`` frees cyclic garbage that
+    holds DDP objects or tensors (the runtime itself keeps only weak references to what
+    prepare() returned), and a short sleep after the destroy hands the GIL to any thread
+    still finishing a work while the interpreter is whole. No barrier: if another rank
+    has failed, a barrier would hang this one for the whole process-group timeout, and
+    its own work object would need draining too.
+    """
+    global _current, _owns_group
+    threads_may_run = dist.is_initialized() or (_current is not None and _current.distributed)
+    if threads_may_run:
+        gc.collect()
+    if _owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    if threads_may_run:
+        time.sleep(_DRAIN_S)
+    _owns_group = False
+    _current = None

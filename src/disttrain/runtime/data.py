@@ -1,0 +1,168 @@
+"""prepare(): the model onto its device (DDP when distributed), the loaders sharded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+from ..errors import UsageError
+from . import loop
+from .context import Context, context
+from .device import batch_target, ddp_device_ids, move_to, non_blocking_for, pin_memory_for
+from .samplers import EvalShardSampler
+
+# DistributedSampler's own default, used when the loader carries no generator.
+DEFAULT_SEED = 0
+
+
+def prepare(model: torch.nn.Module | None, optimizer: Any, *dataloaders: DataLoader) -> tuple:
+    """``(model, optimizer, *loaders)`` ready for this process, in the order given.
+
+    The model moves to the context's device and, with more than one process, is wrapped in
+    ``DistributedDataParallel``; the optimizer passes through (parameters keep their
+    identity when moved, so it may be built before or after). Each loader is rebuilt with
+    a sampler that gives this rank its share: a shuffling loader (training) gets a
+    ``DistributedSampler`` padded so all ranks run the same number of steps, a sequential
+    one (evaluation) an :class:`EvalShardSampler` that sees each sample exactly once.
+    The shuffle seed, which must be the same on every rank, is that of the loader's
+    ``generator`` when it has one (``generator=torch.Generator().manual_seed(s)``), else 0.
+    On a GPU the returned loaders pin memory and yield batches already on the device.
+    """
+    ctx = context()
+    prepared = _prepare_model(model, ctx) if model is not None else None
+    loaders = tuple(_prepare_loader(dl, ctx, position=i) for i, dl in enumerate(dataloaders))
+    return (prepared, optimizer, *loaders)
+
+
+def unwrap(model: Any) -> Any:
+    """The user's module inside DDP and ``torch.compile`` wrappers (for state_dict)."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(model, torch.nn.Module) and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _prepare_model(model: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+    if isinstance(model, DistributedDataParallel):
+        return model
+    model = model.to(ctx.device)
+    if not ctx.distributed:
+        return model
+    return DistributedDataParallel(model, device_ids=ddp_device_ids(ctx.device))
+
+
+class PreparedLoader(DataLoader):
+    """A DataLoader whose batches arrive on ``target`` (None: as the workers made them).
+
+    A subclass rather than a wrapper so that ``isinstance(x, DataLoader)``, ``len()``,
+    ``.sampler``, ``.dataset`` and ``.batch_size`` all behave as users expect.
+    """
+
+    def __init__(self, *args: Any, target: torch.device | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.target = target
+
+    def __iter__(self):
+        batches = super().__iter__()
+        if self.target is None:
+            return batches
+        return self._moved(batches, self.target, non_blocking_for(self.target))
+
+    @staticmethod
+    def _moved(batches, target: torch.device, non_blocking: bool):
+        for batch in batches:
+            yield move_to(batch, target, non_blocking=non_blocking)
+
+
+def shard_sampler(loader: DataLoader, *, rank: int, world_size: int, position: int = 0) -> Sampler:
+    """The sampler that gives ``rank`` its share of ``loader``'s data.
+
+    Decided from how the loader was built: ``shuffle=True`` (a RandomSampler) marks
+    training data, the default SequentialSampler evaluation data. Anything else is
+    refused, because silently replacing a custom sampler would change what is trained on.
+    """
+    where = f"prepare(): data loader #{position}"
+    if isinstance(loader.dataset, IterableDataset):
+        raise UsageError(
+            f"{where} has an IterableDataset, which cannot be sharded by index: split the "
+            "stream by rank yourself (disttrain.context().rank / .world_size) and do not "
+            "pass this loader to prepare()"
+        )
+    if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
+        raise UsageError(
+            f"{where} has a custom batch_sampler ({type(loader.batch_sampler).__name__}): "
+            "make it yield only this rank's batches (disttrain.context().rank / "
+            ".world_size) and do not pass this loader to prepare()"
+        )
+    sampler = loader.sampler
+    if type(sampler) is RandomSampler:
+        if sampler.replacement or sampler._num_samples is not None:
+            raise UsageError(
+                f"{where} samples with replacement or a fixed num_samples, which "
+                "DistributedSampler cannot reproduce: use DataLoader(shuffle=True), or "
+                "shard it yourself and do not pass it to prepare()"
+            )
+        generator = sampler.generator or loader.generator
+        seed = generator.initial_seed() if generator is not None else DEFAULT_SEED
+        return DistributedSampler(
+            loader.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed
+        )
+    if type(sampler) is SequentialSampler:
+        return EvalShardSampler(len(loader.dataset), num_replicas=world_size, rank=rank)
+    raise UsageError(
+        f"{where} has a custom sampler ({type(sampler).__name__}): prepare() only shards "
+        "loaders built with shuffle=True (training) or shuffle=False (evaluation); wrap "
+        "your sampler so that it yields only this rank's indices and do not pass this "
+        "loader to prepare()"
+    )
+
+
+def _prepare_loader(loader: DataLoader, ctx: Context, *, position: int) -> PreparedLoader:
+    if not isinstance(loader, DataLoader):
+        raise UsageError(
+            f"prepare(): argument #{position + 3} is a {type(loader).__name__}, "
+            "expected a torch DataLoader"
+        )
+    if type(loader) not in (DataLoader, PreparedLoader):
+        raise UsageError(
+            f"prepare(): data loader #{position} is a {type(loader).__name__}, which "
+            "prepare() cannot rebuild: give it a DistributedSampler yourself and call "
+            "disttrain.runtime.loop.track(loader) so that epochs() reshuffles it"
+        )
+    if isinstance(loader, PreparedLoader):
+        return loader  # prepared already: re-sharding a shard would drop data
+    sampler = shard_sampler(loader, rank=ctx.rank, world_size=ctx.world_size, position=position)
+    # in_order exists from torch 2.6 on; pass it only where the loader has it.
+    extra = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}
+    prepared = PreparedLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=pin_memory_for(ctx.device),
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        target=batch_target(ctx.device),
+        **extra,
+    )
+    return loop.track(prepared)

@@ -1,0 +1,147 @@
+"""Numbers reduced across ranks, and output that appears once rather than once per rank."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Number
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .context import context, current_rank
+from .device import ddp_device_ids
+
+Value = TypeVar("Value", torch.Tensor, int, float)
+
+
+def _reduce(value: Value, op: dist.ReduceOp, *, mean: bool = False) -> Value:
+    ctx = context()
+    is_tensor = isinstance(value, torch.Tensor)
+    if is_tensor:
+        # A detached copy on the context's device: all_reduce works in place and must not
+        # touch the caller's tensor or its autograd graph, and NCCL only reduces GPU memory.
+        work = value.detach().to(ctx.device, copy=True)
+    elif isinstance(value, Number) and not isinstance(value, complex):
+        dtype = torch.float64 if isinstance(value, float) else torch.int64
+        work = torch.tensor(value, dtype=dtype, device=ctx.device)
+    else:
+        raise TypeError(f"can only reduce a tensor or a number, not {type(value).__name__}")
+    if mean and not (work.is_floating_point() or work.is_complex()):
+        work = work.to(torch.get_default_dtype() if is_tensor else torch.float64)
+    if ctx.distributed:
+        dist.all_reduce(work, op=op)
+        if mean:
+            work /= ctx.world_size
+    return work.to(value.device) if is_tensor else work.item()
+
+
+def reduce_sum(value: Value) -> Value:
+    """The sum of ``value`` over all ranks (a tensor or a number, returned as the same).
+
+    A collective: every rank must call it. Tensors come back detached, on their device.
+    """
+    return _reduce(value, dist.ReduceOp.SUM)
+
+
+def reduce_mean(value: Value) -> Value:
+    """The mean of ``value`` over ranks, each rank weighing the same.
+
+    For a mean over samples when ranks hold different numbers of them, use
+    :class:`MeanMeter`. Integers come back as floats.
+    """
+    return _reduce(value, dist.ReduceOp.SUM, mean=True)
+
+
+def reduce_max(value: Value) -> Value:
+    """The largest ``value`` over all ranks (e.g. the slowest rank's step time)."""
+    return _reduce(value, dist.ReduceOp.MAX)
+
+
+class MeanMeter:
+    """A running mean over samples, local as it goes and global when read with ``.avg``.
+
+    ``update(batch_mean, n=batch_size)`` per batch; ``.sum`` and ``.count`` are this rank's,
+    ``.local_avg`` their mean. ``.avg`` is global sum / global count, so ranks with more
+    samples weigh more, as they should (a mean of per-rank means would not).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.sum = 0.0
+        self.count = 0
+
+    def update(self, value: torch.Tensor | float, n: int = 1) -> None:
+        """Add ``n`` samples whose mean is ``value``."""
+        if isinstance(value, torch.Tensor):
+            value = value.detach().item()
+        self.sum += float(value) * n
+        self.count += n
+
+    @property
+    def local_avg(self) -> float:
+        """This rank's mean; NaN before any update."""
+        return self.sum / self.count if self.count else math.nan
+
+    @property
+    def avg(self) -> float:
+        """The mean over every rank's samples; NaN if there are none. A collective."""
+        totals = reduce_sum(torch.tensor([self.sum, float(self.count)], dtype=torch.float64))
+        total, count = totals.tolist()
+        return total / count if count else math.nan
+
+    def __repr__(self) -> str:
+        return f"MeanMeter(sum={self.sum!r}, count={self.count!r})"
+
+
+AverageMeter = MeanMeter  # the name the ImageNet example made familiar
+
+
+def topk_correct(
+    output: torch.Tensor, target: torch.Tensor, topk: Sequence[int] = (1,)
+) -> list[int]:
+    """For each k in ``topk``, how many rows of ``output`` have ``target`` in their top k.
+
+    Counts, not fractions, so that they can be summed over batches and ranks exactly.
+    """
+    if output.dim() != 2:
+        raise ValueError(f"output must be (batch, classes), got shape {tuple(output.shape)}")
+    classes = output.size(1)
+    if not topk or min(topk) < 1 or max(topk) > classes:
+        raise ValueError(f"topk={tuple(topk)}: each k must be between 1 and {classes} (classes)")
+    with torch.no_grad():
+        _, predicted = output.topk(max(topk), dim=1)
+        hits = predicted.eq(target.reshape(-1, 1))
+        return [int(hits[:, :k].any(dim=1).sum()) for k in topk]
+
+
+def accuracy(
+    output: torch.Tensor, target: torch.Tensor, topk: Sequence[int] = (1,)
+) -> list[float]:
+    """This rank's top-k accuracies for one batch, as fractions in [0, 1] (NaN if empty).
+
+    For an accuracy over a whole evaluation set across ranks, sum :func:`topk_correct`
+    and the sample counts with :func:`reduce_sum` (or feed a :class:`MeanMeter`).
+    """
+    total = target.numel()
+    return [c / total if total else math.nan for c in topk_correct(output, target, topk)]
+
+
+def print0(*args, **kwargs) -> None:
+    """``print`` on rank 0 only, flushed so that launcher logs interleave in order."""
+    if current_rank() == 0:
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def barrier() -> None:
+    """Wait until every rank gets here; nothing to wait for in a world of one."""
+    ctx = context()
+    if ctx.distributed:
+        if ctx.backend == "nccl":
+            dist.barrier(device_ids=ddp_device_ids(ctx.device))
+        else:
+            dist.barrier()

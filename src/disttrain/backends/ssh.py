@@ -1,0 +1,56 @@
+"""The ssh boundary: argv lists in, one ``ssh`` argv out, quoted exactly once here.
+
+The system OpenSSH client is used so that ``~/.ssh/config``, agents and jump hosts work as
+users expect. Host-key checking stays as the user configured it; disttrain only adds
+``BatchMode=yes`` (a password prompt would be a silent hang) and a connect timeout, after
+the user's own ``-o`` options so that theirs win (ssh keeps the first value it sees).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+
+from ..config.hosts import Host
+from ..errors import UsageError
+
+DEFAULT_OPTIONS = ("BatchMode=yes", "ConnectTimeout=10")
+
+
+def parse_ssh_options(items: Sequence[str]) -> tuple[str, ...]:
+    """``--ssh-option KEY=VALUE`` (repeatable) → ``KEY=VALUE`` strings for ``ssh -o``."""
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isalnum() or not value:
+            raise UsageError(f"--ssh-option takes KEY=VALUE like IdentityFile=~/.ssh/id_ed25519, got {item!r}")
+    return tuple(items)
+
+
+def remote_command(argv: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """One shell command line for the remote login shell, every word quoted."""
+    words = list(argv)
+    if env:
+        words = ["env", *(f"{key}={value}" for key, value in env.items()), *words]
+    command = "exec " + shlex.join(words)
+    if cwd:
+        command = f"cd {shlex.quote(cwd)} && {command}"
+    return command
+
+
+def ssh_argv(
+    host: Host,
+    argv: Sequence[str],
+    *,
+    options: Sequence[str] = (),
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    ssh: str = "ssh",
+) -> list[str]:
+    """The local argv that runs ``argv`` on ``host`` in ``cwd`` with ``env`` added."""
+    out = [ssh, "-T"]
+    for option in (*options, *DEFAULT_OPTIONS):
+        out += ["-o", option]
+    if host.port is not None:
+        out += ["-p", str(host.port)]
+    out += [host.destination, "--", remote_command(argv, cwd=cwd, env=env)]
+    return out

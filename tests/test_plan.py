@@ -131,3 +131,27 @@ def test_placement_choices():
         choose_device(local_rank=4, cuda_devices=4, backend="nccl")
     with pytest.raises(UsageError, match="needs CUDA"):
         choose_device(local_rank=0, cuda_devices=0, backend="nccl")
+
+
+def test_plan_for_several_hosts_numbers_ranks_by_host_order():
+    hosts = (
+        NodeFacts(hostname="node0", cpus=4, socket_ifname="eth1"),
+        NodeFacts(hostname="node1", cpus=4, socket_ifname="ens5"),
+    )
+    spec = LaunchSpec(entry="t.py", nproc_per_node=2, master_addr="10.0.0.1", master_port=29500)
+    p = make_plan(spec, hosts, python="/py", master_port=29500, run_id="r", run_dir="/r",
+                  inherited_env={"NCCL_SOCKET_IFNAME": "mine"})
+    assert p.world_size == 4 and p.nnodes == 2
+    assert [[w.rank for w in n.workers] for n in p.nodes] == [[0, 1], [2, 3]]
+    assert [n.env["GLOO_SOCKET_IFNAME"] for n in p.nodes] == ["eth1", "ens5"]
+    assert "NCCL_SOCKET_IFNAME" not in p.nodes[0].env  # the user's own setting is kept
+    from disttrain.plan.launch import plan_from_json
+
+    assert plan_from_json(p.to_json()) == p
+
+
+def test_auto_with_unequal_hosts_asks_for_n():
+    hosts = (NodeFacts(hostname="a", cpus=8, cuda_devices=2), NodeFacts(hostname="b", cpus=8, cuda_devices=4))
+    with pytest.raises(UsageError, match="a: 2, b: 4"):
+        make_plan(LaunchSpec(entry="t.py", master_addr="h", master_port=1), hosts, python="/py",
+                  master_port=1, run_id="r", run_dir="/r", inherited_env={})

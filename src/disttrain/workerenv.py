@@ -21,6 +21,23 @@ PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
+FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
+FORWARDED_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "LOGLEVEL")
+
+
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's variables that must reach workers on other hosts too.
+
+    ssh starts a fresh login environment on each host; these are the settings users
+    expect to follow the job there (library search path, communication tuning).
+    """
+    return {
+        key: value
+        for key, value in environ.items()
+        if key in FORWARDED_NAMES or key.startswith(FORWARDED_PREFIXES)
+    }
+
+
 def launcher_env(
     *,
     backend: str,

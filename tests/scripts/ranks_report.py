@@ -18,6 +18,7 @@ record = {
     "backend": os.environ.get("DISTTRAIN_BACKEND"),
     "omp": os.environ.get("OMP_NUM_THREADS"),
     "extra": os.environ.get("DT_TEST_EXTRA"),
+    "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
     "sum": value.item(),
     "argv": sys.argv[2:],
 }

@@ -91,6 +91,11 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         shutdown_timeout=plan.stop_grace_s,
     )
     _quiet_torch_elastic()
+    # torch's TailLog writes worker lines without flushing; through a pipe (ssh, a job
+    # runner, a test) they would sit in this process's buffer instead of streaming.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     with _exported(node.env):
         try:
             elastic_launch(config, plan.argv[0])(*plan.argv[1:])

@@ -7,9 +7,10 @@ import sys
 
 from ..errors import DisttrainError, UsageError
 from ..version import __version__
+from . import agent as agent_cmd
 from . import run as run_cmd
 
-SUBCOMMANDS = (run_cmd,)
+SUBCOMMANDS = (run_cmd, agent_cmd)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a PyTorch training script as a data-parallel job.",
     )
     parser.add_argument("--version", action="version", version=f"disttrain {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     for module in SUBCOMMANDS:
         module.add_parser(sub)
     return parser

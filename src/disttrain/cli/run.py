@@ -12,7 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+from dataclasses import replace
+
+from ..backends.ssh import parse_ssh_options
+from ..backends.ssh_launch import master_address, probe_all, run_hosts
+from ..config.hosts import Host, parse_hostfile, parse_hosts
 from ..config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
+from ..workerenv import forwarded_env
 from ..errors import UsageError
 from ..net import free_port, port_in_use
 from ..placement import usable_cpus
@@ -55,6 +61,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for all nodes to join before failing (default 120)")
     p.add_argument("--stop-grace", dest="stop_grace", type=int, default=15,
                    help="seconds workers get to exit after SIGTERM before SIGKILL (default 15)")
+    p.add_argument("--hosts", default=None,
+                   help="run on these hosts over ssh, e.g. node0,node1 or user@host:port; the first is the master")
+    p.add_argument("--hostfile", default=None,
+                   help="a file of hosts, one per line: [user@]host[:port] [slots=N]; # comments")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to ssh as -o KEY=VALUE (repeatable), e.g. IdentityFile=~/.ssh/key")
+    p.add_argument("--python", default=sys.executable,
+                   help="the python on the hosts (default: this one, at the same path)")
     p.add_argument("--dry-run", action="store_true", help="print the launch plan as JSON and exit")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
@@ -131,7 +145,68 @@ def new_run_id(entry: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
 
 
+DEFAULT_MULTIHOST_PORT = 29500
+
+
+def hosts_from_args(args: argparse.Namespace) -> tuple[Host, ...] | None:
+    if args.hosts and args.hostfile:
+        raise UsageError("give --hosts or --hostfile, not both")
+    if args.hosts:
+        return parse_hosts(args.hosts)
+    if args.hostfile:
+        return parse_hostfile(args.hostfile)
+    return None
+
+
+def multihost_plan(args: argparse.Namespace, hosts: tuple[Host, ...]) -> LaunchPlan:
+    """Ask every host for its facts over ssh, check them, and plan one node per host."""
+    options = parse_ssh_options(args.ssh_option)
+    spec = spec_from_args(args)
+    master = spec.master_addr or master_address(hosts[0], options)
+    port = spec.master_port or DEFAULT_MULTIHOST_PORT
+    spec = replace(spec, nnodes=len(hosts), node_rank=0, master_addr=master, master_port=port)
+    facts = probe_all(
+        hosts, python=args.python, master=master, port=port,
+        paths=[] if spec.is_module else [spec.entry], options=options, cwd=os.getcwd(),
+    )
+    check_facts(hosts, facts, spec)
+    run_id = new_run_id(spec.entry)
+    return make_plan(
+        spec,
+        tuple(
+            NodeFacts(hostname=h.name, cpus=f["cpus"], cuda_devices=f["cuda_devices"], socket_ifname=f["ifname"])
+            for h, f in zip(hosts, facts)
+        ),
+        python=args.python,
+        master_port=port,
+        run_id=run_id,
+        run_dir=os.path.abspath(spec.log_dir or str(disttrain_home() / "runs" / run_id)),
+        inherited_env=forwarded_env(os.environ),
+    )
+
+
+def check_facts(hosts: tuple[Host, ...], facts: list[dict], spec: LaunchSpec) -> None:
+    """What would make the job fail or hang later, reported now, naming the host."""
+    for host, fact in zip(hosts, facts):
+        missing = [p for p, present in fact["paths"].items() if not present]
+        if missing:
+            raise UsageError(f"{host.name}: {missing[0]} not found in {fact['cwd']}; copy it there (or use a shared filesystem)")
+    base = facts[0]["versions"]
+    for host, fact in zip(hosts[1:], facts[1:]):
+        for name, version in fact["versions"].items():
+            if version != base[name]:
+                raise UsageError(
+                    f"version mismatch: {name} {version} on {host.name} but {base[name]} on {hosts[0].name}; "
+                    "install the same versions on every host"
+                )
+    if facts[0]["port_free"] is False:
+        raise UsageError(f"--master-port {spec.master_port} is already in use on {hosts[0].name}: pick another")
+
+
 def plan_from_args(args: argparse.Namespace) -> LaunchPlan:
+    hosts = hosts_from_args(args)
+    if hosts:
+        return multihost_plan(args, hosts)
     spec = spec_from_args(args)
     check_entry(spec)
     run_id = new_run_id(spec.entry)
@@ -154,13 +229,19 @@ def handle(args: argparse.Namespace) -> int:
         return 0
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(plan.run_dir) / "plan.json").write_text(plan.to_json())
-    node = plan.nodes[0]
+    where = ", ".join(node.host for node in plan.nodes)
     print(
         f"disttrain: {plan.world_size} worker{'s' if plan.world_size > 1 else ''} ({plan.backend}) "
-        f"on {node.host}, rendezvous {plan.master_addr}:{plan.master_port}; logs: {plan.run_dir}",
+        f"on {where}, rendezvous {plan.master_addr}:{plan.master_port}; logs: {plan.run_dir}",
         file=sys.stderr,
         flush=True,
     )
+    hosts = hosts_from_args(args)
+    if hosts:
+        return run_hosts(
+            plan, hosts, python=args.python, options=parse_ssh_options(args.ssh_option),
+            cwd=os.getcwd(), env=forwarded_env(os.environ),
+        )
     from ..agent.node import run_node  # imports torch's elastic agent
 
-    return run_node(plan, node)
+    return run_node(plan, plan.nodes[0])

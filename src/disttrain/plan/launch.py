@@ -25,6 +25,9 @@ class NodeFacts:
     hostname: str
     cpus: int
     cuda_devices: int = 0
+    # The interface this node reaches the master through (GLOO/NCCL_SOCKET_IFNAME), found
+    # from its routes: on these machines the hostname resolves to 127.0.0.1.
+    socket_ifname: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,13 +70,19 @@ class LaunchPlan:
     shown_ranks: tuple[int, ...] | None
     nodes: tuple[NodePlan, ...]
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=indent)
+
+
+def _nproc(spec: LaunchSpec, facts: NodeFacts) -> int:
+    if spec.nproc_per_node == "auto":
+        return auto_nproc(cuda_devices=facts.cuda_devices, cpus=facts.cpus)
+    return int(spec.nproc_per_node)
 
 
 def make_plan(
     spec: LaunchSpec,
-    facts: NodeFacts,
+    facts: NodeFacts | tuple[NodeFacts, ...],
     *,
     python: str,
     master_port: int,
@@ -81,20 +90,33 @@ def make_plan(
     run_dir: str,
     inherited_env: Mapping[str, str],
 ) -> LaunchPlan:
-    """Plan this node's part of the launch (``spec.node_rank`` of ``spec.nnodes``)."""
-    nproc = (
-        auto_nproc(cuda_devices=facts.cuda_devices, cpus=facts.cpus)
-        if spec.nproc_per_node == "auto"
-        else int(spec.nproc_per_node)
-    )
-    world_size = nproc * spec.nnodes
+    """Plan a launch.
+
+    With one ``NodeFacts`` this plans this machine's part (``spec.node_rank`` of
+    ``spec.nnodes``, torchrun-style); with a tuple, one node per host, in host order, the
+    first being the master.
+    """
+    if isinstance(facts, NodeFacts):
+        placed = ((spec.node_rank, facts),)
+        nnodes = spec.nnodes
+    else:
+        placed = tuple(enumerate(facts))
+        nnodes = len(facts)
+    counts = {_nproc(spec, f) for _, f in placed}
+    if len(counts) > 1:
+        raise UsageError(
+            "-n auto found different process counts on the hosts "
+            f"({', '.join(f'{f.hostname}: {_nproc(spec, f)}' for _, f in placed)}); pass -n N"
+        )
+    nproc = counts.pop()
+    world_size = nproc * nnodes
     if spec.ranks is not None:
         missing = [r for r in spec.ranks if r >= world_size]
         if missing:
             raise UsageError(
                 f"--ranks names rank {missing[0]} but the job has ranks 0..{world_size - 1}"
             )
-    backend = choose_backend(spec.backend, cuda_available=facts.cuda_devices > 0)
+    backend = choose_backend(spec.backend, cuda_available=placed[0][1].cuda_devices > 0)
     master_addr = spec.master_addr or "127.0.0.1"
 
     if spec.is_module:
@@ -102,40 +124,46 @@ def make_plan(
     else:
         argv = (python, "-u", spec.entry, *spec.script_args)
 
-    node_env = launcher_env(
-        backend=backend,
-        run_dir=run_dir,
-        omp_threads=omp_threads(cpus=facts.cpus, nproc=nproc),
-        inherited=inherited_env,
-        extra=spec.env,
-    )
-    workers = tuple(
-        WorkerPlan(
-            rank=spec.node_rank * nproc + local_rank,
-            local_rank=local_rank,
-            # Mirrors what torch's elastic agent sets for static rendezvous; shown by
-            # --dry-run so users see exactly what their script will read.
-            env={
-                "RANK": str(spec.node_rank * nproc + local_rank),
-                "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "GROUP_RANK": str(spec.node_rank),
-                "MASTER_ADDR": master_addr,
-                "MASTER_PORT": str(master_port),
-            },
+    nodes = tuple(
+        NodePlan(
+            node_rank=node_rank,
+            host=node_facts.hostname,
+            nproc=nproc,
+            env=launcher_env(
+                backend=backend,
+                run_dir=run_dir,
+                omp_threads=omp_threads(cpus=node_facts.cpus, nproc=nproc),
+                inherited=inherited_env,
+                socket_ifname=node_facts.socket_ifname,
+                extra=spec.env,
+            ),
+            workers=tuple(
+                WorkerPlan(
+                    rank=node_rank * nproc + local_rank,
+                    local_rank=local_rank,
+                    # Mirrors what torch's elastic agent sets for static rendezvous; shown
+                    # by --dry-run so users see exactly what their script will read.
+                    env={
+                        "RANK": str(node_rank * nproc + local_rank),
+                        "LOCAL_RANK": str(local_rank),
+                        "WORLD_SIZE": str(world_size),
+                        "LOCAL_WORLD_SIZE": str(nproc),
+                        "GROUP_RANK": str(node_rank),
+                        "MASTER_ADDR": master_addr,
+                        "MASTER_PORT": str(master_port),
+                    },
+                )
+                for local_rank in range(nproc)
+            ),
         )
-        for local_rank in range(nproc)
-    )
-    node = NodePlan(
-        node_rank=spec.node_rank, host=facts.hostname, nproc=nproc, env=node_env, workers=workers
+        for node_rank, node_facts in placed
     )
     return LaunchPlan(
         run_id=run_id,
         run_dir=run_dir,
         argv=argv,
         backend=backend,
-        nnodes=spec.nnodes,
+        nnodes=nnodes,
         nproc_per_node=nproc,
         world_size=world_size,
         master_addr=master_addr,
@@ -145,5 +173,23 @@ def make_plan(
         max_restarts=spec.max_restarts,
         stop_grace_s=spec.stop_grace_s,
         shown_ranks=spec.ranks,
-        nodes=(node,),
+        nodes=nodes,
+    )
+
+
+def plan_from_json(text: str) -> LaunchPlan:
+    """The inverse of :meth:`LaunchPlan.to_json`: how a remote node's agent gets its plan."""
+    data = json.loads(text)
+    nodes = tuple(
+        NodePlan(
+            **{k: v for k, v in node.items() if k != "workers"},
+            workers=tuple(WorkerPlan(**w) for w in node["workers"]),
+        )
+        for node in data.pop("nodes")
+    )
+    shown = data.pop("shown_ranks")
+    return LaunchPlan(
+        **{**data, "argv": tuple(data["argv"])},
+        shown_ranks=None if shown is None else tuple(shown),
+        nodes=nodes,
     )

@@ -1,0 +1,63 @@
+"""Hidden subcommands a launcher runs on each host over ssh: ``agent`` and ``probe``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from ..errors import UsageError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    agent = sub.add_parser("agent")
+    agent.add_argument("--plan", required=True, help="the launch plan as JSON")
+    agent.add_argument("--node-rank", type=int, required=True)
+    agent.add_argument("--watch-stdin", action="store_true",
+                       help="stop the workers when stdin closes (the launcher went away)")
+    agent.set_defaults(handler=handle_agent)
+
+    probe = sub.add_parser("probe")
+    probe.add_argument("--master", required=True)
+    probe.add_argument("--port", type=int, default=None)
+    probe.add_argument("--path", action="append", default=[])
+    probe.set_defaults(handler=handle_probe)
+
+
+def _stop_when_stdin_closes() -> None:
+    # ssh gives the remote command the launcher's pipe as stdin: EOF means the launcher
+    # is gone or wants us to stop. SIGTERM lets torch's agent stop the workers cleanly.
+    # A raw os.read, not sys.stdin: a daemon thread blocked inside a buffered reader
+    # aborts the interpreter at exit ("could not acquire lock ... at interpreter shutdown").
+    def watch() -> None:
+        fd = sys.stdin.fileno()
+        while os.read(fd, 4096):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
+
+
+def handle_agent(args: argparse.Namespace) -> int:
+    from ..agent.node import run_node
+    from ..plan.launch import plan_from_json
+
+    plan = plan_from_json(args.plan)
+    nodes = [n for n in plan.nodes if n.node_rank == args.node_rank]
+    if not nodes:
+        raise UsageError(f"the plan has no node rank {args.node_rank}")
+    Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
+    if args.watch_stdin:
+        _stop_when_stdin_closes()
+    return run_node(plan, nodes[0])
+
+
+def handle_probe(args: argparse.Namespace) -> int:
+    from ..preflight.facts import node_facts
+
+    print(json.dumps(node_facts(master=args.master, port=args.port, paths=args.path)), flush=True)
+    return 0

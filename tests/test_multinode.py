@@ -125,3 +125,56 @@ def test_two_hosts_reach_the_same_loss_as_one_host(cluster, tmp_path):
     assert one["world_size"] == two["world_size"] == 2
     assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-6)
     assert two["val_accuracy"] == pytest.approx(one["val_accuracy"], abs=1e-9)
+
+
+def doctor_on_node0(cluster, *args: str, timeout: float = 60):
+    hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
+    argv = [sys.executable, "-m", "disttrain", "doctor", "--hosts", hosts, *ssh_options(cluster), *args]
+    return cluster.run_in("node0", argv, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.timeout(90)
+def test_doctor_all_clear(cluster):
+    result = doctor_on_node0(cluster, "--json", "--path", "examples/mnist_convnet.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = json.loads(result.stdout)
+    assert {c["status"] for c in checks} == {"ok"}
+    kinds = {c["check"] for c in checks}
+    assert {"ssh", "path", "versions", "interface", "master port", "rendezvous port", "host to host"} <= kinds
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_blocked_master_port_is_named_by_doctor_and_run_fails_fast(cluster):
+    node0, node1 = cluster.nodes
+    cluster.block_port("node0", 29500)
+    start = time.monotonic()
+    result = doctor_on_node0(cluster)
+    assert time.monotonic() - start < 30
+    assert result.returncode == 1
+    assert f"FAIL  rendezvous port" in result.stdout
+    assert f"root@{node1.ip} -> root@{node0.ip}:29500" not in result.stdout  # hosts are named as given
+    assert f"{node1.ip} -> {node0.ip}:29500: timed out" in result.stdout
+    start = time.monotonic()
+    run = run_on_node0(cluster, str(SCRIPTS / "sleeper.py"))
+    assert time.monotonic() - start < 30
+    assert run.returncode == 1
+    assert f"{node1.ip} -> {node0.ip}:29500: timed out" in run.stderr
+    assert "open TCP port 29500" in run.stderr
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_only_ssh_and_master_port_open_is_found_not_hung(cluster):
+    node0, node1 = cluster.nodes
+    for node in ("node0", "node1"):
+        cluster.only_allow(node, [22, 29500])
+    result = doctor_on_node0(cluster, "--json")
+    assert result.returncode == 1
+    failed = [c for c in json.loads(result.stdout) if c["status"] == "fail"]
+    assert {c["check"] for c in failed} == {"host to host"}
+    assert any(f"{node1.ip} -> {node0.ip} on port" in c["detail"] for c in failed)
+    run = run_on_node0(cluster, str(SCRIPTS / "sleeper.py"), timeout=60)
+    assert run.returncode == 1
+    assert "allow all TCP between the hosts" in run.stderr
+    assert_nothing_left(cluster)

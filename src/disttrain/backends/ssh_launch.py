@@ -69,13 +69,11 @@ def probe(host: Host, *, python: str, master: str, port: int, paths: Sequence[st
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def probe_all(hosts: Sequence[Host], **kwargs) -> list[dict]:
+def probe_all(hosts: Sequence[Host], **kwargs) -> list[dict | DisttrainError]:
+    """Every host's facts, in parallel; a host that could not be probed gives its error."""
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         futures = [pool.submit(probe, host, **kwargs) for host in hosts]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        raise DisttrainError("; ".join(str(e) for e in errors))
-    return [f.result() for f in futures]
+    return [f.exception() or f.result() for f in futures]
 
 
 class _Relay:

@@ -22,9 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     agent.set_defaults(handler=handle_agent)
 
     probe = sub.add_parser("probe")
-    probe.add_argument("--master", required=True)
+    probe.add_argument("--master", default="127.0.0.1")
     probe.add_argument("--port", type=int, default=None)
     probe.add_argument("--path", action="append", default=[])
+    probe.add_argument("--listen", default=None, help="comma-separated ports to listen on (0: any)")
+    probe.add_argument("--connect", default=None, help="comma-separated addr:port to connect to")
     probe.set_defaults(handler=handle_probe)
 
 
@@ -57,7 +59,14 @@ def handle_agent(args: argparse.Namespace) -> int:
 
 
 def handle_probe(args: argparse.Namespace) -> int:
+    from ..preflight import reach
     from ..preflight.facts import node_facts
+
+    if args.listen is not None:
+        return reach.listen([int(p) for p in args.listen.split(",")])
+    if args.connect is not None:
+        print(json.dumps(reach.connect(args.connect.split(","))), flush=True)
+        return 0
 
     print(json.dumps(node_facts(master=args.master, port=args.port, paths=args.path)), flush=True)
     return 0

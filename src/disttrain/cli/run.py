@@ -16,7 +16,9 @@ from dataclasses import replace
 
 from ..backends.ssh import parse_ssh_options
 from ..backends.ssh_launch import master_address, probe_all, run_hosts
-from ..config.hosts import Host, parse_hostfile, parse_hosts
+from ..config.hosts import Host
+from ..preflight.checks import raise_on_failure, reach_checks
+from .common import DEFAULT_MULTIHOST_PORT, add_host_args, hosts_from_args
 from ..config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
 from ..workerenv import forwarded_env
 from ..errors import UsageError
@@ -61,14 +63,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for all nodes to join before failing (default 120)")
     p.add_argument("--stop-grace", dest="stop_grace", type=int, default=15,
                    help="seconds workers get to exit after SIGTERM before SIGKILL (default 15)")
-    p.add_argument("--hosts", default=None,
-                   help="run on these hosts over ssh, e.g. node0,node1 or user@host:port; the first is the master")
-    p.add_argument("--hostfile", default=None,
-                   help="a file of hosts, one per line: [user@]host[:port] [slots=N]; # comments")
-    p.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="passed to ssh as -o KEY=VALUE (repeatable), e.g. IdentityFile=~/.ssh/key")
-    p.add_argument("--python", default=sys.executable,
-                   help="the python on the hosts (default: this one, at the same path)")
+    add_host_args(p)
+    p.add_argument("--no-preflight", action="store_true",
+                   help="with --hosts: skip the reachability checks run before the job")
     p.add_argument("--dry-run", action="store_true", help="print the launch plan as JSON and exit")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
@@ -145,19 +142,6 @@ def new_run_id(entry: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
 
 
-DEFAULT_MULTIHOST_PORT = 29500
-
-
-def hosts_from_args(args: argparse.Namespace) -> tuple[Host, ...] | None:
-    if args.hosts and args.hostfile:
-        raise UsageError("give --hosts or --hostfile, not both")
-    if args.hosts:
-        return parse_hosts(args.hosts)
-    if args.hostfile:
-        return parse_hostfile(args.hostfile)
-    return None
-
-
 def multihost_plan(args: argparse.Namespace, hosts: tuple[Host, ...]) -> LaunchPlan:
     """Ask every host for its facts over ssh, check them, and plan one node per host."""
     options = parse_ssh_options(args.ssh_option)
@@ -170,6 +154,9 @@ def multihost_plan(args: argparse.Namespace, hosts: tuple[Host, ...]) -> LaunchP
         paths=[] if spec.is_module else [spec.entry], options=options, cwd=os.getcwd(),
     )
     check_facts(hosts, facts, spec)
+    if not args.no_preflight and not args.dry_run:
+        raise_on_failure(reach_checks(hosts, facts, master_port=port, python=args.python,
+                                      options=options, cwd=os.getcwd()))
     run_id = new_run_id(spec.entry)
     return make_plan(
         spec,
@@ -187,6 +174,9 @@ def multihost_plan(args: argparse.Namespace, hosts: tuple[Host, ...]) -> LaunchP
 
 def check_facts(hosts: tuple[Host, ...], facts: list[dict], spec: LaunchSpec) -> None:
     """What would make the job fail or hang later, reported now, naming the host."""
+    for fact in facts:
+        if isinstance(fact, Exception):
+            raise fact
     for host, fact in zip(hosts, facts):
         missing = [p for p, present in fact["paths"].items() if not present]
         if missing:

@@ -1,0 +1,160 @@
+"""``doctor``'s checks: each a CheckResult (ok / warn / fail, what was seen, the fix)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from ..backends.ssh import ssh_argv
+from ..config.hosts import Host
+from ..errors import DisttrainError
+
+LISTENER_START_S = 20
+CONNECT_ROUND_S = 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckResult:
+    check: str
+    host: str
+    status: str  # "ok" | "warn" | "fail"
+    detail: str
+    fix: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def fact_checks(hosts: Sequence[Host], facts: Sequence[dict | Exception], *, master_port: int) -> list[CheckResult]:
+    """What each host said about itself, compared with the first host."""
+    out: list[CheckResult] = []
+    base = facts[0] if isinstance(facts[0], dict) else None
+    for host, fact in zip(hosts, facts):
+        if isinstance(fact, Exception):
+            out.append(CheckResult(check="ssh", host=host.name, status="fail", detail=str(fact),
+                                   fix="check the host name, your ssh key (--ssh-option IdentityFile=...) "
+                                       "and that disttrain is installed there"))
+            continue
+        out.append(CheckResult(check="ssh", host=host.name, status="ok", detail=f"reached; hostname {fact['hostname']}"))
+        for path, present in fact["paths"].items():
+            out.append(CheckResult(
+                check="path", host=host.name, status="ok" if present else "fail",
+                detail=f"{path} {'present' if present else 'missing'} in {fact['cwd']}",
+                fix="" if present else "copy it there, or use a shared filesystem",
+            ))
+        if base is not None and fact is not base:
+            diffs = [f"{k} {v} (vs {base['versions'][k]} on {hosts[0].name})"
+                     for k, v in fact["versions"].items() if v != base["versions"][k]]
+            out.append(CheckResult(
+                check="versions", host=host.name, status="fail" if diffs else "ok",
+                detail="; ".join(diffs) or "same python, torch, NCCL and disttrain as the master",
+                fix="install the same versions on every host" if diffs else "",
+            ))
+        out.append(CheckResult(
+            check="interface", host=host.name, status="ok" if fact["ifname"] else "warn",
+            detail=f"reaches the master from {fact['address']} via {fact['ifname'] or 'an unknown interface'}",
+            fix="" if fact["ifname"] else "set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME yourself",
+        ))
+        out.append(CheckResult(check="gpus", host=host.name, status="ok", detail=f"{fact['cuda_devices']} GPU(s), {fact['cpus']} CPU(s)"))
+        if fact["port_free"] is not None:
+            out.append(CheckResult(
+                check="master port", host=host.name, status="ok" if fact["port_free"] else "fail",
+                detail=f"port {master_port} {'free' if fact['port_free'] else 'already in use'}",
+                fix="" if fact["port_free"] else "pick another --master-port",
+            ))
+    return out
+
+
+def _start_listener(host: Host, ports: list[int], *, python: str, options: Sequence[str], cwd: str):
+    argv = [python, "-m", "disttrain", "probe", "--listen", ",".join(map(str, ports))]
+    proc = subprocess.Popen(ssh_argv(host, argv, options=options, cwd=cwd), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(LISTENER_START_S)
+    answer = json.loads(line[0]) if line and line[0].strip() else {"error": "no answer"}
+    return proc, answer
+
+
+def reach_checks(hosts: Sequence[Host], facts: Sequence[dict], *, master_port: int, python: str,
+                 options: Sequence[str], cwd: str) -> list[CheckResult]:
+    """Real TCP connects from every host to the master port and to every other host."""
+    listeners = []
+    try:
+        with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+            listeners = list(pool.map(
+                lambda i: _start_listener(hosts[i], [master_port, 0] if i == 0 else [0],
+                                          python=python, options=options, cwd=cwd),
+                range(len(hosts)),
+            ))
+        out: list[CheckResult] = []
+        targets: dict[str, tuple[int, str]] = {}  # "addr:port" -> (host index, kind)
+        for j, (_, answer) in enumerate(listeners):
+            if "error" in answer:
+                out.append(CheckResult(check="listen", host=hosts[j].name, status="fail",
+                                       detail=answer["error"], fix="free the port or pick another --master-port"))
+                continue
+            addr = facts[j]["address"]
+            if j == 0:
+                targets[f"{addr}:{answer['ports'][0]}"] = (0, "rendezvous")
+            targets[f"{addr}:{answer['ports'][-1]}"] = (j, "mesh")
+
+        def connect_from(i: int) -> dict[str, str]:
+            mine = [t for t, (j, _) in targets.items() if j != i]
+            if not mine:
+                return {}
+            argv = [python, "-m", "disttrain", "probe", "--connect", ",".join(mine)]
+            try:
+                res = subprocess.run(ssh_argv(hosts[i], argv, options=options, cwd=cwd), capture_output=True,
+                                     text=True, timeout=CONNECT_ROUND_S, stdin=subprocess.DEVNULL)
+                return json.loads(res.stdout.strip().splitlines()[-1])
+            except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
+                return {t: "no answer from the host" for t in mine}
+
+        with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+            seen = list(pool.map(connect_from, range(len(hosts))))
+        for i, results in enumerate(seen):
+            for target, why in results.items():
+                j, kind = targets[target]
+                port = target.rpartition(":")[2]
+                if kind == "rendezvous":
+                    out.append(CheckResult(
+                        check="rendezvous port", host=hosts[i].name, status="ok" if why == "ok" else "fail",
+                        detail=f"{hosts[i].name} -> {hosts[j].name}:{port}: {why}",
+                        fix="" if why == "ok" else f"open TCP port {port} on {hosts[j].name} to the other hosts "
+                                                  "(firewall / security group)",
+                    ))
+                else:
+                    out.append(CheckResult(
+                        check="host to host", host=hosts[i].name, status="ok" if why == "ok" else "fail",
+                        detail=f"{hosts[i].name} -> {hosts[j].name} on port {port} (not the master port): {why}",
+                        fix="" if why == "ok" else "gloo/NCCL connect every pair of ranks on random ports: allow "
+                                                   "all TCP between the hosts (AWS: a security-group rule allowing "
+                                                   "all traffic from the group itself)",
+                    ))
+        return out
+    finally:
+        for proc, _ in listeners:
+            if proc.stdin:
+                proc.stdin.close()
+        for proc, _ in listeners:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def first_failure(results: Sequence[CheckResult]) -> CheckResult | None:
+    return next((r for r in results if r.status == "fail"), None)
+
+
+def raise_on_failure(results: Sequence[CheckResult]) -> None:
+    failed = first_failure(results)
+    if failed:
+        raise DisttrainError(f"preflight ({failed.check}, {failed.host}): {failed.detail}; fix: {failed.fix}")

@@ -178,3 +178,18 @@ def test_only_ssh_and_master_port_open_is_found_not_hung(cluster):
     assert run.returncode == 1
     assert "allow all TCP between the hosts" in run.stderr
     assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_mesh_blocked_without_preflight_still_ends_with_a_clear_error(cluster):
+    """The case the checks would have caught, with them skipped: the runtime's bound ends it."""
+    for node in ("node0", "node1"):
+        cluster.only_allow(node, [22, 29500])
+    start = time.monotonic()
+    run = run_on_node0(cluster, "--no-preflight", "--env", "DISTTRAIN_CONNECT_TIMEOUT=8",
+                       str(SCRIPTS / "runtime_init_only.py"), timeout=90)
+    assert time.monotonic() - start < 60
+    assert run.returncode == 75, run.stderr
+    assert "could not connect to the other 1 rank(s) within 8 s" in run.stderr
+    assert "allow all TCP between the hosts" in run.stderr
+    assert_nothing_left(cluster)

@@ -16,6 +16,7 @@ BACKEND = "DISTTRAIN_BACKEND"
 RUN_DIR = "DISTTRAIN_RUN_DIR"
 CHECKPOINT_DIR = "DISTTRAIN_CHECKPOINT_DIR"
 PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
+CONNECT_TIMEOUT = "DISTTRAIN_CONNECT_TIMEOUT"
 
 # Interface variables that pin gloo/NCCL to the network that reaches the master.
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -95,6 +96,7 @@ class WorkerEnv:
     run_dir: str | None = None
     checkpoint_dir: str | None = None
     pg_timeout_s: float = 300.0
+    connect_timeout_s: float = 120.0
 
     @property
     def launched(self) -> bool:
@@ -118,4 +120,5 @@ class WorkerEnv:
             run_dir=environ.get(RUN_DIR) or None,
             checkpoint_dir=environ.get(CHECKPOINT_DIR) or None,
             pg_timeout_s=float(environ.get(PG_TIMEOUT) or 300.0),
+            connect_timeout_s=float(environ.get(CONNECT_TIMEOUT) or 120.0),
         )

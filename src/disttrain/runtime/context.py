@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
+import os
+import socket
+import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -14,7 +19,40 @@ import torch.distributed as dist
 
 from ..errors import DisttrainError
 from ..placement import choose_backend, choose_device
-from ..workerenv import WorkerEnv
+from ..workerenv import CONNECT_TIMEOUT, WorkerEnv
+
+
+CONNECT_FAILED_EXIT = 75  # EX_TEMPFAIL: the network, not the script, is at fault
+
+
+@contextlib.contextmanager
+def _connect_watchdog(env: WorkerEnv):
+    """End the process with a clear error if joining the group outlasts the connect timeout.
+
+    After the rendezvous, gloo and NCCL connect every pair of ranks on random ports; when a
+    firewall drops those packets the connect waits forever, whatever the process group's
+    timeout. A stuck native call cannot be interrupted, so the watchdog exits the process.
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(env.connect_timeout_s):
+            return
+        sys.stderr.write(
+            f"disttrain: rank {env.rank} on {socket.gethostname()} could not connect to the other "
+            f"{env.world_size - 1} rank(s) within {env.connect_timeout_s:.0f} s after the rendezvous at "
+            f"{env.master_addr}:{env.master_port}. The master port answered, so the direct connections "
+            "between ranks (random TCP ports) are being dropped: allow all TCP between the hosts "
+            f"(`disttrain doctor --hosts ...` names the pair). {CONNECT_TIMEOUT} sets this limit.\n"
+        )
+        sys.stderr.flush()
+        os._exit(CONNECT_FAILED_EXIT)
+
+    threading.Thread(target=watch, name="disttrain-connect-watchdog", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +132,8 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
     elif ctx.distributed:
         timeout = timedelta(seconds=env.pg_timeout_s if timeout_s is None else timeout_s)
         extra = {"device_id": ctx.device} if ctx.backend == "nccl" else {}
-        dist.init_process_group(ctx.backend, init_method="env://", timeout=timeout, **extra)
+        with _connect_watchdog(env):
+            dist.init_process_group(ctx.backend, init_method="env://", timeout=timeout, **extra)
         _owns_group = True
     if not _atexit_registered:
         atexit.register(shutdown)

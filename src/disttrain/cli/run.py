@@ -17,7 +17,7 @@ from dataclasses import replace
 from ..backends.ssh import parse_ssh_options
 from ..backends.ssh_launch import master_address, probe_all, run_hosts
 from ..config.hosts import Host
-from ..preflight.checks import raise_on_failure, reach_checks
+from ..preflight.checks import fact_checks, first_failure, raise_on_failure, reach_checks
 from .common import DEFAULT_MULTIHOST_PORT, add_host_args, hosts_from_args
 from ..config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
 from ..workerenv import forwarded_env
@@ -172,25 +172,14 @@ def multihost_plan(args: argparse.Namespace, hosts: tuple[Host, ...]) -> LaunchP
     )
 
 
-def check_facts(hosts: tuple[Host, ...], facts: list[dict], spec: LaunchSpec) -> None:
-    """What would make the job fail or hang later, reported now, naming the host."""
+def check_facts(hosts: tuple[Host, ...], facts: list, spec: LaunchSpec) -> None:
+    """What would make the job fail or hang later (doctor's own checks), reported now."""
     for fact in facts:
         if isinstance(fact, Exception):
             raise fact
-    for host, fact in zip(hosts, facts):
-        missing = [p for p, present in fact["paths"].items() if not present]
-        if missing:
-            raise UsageError(f"{host.name}: {missing[0]} not found in {fact['cwd']}; copy it there (or use a shared filesystem)")
-    base = facts[0]["versions"]
-    for host, fact in zip(hosts[1:], facts[1:]):
-        for name, version in fact["versions"].items():
-            if version != base[name]:
-                raise UsageError(
-                    f"version mismatch: {name} {version} on {host.name} but {base[name]} on {hosts[0].name}; "
-                    "install the same versions on every host"
-                )
-    if facts[0]["port_free"] is False:
-        raise UsageError(f"--master-port {spec.master_port} is already in use on {hosts[0].name}: pick another")
+    failed = first_failure(fact_checks(hosts, facts, master_port=spec.master_port))
+    if failed:
+        raise UsageError(f"{failed.host}: {failed.detail}; fix: {failed.fix}")
 
 
 def plan_from_args(args: argparse.Namespace) -> LaunchPlan:

@@ -43,7 +43,7 @@ def fact_checks(hosts: Sequence[Host], facts: Sequence[dict | Exception], *, mas
         for path, present in fact["paths"].items():
             out.append(CheckResult(
                 check="path", host=host.name, status="ok" if present else "fail",
-                detail=f"{path} {'present' if present else 'missing'} in {fact['cwd']}",
+                detail=f"{path} {'present' if present else 'not found'} in {fact['cwd']}",
                 fix="" if present else "copy it there, or use a shared filesystem",
             ))
         if base is not None and fact is not base:

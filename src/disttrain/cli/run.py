@@ -1,30 +1,33 @@
-"""``disttrain run``: torchrun's flags, disttrain's defaults, one node (this machine)."""
+"""``disttrain run``: torchrun's flags, disttrain's defaults; this machine or ``--hosts`` over ssh."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import secrets
 import socket
 import sys
 import time
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 from ..backends.ssh import parse_ssh_options
 from ..backends.ssh_launch import master_address, probe_all, run_hosts
 from ..config.hosts import Host
-from ..preflight.checks import fact_checks, first_failure, raise_on_failure, reach_checks
-from .common import DEFAULT_MULTIHOST_PORT, add_host_args, hosts_from_args
 from ..config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
-from ..workerenv import forwarded_env
 from ..errors import UsageError
 from ..net import free_port, port_in_use
 from ..placement import usable_cpus
 from ..plan.launch import LaunchPlan, NodeFacts, make_plan
+from ..preflight.checks import (
+    fact_checks,
+    first_failure,
+    raise_on_failure,
+    reach_checks,
+)
+from ..workerenv import forwarded_env
+from .common import DEFAULT_MULTIHOST_PORT, add_host_args, hosts_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -182,8 +185,7 @@ def check_facts(hosts: tuple[Host, ...], facts: list, spec: LaunchSpec) -> None:
         raise UsageError(f"{failed.host}: {failed.detail}; fix: {failed.fix}")
 
 
-def plan_from_args(args: argparse.Namespace) -> LaunchPlan:
-    hosts = hosts_from_args(args)
+def plan_from_args(args: argparse.Namespace, hosts: tuple[Host, ...] | None) -> LaunchPlan:
     if hosts:
         return multihost_plan(args, hosts)
     spec = spec_from_args(args)
@@ -202,7 +204,8 @@ def plan_from_args(args: argparse.Namespace) -> LaunchPlan:
 
 
 def handle(args: argparse.Namespace) -> int:
-    plan = plan_from_args(args)
+    hosts = hosts_from_args(args)
+    plan = plan_from_args(args, hosts)
     if args.dry_run:
         print(plan.to_json())
         return 0
@@ -215,7 +218,6 @@ def handle(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    hosts = hosts_from_args(args)
     if hosts:
         return run_hosts(
             plan, hosts, python=args.python, options=parse_ssh_options(args.ssh_option),

@@ -14,6 +14,11 @@ friends, plain or ``.gz``), validating on the t10k split.
 chapter halves it by hand to keep the global batch at 128.
 
 Rank 0 prints one line per epoch and, as its last line, a JSON summary.
+
+With ``--checkpoint-dir DIR`` it saves a checkpoint every ``--checkpoint-every`` steps (or
+at the end of each epoch) and, started again -- by ``disttrain run --max-restarts K`` after
+a crash, or by you after a preemption (SIGTERM) -- carries on from the newest one, ending
+with the same weights as a run that never stopped.
 """
 
 import argparse
@@ -80,6 +85,12 @@ def get_args_parser():
     parser.add_argument("--output-dir", metavar="DIR", help="where rank 0 saves model.pt")
     parser.add_argument("--num-workers", type=at_least(0), default=0)
     parser.add_argument("--log-every", type=at_least(0), default=50, help="steps; 0: never")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="save checkpoints here and resume from the newest one "
+                        "(default: $DISTTRAIN_CHECKPOINT_DIR, else none)")
+    parser.add_argument("--checkpoint-every", metavar="N", type=at_least(0), default=None,
+                        help="steps between checkpoints; 0: at the end of each epoch "
+                        "(default: $DISTTRAIN_CHECKPOINT_EVERY, else 0)")
     return parser
 
 
@@ -94,13 +105,17 @@ def datasets(args):
     )
 
 
-def train_one_epoch(model, optimizer, loader, epoch, log_every):
-    """Returns (mean loss over every rank's samples, seconds, samples this rank trained on)."""
+def train_one_epoch(model, optimizer, loader, state, log_every):
+    """Returns (mean loss over every rank's samples, seconds, samples this rank trained on).
+
+    A resumed epoch runs only its remaining steps, and its loss is theirs.
+    """
     model.train()
     loss_meter = disttrain.MeanMeter()
     samples = 0
     start = time.perf_counter()
-    for step, (X, y) in enumerate(loader):
+    for X, y in state.steps(loader):  # skips what a checkpoint says is done
+        step = state.epoch_step
         pred_prob = model(X)
         loss = F.nll_loss(pred_prob, y)  # nll is the negative log likelihood loss
         optimizer.zero_grad()
@@ -111,7 +126,8 @@ def train_one_epoch(model, optimizer, loader, epoch, log_every):
         if log_every and step % log_every == 0:
             # Every rank runs the same number of steps, so all of them reach this collective.
             step_loss = disttrain.reduce_mean(loss.detach())
-            disttrain.print0(f"epoch {epoch} step {step}/{len(loader)} loss {step_loss.item():.4f}")
+            disttrain.print0(
+                f"epoch {state.epoch} step {step}/{len(loader)} loss {step_loss.item():.4f}")
     seconds = time.perf_counter() - start
     return loss_meter.avg, seconds, samples
 
@@ -154,6 +170,10 @@ def main():
     # `model` itself (a DDP forward may talk to the other ranks, and evaluation shards
     # are uneven).
     ddp_model, optimizer, train_dl, val_dl = disttrain.prepare(model, optimizer, train_dl, val_dl)
+    # Loads the newest checkpoint, if any, into the model and optimizer; disttrain.epochs()
+    # and state.steps() then skip what it says is done.
+    state = disttrain.resume(args.checkpoint_dir, every=args.checkpoint_every,
+                             model=model, optimizer=optimizer)
     disttrain.print0(
         f"{ctx.world_size} process(es), backend {ctx.backend or 'none'}, device {ctx.device}: "
         f"{len(train_set)} training and {len(val_set)} validation images "
@@ -161,9 +181,11 @@ def main():
     )
 
     epoch_seconds, trained = [], 0
+    train_loss = val_accuracy = float("nan")
+    val_samples = 0
     for epoch in disttrain.epochs(args.epochs):
         train_loss, seconds, samples = train_one_epoch(
-            ddp_model, optimizer, train_dl, epoch, args.log_every
+            ddp_model, optimizer, train_dl, state, args.log_every
         )
         # the epoch ends when the slowest rank does
         epoch_seconds.append(disttrain.reduce_max(seconds))
@@ -185,7 +207,7 @@ def main():
         "global_batch_size": args.batch_size * ctx.world_size,
         "train_samples": len(train_set),
         "val_samples": val_samples,  # summed over ranks: len(val_set) if none counted twice
-        "train_samples_per_s": trained / sum(epoch_seconds),
+        "train_samples_per_s": trained / sum(epoch_seconds) if trained else 0.0,
         "epoch_seconds": epoch_seconds,
         "train_loss": train_loss,
         "val_accuracy": val_accuracy,

@@ -264,11 +264,17 @@ class Cluster:
     ``subnet`` is three octets ("10.77.5"), picked per cluster when None; ``bridge`` forces
     a bridge (default: veth pair for 2 nodes, bridge for 1 or 3+); ``workdir`` holds keys,
     configs, pid and log files (a fresh temp dir, removed at teardown, when None).
+    ``private`` maps a node name to folders that node sees as its own, empty (a tmpfs in a
+    mount namespace of its sshd's): a host without the launcher's files, as on machines
+    that share no filesystem. The folders must exist. ``binds`` maps a node name to
+    ``{path: replacement}``: that node sees the replacement file at ``path`` (another
+    version of a package file, say), the others the original.
     """
 
     def __init__(self, n: int = 2, *, workdir: str | os.PathLike | None = None,
                  subnet: str | None = None, ifname: str = "eth1", bridge: bool | None = None,
-                 ssh_port: int = 22):
+                 ssh_port: int = 22, private: dict[str, Sequence[str]] | None = None,
+                 binds: dict[str, dict[str, str]] | None = None):
         if not 1 <= n <= 250:
             raise ValueError("n must be in 1..250")
         self.n = n
@@ -294,6 +300,8 @@ class Cluster:
         self._popens: list[subprocess.Popen] = []
         self._started = False
         self.timings: dict[str, float] = {}
+        self.private = dict(private or {})
+        self.binds = dict(binds or {})
 
     # ---- lookup
 
@@ -484,7 +492,15 @@ class Cluster:
         # sshd daemonizes first, then listens, then writes its pid file: the node accepts
         # connections once the pid file exists.
         pidfile = self.workdir / f"sshd_{nd.name}.pid"
-        r = _run(self.ns_exec(nd, [SSHD, "-f", str(conf), "-E", str(log)]), check=False)
+        argv = [SSHD, "-f", str(conf), "-E", str(log)]
+        mounts = [f"mount -t tmpfs tmpfs {shlex.quote(d)}" for d in self.private.get(nd.name, ())]
+        mounts += [f"mount --bind {shlex.quote(src)} {shlex.quote(path)}"
+                   for path, src in self.binds.get(nd.name, {}).items()]
+        if mounts:
+            # The mounts live as long as the mount namespace: sshd and its sessions.
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    f"{' && '.join(mounts)} && exec {shlex.join(argv)}"]
+        r = _run(self.ns_exec(nd, argv), check=False)
         end = time.monotonic() + 10
         while r.returncode == 0 and not pidfile.exists() and time.monotonic() < end:
             time.sleep(0.005)
@@ -597,6 +613,14 @@ class Cluster:
                 except ProcessLookupError:
                     pass
             time.sleep(0.02)
+
+    def power_off(self, node: "str | int | Node") -> None:
+        """The node vanishes without a word, like a machine losing power: its traffic is
+        dropped both ways (no FIN, no RST reaches anyone), then every process in it dies."""
+        nd = self.node(node)
+        for chain, side in (("INPUT", "-i"), ("OUTPUT", "-o")):
+            _run(self.ns_exec(nd, ["iptables", "-w", "-I", chain, "1", side, nd.ifname, "-j", "DROP"]))
+        self.kill_all(nd, include_sshd=True, grace=0)
 
     # ---- fault injection (iptables in the node's namespace; gone with it)
 

@@ -7,6 +7,7 @@ given the test's key and known-hosts choice through ``--ssh-option`` only.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS
-from rig import cluster_fixture
+from rig import Cluster, cluster_fixture, skip_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "mnist_convnet.py"
@@ -86,14 +87,8 @@ def test_failing_remote_rank_stops_every_host(cluster):
 
 @pytest.mark.timeout(150)
 def test_ctrl_c_stops_every_host(cluster):
-    launcher = cluster.popen_in("node0", launch_argv(cluster, str(SCRIPTS / "sleeper.py")),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    ready = 0
-    while ready < 2:
-        line = launcher.stdout.readline()
-        assert line, launcher.stderr.read()
-        ready += "ready" in line
-    assert cluster.processes_in("node1")  # the remote rank is really running
+    launcher = start_sleepers(cluster)
+    assert worker_pids(cluster, "node1", "sleeper.py")  # the remote rank is really running
     launcher.send_signal(signal.SIGINT)
     assert launcher.wait(timeout=60) == 130
     assert_nothing_left(cluster)
@@ -192,4 +187,151 @@ def test_mesh_blocked_without_preflight_still_ends_with_a_clear_error(cluster):
     assert run.returncode == 75, run.stderr
     assert "could not connect to the other 1 rank(s) within 8 s" in run.stderr
     assert "allow all TCP between the hosts" in run.stderr
+    assert_nothing_left(cluster)
+
+
+SYNCED_SCRIPT = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+value = torch.tensor([float(open("data/value.txt").read())])
+dist.all_reduce(value)
+print(f"sum {value.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_sync_copies_the_working_directory_to_a_host_without_it(tmp_path):
+    """node1 shares no filesystem with node0 here: the project folder is empty there."""
+    if skip_reason():
+        pytest.skip(skip_reason())
+    project = tmp_path / "my project"
+    (project / "data").mkdir(parents=True)
+    (project / "train.py").write_text(SYNCED_SCRIPT)
+    (project / "data" / "value.txt").write_text("2.5")
+    (project / ".git").mkdir()
+    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    with Cluster(2, private={"node1": [str(project)]}) as cluster:
+        node0, node1 = cluster.nodes
+        assert cluster.ssh("node1", "ls", "-A", str(project)).stdout == ""
+
+        def run(*args):
+            return cluster.run_in("node0", launch_argv(cluster, *args, "train.py"), timeout=120, cwd=project)
+
+        missing = run()
+        assert missing.returncode == 2
+        assert f"{node1.ip}: train.py not found" in missing.stderr
+        assert "--sync" in missing.stderr  # the fix is named
+
+        synced = run("--sync")
+        assert synced.returncode == 0, synced.stderr
+        assert f"[{node1.ip} rank1] sum 5.0" in synced.stdout
+        assert f"--sync {project} -> {node1.ip}: 2 of 2 files" in synced.stderr
+        assert f"--sync {project} -> {node0.ip}: up to date" in synced.stderr  # the same folder
+        listed = cluster.ssh("node1", "find", str(project), "-type", "f").stdout.splitlines()
+        assert sorted(listed) == [str(project / "data" / "value.txt"), str(project / "train.py")]
+
+        (project / "data" / "value.txt").write_text("4.25")  # a new size: copied again
+        again = run("--sync")
+        assert again.returncode == 0, again.stderr
+        assert f"--sync {project} -> {node1.ip}: 1 of 2 files" in again.stderr
+        assert f"[{node1.ip} rank1] sum 8.5" in again.stdout
+        assert_nothing_left(cluster)
+
+
+def worker_pids(cluster, node: str, script: str) -> list[int]:
+    """The training processes (``python -u script``) running in ``node``."""
+    pids = []
+    for pid in cluster.processes_in(node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 2 and argv[1] == b"-u" and argv[2].endswith(script.encode()):
+            pids.append(pid)
+    return pids
+
+
+def start_sleepers(cluster, *args: str) -> subprocess.Popen:
+    launcher = cluster.popen_in("node0", launch_argv(cluster, *args, str(SCRIPTS / "sleeper.py")),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    ready = 0
+    while ready < 2:
+        line = launcher.stdout.readline()
+        assert line, launcher.stderr.read()
+        ready += "ready" in line
+    return launcher
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_remote_rank_stops_every_host(cluster):
+    node1 = cluster.nodes[1]
+    launcher = start_sleepers(cluster)
+    (victim,) = worker_pids(cluster, "node1", "sleeper.py")
+    os.kill(victim, signal.SIGKILL)
+    assert launcher.wait(timeout=60) == 137
+    err = launcher.stderr.read()
+    assert f"rank 1 on {node1.ip}" in err and "SIGKILL" in err
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(150)
+def test_a_host_losing_power_ends_the_job_naming_it(cluster):
+    """No FIN, no RST: only ssh's keep-alives can tell; the job must not wait forever."""
+    node1 = cluster.nodes[1]
+    launcher = start_sleepers(cluster)
+    start = time.monotonic()
+    cluster.power_off("node1")
+    code = launcher.wait(timeout=90)
+    assert time.monotonic() - start < 60
+    assert code == 255
+    assert f"lost the ssh connection to {node1.ip} (node 1)" in launcher.stderr.read()
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_a_different_torch_on_one_host_is_reported_before_launch(tmp_path):
+    """node1's python imports a torch whose version file says otherwise."""
+    if skip_reason():
+        pytest.skip(skip_reason())
+    import torch
+
+    version_py = Path(torch.__file__).parent / "version.py"
+    other = tmp_path / "version.py"
+    other.write_text(version_py.read_text().replace(torch.__version__, "2.99.0"))
+    with Cluster(2, binds={"node1": {str(version_py): str(other)}}) as cluster:
+        node0, node1 = cluster.nodes
+        start = time.monotonic()
+        doctor = doctor_on_node0(cluster)
+        run = run_on_node0(cluster, str(SCRIPTS / "sleeper.py"))
+        assert time.monotonic() - start < 30
+        assert doctor.returncode == 1
+        assert f"torch 2.99.0 (vs {torch.__version__} on {node0.ip})" in doctor.stdout
+        assert run.returncode == 2
+        assert f"{node1.ip}: torch 2.99.0 (vs {torch.__version__} on {node0.ip}); fix: install the same" in run.stderr
+        assert "Traceback" not in run.stderr
+        assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(150)
+def test_hostfile_slots_and_c10d_rendezvous(cluster, tmp_path):
+    """node0 slots=2, node1 slots=1: three ranks numbered by host order; then c10d."""
+    node0, node1 = cluster.nodes
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"# the lab\nroot@{node0.ip} slots=2\n\nroot@{node1.ip} slots=1  # the small one\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [sys.executable, "-m", "disttrain", "run", "--hostfile", str(hostfile), *ssh_options(cluster),
+            str(SCRIPTS / "ranks_report.py"), str(out)]
+    result = cluster.run_in("node0", argv, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert {r: rec["world_size"] for r, rec in ranks.items()} == {0: 3, 1: 3, 2: 3}
+    assert f"[{node1.ip} rank2] hello from rank 2" in result.stdout
+    for p in out.glob("rank*.json"):
+        p.unlink()
+    c10d = run_on_node0(cluster, "--rdzv-backend", "c10d", str(SCRIPTS / "ranks_report.py"), str(out), nproc=1)
+    assert c10d.returncode == 0, c10d.stderr
+    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert set(ranks) == {0, 1} and all(rec["sum"] == 3.0 for rec in ranks.values())
     assert_nothing_left(cluster)

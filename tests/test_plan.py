@@ -66,12 +66,12 @@ def test_second_node_of_manual_multinode_gets_offset_ranks():
 
 def test_auto_uses_gpus_and_nccl_when_cuda_is_present():
     p = plan(LaunchSpec(entry="t.py"), facts=GPU_NODE)
-    assert p.nproc_per_node == 4 and p.backend == "nccl"
+    assert p.nodes[0].nproc == 4 and p.backend == "nccl"
     assert p.nodes[0].env["OMP_NUM_THREADS"] == "8"
 
 
 def test_auto_on_cpu_keeps_two_cores_per_process():
-    assert plan(LaunchSpec(entry="t.py")).nproc_per_node == 4
+    assert plan(LaunchSpec(entry="t.py")).nodes[0].nproc == 4
     assert auto_nproc(cuda_devices=0, cpus=1) == 1
     assert auto_nproc(cuda_devices=0, cpus=2) == 1
 
@@ -150,8 +150,32 @@ def test_plan_for_several_hosts_numbers_ranks_by_host_order():
     assert plan_from_json(p.to_json()) == p
 
 
-def test_auto_with_unequal_hosts_asks_for_n():
-    hosts = (NodeFacts(hostname="a", cpus=8, cuda_devices=2), NodeFacts(hostname="b", cpus=8, cuda_devices=4))
-    with pytest.raises(UsageError, match="a: 2, b: 4"):
-        make_plan(LaunchSpec(entry="t.py", master_addr="h", master_port=1), hosts, python="/py",
+def test_hosts_may_run_different_counts_from_slots_or_auto():
+    hosts = (NodeFacts(hostname="a", cpus=8, cuda_devices=2), NodeFacts(hostname="b", cpus=8, cuda_devices=4),
+             NodeFacts(hostname="c", cpus=8, slots=3))
+    p = make_plan(LaunchSpec(entry="t.py", master_addr="h", master_port=1), hosts, python="/py",
                   master_port=1, run_id="r", run_dir="/r", inherited_env={})
+    assert [n.nproc for n in p.nodes] == [2, 4, 3] and p.world_size == 9
+    # torch's agent numbers ranks by the sum of the counts on the nodes before
+    assert [[w.rank for w in n.workers] for n in p.nodes] == [[0, 1], [2, 3, 4, 5], [6, 7, 8]]
+    assert p.nodes[2].workers[0].env["LOCAL_WORLD_SIZE"] == "3"
+    fixed = make_plan(LaunchSpec(entry="t.py", nproc_per_node=1, master_addr="h", master_port=1), hosts,
+                      python="/py", master_port=1, run_id="r", run_dir="/r", inherited_env={})
+    assert [n.nproc for n in fixed.nodes] == [1, 1, 1]  # an explicit -n wins over slots
+
+
+def test_c10d_rendezvous_is_hosted_by_the_first_node_at_its_own_address():
+    from disttrain.agent.node import rdzv_configs
+
+    hosts = (NodeFacts(hostname="a", cpus=2, address="10.0.0.1"), NodeFacts(hostname="b", cpus=2, address="10.0.0.2"))
+    spec = LaunchSpec(entry="t.py", nproc_per_node=1, master_addr="10.0.0.1", master_port=29500,
+                      rdzv_backend="c10d", rdzv_timeout_s=40)
+    p = make_plan(spec, hosts, python="/py", master_port=29500, run_id="r", run_dir="/r", inherited_env={})
+    assert p.rdzv_backend == "c10d" and [n.address for n in p.nodes] == ["10.0.0.1", "10.0.0.2"]
+    assert [rdzv_configs(p, n) for n in p.nodes] == [
+        {"is_host": True, "join_timeout": 40}, {"is_host": False, "join_timeout": 40}]
+    static = make_plan(LaunchSpec(entry="t.py", nproc_per_node=1), hosts[0], python="/py", master_port=1,
+                       run_id="r", run_dir="/r", inherited_env={})
+    assert rdzv_configs(static, static.nodes[0]) == {"rank": 0, "timeout": 120}
+    with pytest.raises(UsageError, match="--rdzv-backend must be one of static, c10d"):
+        LaunchSpec(entry="t.py", rdzv_backend="etcd")

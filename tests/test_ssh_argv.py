@@ -28,6 +28,8 @@ def test_golden_ssh_argv():
         "-o", "StrictHostKeyChecking=accept-new",
         "-o", "BatchMode=yes",
         "-o", "ConnectTimeout=10",
+        "-o", "ServerAliveInterval=5",
+        "-o", "ServerAliveCountMax=3",
         "-p", "2222",
         "root@node1", "--",
         "cd '/tmp/a'\"'\"'; echo foo' && exec env GLOO_SOCKET_IFNAME=eth1 'X=$(reboot)' "

@@ -19,6 +19,8 @@ _EXPORTS = {
     "prepare": "runtime.data",
     "unwrap": "runtime.data",
     "epochs": "runtime.loop",
+    "resume": "runtime.resume",
+    "TrainingState": "runtime.resume",
     "reduce_sum": "runtime.metrics",
     "reduce_mean": "runtime.metrics",
     "reduce_max": "runtime.metrics",
@@ -60,3 +62,4 @@ if TYPE_CHECKING:  # pragma: no cover
         reduce_sum,
         topk_correct,
     )
+    from .runtime.resume import TrainingState, resume

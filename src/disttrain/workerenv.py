@@ -15,6 +15,7 @@ from dataclasses import dataclass
 BACKEND = "DISTTRAIN_BACKEND"
 RUN_DIR = "DISTTRAIN_RUN_DIR"
 CHECKPOINT_DIR = "DISTTRAIN_CHECKPOINT_DIR"
+CHECKPOINT_EVERY = "DISTTRAIN_CHECKPOINT_EVERY"
 PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
 CONNECT_TIMEOUT = "DISTTRAIN_CONNECT_TIMEOUT"
 
@@ -47,6 +48,7 @@ def launcher_env(
     inherited: Mapping[str, str],
     socket_ifname: str | None = None,
     checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Variables a node's agent exports to its workers, on top of torch elastic's own.
@@ -57,6 +59,8 @@ def launcher_env(
     env = {BACKEND: backend, RUN_DIR: run_dir}
     if checkpoint_dir:
         env[CHECKPOINT_DIR] = checkpoint_dir
+    if checkpoint_every is not None:
+        env[CHECKPOINT_EVERY] = str(checkpoint_every)
     if "OMP_NUM_THREADS" not in inherited:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     if socket_ifname:
@@ -67,7 +71,7 @@ def launcher_env(
     return env
 
 
-def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+def _int(environ: Mapping[str, str], name: str, default: int | None) -> int | None:
     raw = environ.get(name)
     if raw is None or raw == "":
         return default
@@ -95,6 +99,8 @@ class WorkerEnv:
     backend: str | None = None
     run_dir: str | None = None
     checkpoint_dir: str | None = None
+    # Steps between checkpoints for disttrain.resume(); 0: at the end of each epoch.
+    checkpoint_every: int | None = None
     pg_timeout_s: float = 300.0
     connect_timeout_s: float = 120.0
 
@@ -119,6 +125,7 @@ class WorkerEnv:
             backend=environ.get(BACKEND) or None,
             run_dir=environ.get(RUN_DIR) or None,
             checkpoint_dir=environ.get(CHECKPOINT_DIR) or None,
+            checkpoint_every=_int(environ, CHECKPOINT_EVERY, None),
             pg_timeout_s=float(environ.get(PG_TIMEOUT) or 300.0),
             connect_timeout_s=float(environ.get(CONNECT_TIMEOUT) or 120.0),
         )

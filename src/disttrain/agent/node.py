@@ -59,6 +59,14 @@ def line_prefix(plan: LaunchPlan, node: NodePlan) -> str:
     return "[rank${rank}] "
 
 
+def rdzv_configs(plan: LaunchPlan, node: NodePlan) -> dict:
+    if plan.rdzv_backend == "static":
+        return {"rank": node.node_rank, "timeout": plan.rdzv_timeout_s}
+    # c10d guesses whether it hosts the store from the hostname, which resolves to
+    # 127.0.0.1 on many machines: the launcher knows, so it says so.
+    return {"is_host": node.node_rank == 0, "join_timeout": plan.rdzv_timeout_s}
+
+
 def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailure]:
     failures = []
     for rank, failure in err.failures.items():
@@ -81,9 +89,11 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         nproc_per_node=node.nproc,
         run_id=plan.run_id,
         role="worker",
-        rdzv_backend="static",
+        rdzv_backend=plan.rdzv_backend,
         rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
-        rdzv_configs={"rank": node.node_rank, "timeout": plan.rdzv_timeout_s},
+        rdzv_configs=rdzv_configs(plan, node),
+        rdzv_timeout=plan.rdzv_timeout_s,
+        local_addr=node.address,
         max_restarts=plan.max_restarts,
         monitor_interval=MONITOR_INTERVAL_S,
         logs_specs=RankLogs(plan.run_dir, node.shown_local_ranks(plan.shown_ranks)),

@@ -2,8 +2,10 @@
 
 The system OpenSSH client is used so that ``~/.ssh/config``, agents and jump hosts work as
 users expect. Host-key checking stays as the user configured it; disttrain only adds
-``BatchMode=yes`` (a password prompt would be a silent hang) and a connect timeout, after
-the user's own ``-o`` options so that theirs win (ssh keeps the first value it sees).
+``BatchMode=yes`` (a password prompt would be a silent hang), a connect timeout and
+keep-alives (a host that loses power closes no connection: without them the launcher
+would wait for it forever), after the user's own ``-o`` options so that theirs win (ssh
+keeps the first value it sees).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from ..config.hosts import Host
 from ..errors import UsageError
 
-DEFAULT_OPTIONS = ("BatchMode=yes", "ConnectTimeout=10")
+DEFAULT_OPTIONS = ("BatchMode=yes", "ConnectTimeout=10", "ServerAliveInterval=5", "ServerAliveCountMax=3")
 
 
 def parse_ssh_options(items: Sequence[str]) -> tuple[str, ...]:

@@ -48,12 +48,13 @@ def master_address(host: Host, options: Sequence[str]) -> str:
 def probe(host: Host, *, python: str, master: str, port: int, paths: Sequence[str],
           options: Sequence[str], cwd: str) -> dict:
     """Run ``disttrain probe`` on ``host``; its facts as a dict, or a DisttrainError naming it."""
-    argv = [python, "-m", "disttrain", "probe", "--master", master, "--port", str(port)]
+    # No `cd` into cwd: it may not exist there yet, which is a finding, not a failure.
+    argv = [python, "-m", "disttrain", "probe", "--master", master, "--port", str(port), "--cwd", cwd]
     for path in paths:
         argv += ["--path", path]
     try:
         result = subprocess.run(
-            ssh_argv(host, argv, options=options, cwd=cwd),
+            ssh_argv(host, argv, options=options),
             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired:

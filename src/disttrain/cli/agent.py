@@ -1,4 +1,4 @@
-"""Hidden subcommands a launcher runs on each host over ssh: ``agent`` and ``probe``."""
+"""Hidden subcommands a launcher runs on each host over ssh: ``agent``, ``probe``, ``receive``."""
 
 from __future__ import annotations
 
@@ -25,9 +25,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     probe.add_argument("--master", default="127.0.0.1")
     probe.add_argument("--port", type=int, default=None)
     probe.add_argument("--path", action="append", default=[])
+    probe.add_argument("--cwd", default=None, help="the folder --path is relative to (the launcher's)")
     probe.add_argument("--listen", default=None, help="comma-separated ports to listen on (0: any)")
     probe.add_argument("--connect", default=None, help="comma-separated addr:port to connect to")
     probe.set_defaults(handler=handle_probe)
+
+    receive = sub.add_parser("receive")
+    receive.add_argument("dir", help="where the launcher's working directory is copied to")
+    receive.set_defaults(handler=handle_receive)
 
 
 def _stop_when_stdin_closes() -> None:
@@ -68,5 +73,11 @@ def handle_probe(args: argparse.Namespace) -> int:
         print(json.dumps(reach.connect(args.connect.split(","))), flush=True)
         return 0
 
-    print(json.dumps(node_facts(master=args.master, port=args.port, paths=args.path)), flush=True)
+    print(json.dumps(node_facts(master=args.master, port=args.port, paths=args.path, cwd=args.cwd)), flush=True)
     return 0
+
+
+def handle_receive(args: argparse.Namespace) -> int:
+    from ..backends.sync import receive
+
+    return receive(args.dir, sys.stdin.buffer, sys.stdout)

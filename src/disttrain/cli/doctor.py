@@ -42,8 +42,8 @@ def handle(args: argparse.Namespace) -> int:
         raise UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
     options = parse_ssh_options(args.ssh_option)
     master = args.master_addr or master_address(hosts[0], options)
-    common = dict(python=args.python, options=options, cwd=os.getcwd())
-    facts = probe_all(hosts, master=master, port=args.master_port, paths=args.path, **common)
+    common = dict(python=args.python, options=options)
+    facts = probe_all(hosts, master=master, port=args.master_port, paths=args.path, cwd=os.getcwd(), **common)
     results = fact_checks(hosts, facts, master_port=args.master_port)
     if all(isinstance(f, dict) for f in facts):
         results += reach_checks(hosts, facts, master_port=args.master_port, **common)

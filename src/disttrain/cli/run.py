@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..backends.ssh import parse_ssh_options
 from ..backends.ssh_launch import master_address, probe_all, run_hosts
+from ..backends.sync import sync_all
 from ..config.hosts import Host
 from ..config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
 from ..errors import UsageError
@@ -62,11 +63,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "$DISTTRAIN_HOME/runs, printed at start)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="set an environment variable for every worker (repeatable)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static",
+                   help="static (default: node ranks in host order) or c10d (torch's dynamic rendezvous)")
     p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=int, default=120,
                    help="seconds to wait for all nodes to join before failing (default 120)")
     p.add_argument("--stop-grace", dest="stop_grace", type=int, default=15,
                    help="seconds workers get to exit after SIGTERM before SIGKILL (default 15)")
     add_host_args(p)
+    p.add_argument("--sync", action="store_true",
+                   help="with --hosts: first copy the working directory to the same path on every "
+                   "host (changed files only; .git, caches and virtualenvs skipped)")
     p.add_argument("--no-preflight", action="store_true",
                    help="with --hosts: skip the reachability checks run before the job")
     p.add_argument("--dry-run", action="store_true", help="print the launch plan as JSON and exit")
@@ -91,6 +97,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         ranks=parse_ranks(args.ranks),
         log_dir=args.log_dir,
         env=parse_env(args.env),
+        rdzv_backend=args.rdzv_backend,
         rdzv_timeout_s=args.rdzv_timeout,
         stop_grace_s=args.stop_grace,
     )
@@ -152,19 +159,21 @@ def multihost_plan(args: argparse.Namespace, hosts: tuple[Host, ...]) -> LaunchP
     master = spec.master_addr or master_address(hosts[0], options)
     port = spec.master_port or DEFAULT_MULTIHOST_PORT
     spec = replace(spec, nnodes=len(hosts), node_rank=0, master_addr=master, master_port=port)
+    if args.sync and not args.dry_run:
+        sync_all(hosts, os.getcwd(), python=args.python, options=options)
     facts = probe_all(
         hosts, python=args.python, master=master, port=port,
         paths=[] if spec.is_module else [spec.entry], options=options, cwd=os.getcwd(),
     )
     check_facts(hosts, facts, spec)
     if not args.no_preflight and not args.dry_run:
-        raise_on_failure(reach_checks(hosts, facts, master_port=port, python=args.python,
-                                      options=options, cwd=os.getcwd()))
+        raise_on_failure(reach_checks(hosts, facts, master_port=port, python=args.python, options=options))
     run_id = new_run_id(spec.entry)
     return make_plan(
         spec,
         tuple(
-            NodeFacts(hostname=h.name, cpus=f["cpus"], cuda_devices=f["cuda_devices"], socket_ifname=f["ifname"])
+            NodeFacts(hostname=h.name, cpus=f["cpus"], cuda_devices=f["cuda_devices"],
+                      socket_ifname=f["ifname"], address=f["address"], slots=h.slots)
             for h, f in zip(hosts, facts)
         ),
         python=args.python,
@@ -188,6 +197,8 @@ def check_facts(hosts: tuple[Host, ...], facts: list, spec: LaunchSpec) -> None:
 def plan_from_args(args: argparse.Namespace, hosts: tuple[Host, ...] | None) -> LaunchPlan:
     if hosts:
         return multihost_plan(args, hosts)
+    if args.sync:
+        raise UsageError("--sync copies the working directory to --hosts; without hosts there is nothing to copy to")
     spec = spec_from_args(args)
     check_entry(spec)
     run_id = new_run_id(spec.entry)

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from ..errors import UsageError
 from ..placement import BACKENDS
 
+# static: node ranks fixed by host order, the launcher's choice; c10d: torch's dynamic
+# rendezvous, where nodes take ranks in the order they join.
+RDZV_BACKENDS = ("static", "c10d")
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -73,6 +77,7 @@ class LaunchSpec:
     ranks: tuple[int, ...] | None = None
     log_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    rdzv_backend: str = "static"
     rdzv_timeout_s: int = 120
     stop_grace_s: int = 15
 
@@ -99,6 +104,9 @@ class LaunchSpec:
             raise UsageError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts cannot be negative, got {self.max_restarts}")
+        if self.rdzv_backend not in RDZV_BACKENDS:
+            raise UsageError(
+                f"--rdzv-backend must be one of {', '.join(RDZV_BACKENDS)}, got {self.rdzv_backend!r}")
         if self.rdzv_timeout_s < 1:
             raise UsageError(f"--rdzv-timeout must be at least 1 second, got {self.rdzv_timeout_s}")
         if self.stop_grace_s < 0:

@@ -28,6 +28,10 @@ class NodeFacts:
     # The interface this node reaches the master through (GLOO/NCCL_SOCKET_IFNAME), found
     # from its routes: on these machines the hostname resolves to 127.0.0.1.
     socket_ifname: str | None = None
+    # This node's own address toward the master (c10d rendezvous binds and advertises it).
+    address: str | None = None
+    # Processes the hostfile gives this host (``slots=N``); used when ``-n auto``.
+    slots: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +45,7 @@ class WorkerPlan:
 class NodePlan:
     node_rank: int
     host: str
+    address: str | None
     nproc: int
     env: dict[str, str]
     workers: tuple[WorkerPlan, ...]
@@ -59,7 +64,6 @@ class LaunchPlan:
     argv: tuple[str, ...]
     backend: str
     nnodes: int
-    nproc_per_node: int
     world_size: int
     master_addr: str
     master_port: int
@@ -75,9 +79,9 @@ class LaunchPlan:
 
 
 def _nproc(spec: LaunchSpec, facts: NodeFacts) -> int:
-    if spec.nproc_per_node == "auto":
-        return auto_nproc(cuda_devices=facts.cuda_devices, cpus=facts.cpus)
-    return int(spec.nproc_per_node)
+    if spec.nproc_per_node != "auto":
+        return int(spec.nproc_per_node)
+    return facts.slots or auto_nproc(cuda_devices=facts.cuda_devices, cpus=facts.cpus)
 
 
 def make_plan(
@@ -97,19 +101,17 @@ def make_plan(
     first being the master.
     """
     if isinstance(facts, NodeFacts):
-        placed = ((spec.node_rank, facts),)
-        nnodes = spec.nnodes
+        # torchrun-style: this node's part only; every node runs the same -n.
+        nproc = _nproc(spec, facts)
+        placed = ((spec.node_rank, facts, nproc, spec.node_rank * nproc),)
+        nnodes, world_size = spec.nnodes, nproc * spec.nnodes
     else:
-        placed = tuple(enumerate(facts))
-        nnodes = len(facts)
-    counts = {_nproc(spec, f) for _, f in placed}
-    if len(counts) > 1:
-        raise UsageError(
-            "-n auto found different process counts on the hosts "
-            f"({', '.join(f'{f.hostname}: {_nproc(spec, f)}' for _, f in placed)}); pass -n N"
-        )
-    nproc = counts.pop()
-    world_size = nproc * nnodes
+        # One node per host; counts may differ (slots=, -n auto on unequal hosts), so a
+        # node's first rank is the sum of the counts before it, as torch's agent assigns.
+        counts = [_nproc(spec, f) for f in facts]
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        placed = tuple(zip(range(len(facts)), facts, counts, firsts))
+        nnodes, world_size = len(facts), sum(counts)
     if spec.ranks is not None:
         missing = [r for r in spec.ranks if r >= world_size]
         if missing:
@@ -128,6 +130,7 @@ def make_plan(
         NodePlan(
             node_rank=node_rank,
             host=node_facts.hostname,
+            address=node_facts.address,
             nproc=nproc,
             env=launcher_env(
                 backend=backend,
@@ -139,12 +142,12 @@ def make_plan(
             ),
             workers=tuple(
                 WorkerPlan(
-                    rank=node_rank * nproc + local_rank,
+                    rank=first + local_rank,
                     local_rank=local_rank,
                     # Mirrors what torch's elastic agent sets for static rendezvous; shown
                     # by --dry-run so users see exactly what their script will read.
                     env={
-                        "RANK": str(node_rank * nproc + local_rank),
+                        "RANK": str(first + local_rank),
                         "LOCAL_RANK": str(local_rank),
                         "WORLD_SIZE": str(world_size),
                         "LOCAL_WORLD_SIZE": str(nproc),
@@ -156,7 +159,7 @@ def make_plan(
                 for local_rank in range(nproc)
             ),
         )
-        for node_rank, node_facts in placed
+        for node_rank, node_facts, nproc, first in placed
     )
     return LaunchPlan(
         run_id=run_id,
@@ -164,11 +167,10 @@ def make_plan(
         argv=argv,
         backend=backend,
         nnodes=nnodes,
-        nproc_per_node=nproc,
         world_size=world_size,
         master_addr=master_addr,
         master_port=master_port,
-        rdzv_backend="static",
+        rdzv_backend=spec.rdzv_backend,
         rdzv_timeout_s=spec.rdzv_timeout_s,
         max_restarts=spec.max_restarts,
         stop_grace_s=spec.stop_grace_s,

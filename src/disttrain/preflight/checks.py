@@ -40,11 +40,18 @@ def fact_checks(hosts: Sequence[Host], facts: Sequence[dict | Exception], *, mas
                                        "and that disttrain is installed there"))
             continue
         out.append(CheckResult(check="ssh", host=host.name, status="ok", detail=f"reached; hostname {fact['hostname']}"))
+        if not fact["cwd_exists"]:
+            out.append(CheckResult(
+                check="path", host=host.name, status="fail",
+                detail=f"the working directory {fact['cwd']} does not exist there",
+                fix="`disttrain run --sync` copies it, or create it (a shared filesystem)",
+            ))
         for path, present in fact["paths"].items():
             out.append(CheckResult(
                 check="path", host=host.name, status="ok" if present else "fail",
                 detail=f"{path} {'present' if present else 'not found'} in {fact['cwd']}",
-                fix="" if present else "copy it there, or use a shared filesystem",
+                fix="" if present else "`disttrain run --sync` copies the working directory, "
+                                       "or copy it yourself (or use a shared filesystem)",
             ))
         if base is not None and fact is not base:
             diffs = [f"{k} {v} (vs {base['versions'][k]} on {hosts[0].name})"
@@ -69,9 +76,9 @@ def fact_checks(hosts: Sequence[Host], facts: Sequence[dict | Exception], *, mas
     return out
 
 
-def _start_listener(host: Host, ports: list[int], *, python: str, options: Sequence[str], cwd: str):
+def _start_listener(host: Host, ports: list[int], *, python: str, options: Sequence[str]):
     argv = [python, "-m", "disttrain", "probe", "--listen", ",".join(map(str, ports))]
-    proc = subprocess.Popen(ssh_argv(host, argv, options=options, cwd=cwd), stdin=subprocess.PIPE,
+    proc = subprocess.Popen(ssh_argv(host, argv, options=options), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line: list[str] = []
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
@@ -82,14 +89,14 @@ def _start_listener(host: Host, ports: list[int], *, python: str, options: Seque
 
 
 def reach_checks(hosts: Sequence[Host], facts: Sequence[dict], *, master_port: int, python: str,
-                 options: Sequence[str], cwd: str) -> list[CheckResult]:
+                 options: Sequence[str]) -> list[CheckResult]:
     """Real TCP connects from every host to the master port and to every other host."""
     listeners = []
     try:
         with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
             listeners = list(pool.map(
                 lambda i: _start_listener(hosts[i], [master_port, 0] if i == 0 else [0],
-                                          python=python, options=options, cwd=cwd),
+                                          python=python, options=options),
                 range(len(hosts)),
             ))
         out: list[CheckResult] = []
@@ -110,7 +117,7 @@ def reach_checks(hosts: Sequence[Host], facts: Sequence[dict], *, master_port: i
                 return {}
             argv = [python, "-m", "disttrain", "probe", "--connect", ",".join(mine)]
             try:
-                res = subprocess.run(ssh_argv(hosts[i], argv, options=options, cwd=cwd), capture_output=True,
+                res = subprocess.run(ssh_argv(hosts[i], argv, options=options), capture_output=True,
                                      text=True, timeout=CONNECT_ROUND_S, stdin=subprocess.DEVNULL)
                 return json.loads(res.stdout.strip().splitlines()[-1])
             except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):

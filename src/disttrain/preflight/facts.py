@@ -51,9 +51,11 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def node_facts(*, master: str, port: int | None = None, paths: list[str] = ()) -> dict:
+def node_facts(*, master: str, port: int | None = None, paths: list[str] = (), cwd: str | None = None) -> dict:
+    """This host's facts; ``paths`` are looked up relative to ``cwd`` (the launcher's)."""
     import torch
 
+    cwd = cwd or os.getcwd()
     source, ifname = route_to(master)
     is_master = source == master or ipaddress.ip_address(master).is_loopback
     return {
@@ -64,7 +66,8 @@ def node_facts(*, master: str, port: int | None = None, paths: list[str] = ()) -
         "cpus": usable_cpus(),
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "versions": versions(),
-        "paths": {p: Path(p).exists() for p in paths},
-        "cwd": os.getcwd(),
+        "paths": {p: (Path(cwd) / p).exists() for p in paths},
+        "cwd": cwd,
+        "cwd_exists": Path(cwd).is_dir(),
         "port_free": (not port_in_use(master, port)) if (is_master and port) else None,
     }

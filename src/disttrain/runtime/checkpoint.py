@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DisttrainError, UsageError
-from .checkpoint_layout import STATE_FILE, CheckpointLayout, commit, prune, write_durably
+from .checkpoint_layout import (
+    MARKER,
+    STATE_FILE,
+    CheckpointLayout,
+    commit,
+    listed_files,
+    prune,
+    write_durably,
+)
 from .context import Context, context
 from .data import unwrap
 
@@ -33,7 +41,7 @@ _PLAIN_CONTAINERS = {dict, OrderedDict, list, tuple}
 
 
 def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3,
-         **state: Any) -> Path | None:
+         rank_state: dict[str, Any] | None = None, **state: Any) -> Path | None:
     """Save ``state`` as the checkpoint for ``step``; call it on every rank.
 
     Objects with ``state_dict()`` (model -- DDP or compiled --, optimizer, scheduler) are
@@ -42,6 +50,10 @@ def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3
     ``step_<8 digits>`` only when complete, then keeps the newest ``keep_last`` (None keeps
     all). The other ranks wait, so anyone may load right after. Returns the checkpoint's
     path on rank 0, None on the others.
+
+    ``rank_state`` holds what differs between ranks (their RNG states): plain values,
+    passed by every rank or by none. Rank 0 gathers them and writes one file per rank
+    into the same directory, so they are committed with the rest or not at all.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise UsageError(f"checkpoint.save(step={step!r}): step must be an integer >= 0")
@@ -52,11 +64,14 @@ def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3
     layout = CheckpointLayout(Path(directory))
     for name, value in state.items():  # on every rank, so that all raise alike
         _check_saveable(name, value)
+    if rank_state is not None:
+        _check_saveable("rank_state", rank_state, plain_only=True)
+    rank_states = _gather(ctx, rank_state)
     path, error, failure = None, None, None
     if ctx.is_main:
         try:
             payload = {"step": step, **{name: _saveable(v) for name, v in state.items()}}
-            path = _write(layout, step, payload, ctx)
+            path = _write(layout, step, payload, rank_states, ctx)
             prune(layout, keep_last)
         except OSError as err:
             error = _write_error(layout.root, err)
@@ -80,8 +95,9 @@ def load_latest(directory: str | PathLike[str], *, map_location: Any = None,
 
     Each object passed (``model=model, optimizer=opt``...) gets ``load_state_dict`` with
     what was saved under its name; the return value is everything saved (``step``, the
-    plain values, the state dicts). Call it on every rank: every rank reads the files, and
-    all agree on the step. A newest checkpoint that fails to load (truncated, corrupt) is
+    plain values, the state dicts) and, when the checkpoint was saved with them,
+    ``rank_state``: this rank's own values (None for a rank the saving job did not have).
+    Call it on every rank: every rank reads the files, and all agree on the step. A newest checkpoint that fails to load (truncated, corrupt) is
     skipped with a warning for the one before it. ``map_location=None`` loads onto the
     CPU -- ``load_state_dict`` copies onto each object's own device -- so that ranks do not
     all allocate on the GPU rank 0 saved from. ``weights_only=False`` unpickles arbitrary
@@ -91,7 +107,7 @@ def load_latest(directory: str | PathLike[str], *, map_location: Any = None,
     layout = CheckpointLayout(Path(directory))
     location = "cpu" if map_location is None else map_location
     candidates = _complete(layout)
-    step, state = _load_newest(candidates, location, weights_only)
+    step, state = _load_newest(candidates, ctx.rank, location, weights_only)
     agreed = _agree_on_step(ctx, -1 if step is None else step, layout.root)
     if agreed is None:
         return None
@@ -99,7 +115,7 @@ def load_latest(directory: str | PathLike[str], *, map_location: Any = None,
         warnings.warn(f"rank {ctx.rank}: loading step {agreed}, the newest every rank could read",
                       stacklevel=2)
         path = dict((s, p) for s, p in candidates).get(agreed)
-        state = _load(path, location, weights_only) if path else None
+        state = _load(path, ctx.rank, location, weights_only) if path else None
         if state is None:
             raise DisttrainError(
                 f"rank {ctx.rank} cannot read checkpoint step {agreed} in {layout.root}")
@@ -127,8 +143,8 @@ def _saveable(value: Any) -> Any:
     return target.state_dict() if callable(getattr(target, "state_dict", None)) else value
 
 
-def _check_saveable(name: str, value: Any) -> None:
-    if callable(getattr(unwrap(value), "state_dict", None)):
+def _check_saveable(name: str, value: Any, *, plain_only: bool = False) -> None:
+    if not plain_only and callable(getattr(unwrap(value), "state_dict", None)):
         return
     bad = _first_unplain(value)
     if bad is not None:
@@ -153,10 +169,27 @@ def _first_unplain(value: Any) -> Any | None:
     return None
 
 
-def _write(layout: CheckpointLayout, step: int, payload: dict, ctx: Context) -> Path:
+def _gather(ctx: Context, rank_state: dict | None) -> list[dict] | None:
+    """Every rank's ``rank_state`` on rank 0 (None elsewhere, and when none was given)."""
+    if rank_state is None:
+        return None
+    if not ctx.distributed:
+        return [rank_state]
+    gathered: list | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(rank_state, gathered, dst=0)
+    return gathered
+
+
+def _write(layout: CheckpointLayout, step: int, payload: dict, rank_states: list[dict] | None,
+           ctx: Context) -> Path:
     def write_files(directory: Path) -> list[str]:
         write_durably(directory / STATE_FILE, lambda f: torch.save(payload, f))
-        return [STATE_FILE]
+        files = [STATE_FILE]
+        for rank, values in enumerate(rank_states or ()):
+            name = layout.rank_file(rank)
+            write_durably(directory / name, lambda f, v=values: torch.save(v, f))
+            files.append(name)
+        return files
 
     meta = {"world_size": ctx.world_size, "time": time.time(), "torch": torch.__version__}
     return commit(layout, step, write_files, meta)
@@ -177,10 +210,39 @@ def _from_main(ctx: Context, error: str | None) -> str | None:
     return box[0]
 
 
-def _load(path: Path, location: Any, weights_only: bool) -> dict | None:
-    """The state in ``path``, or None (with a warning) when the files are damaged."""
+def _load(path: Path, rank: int, location: Any, weights_only: bool) -> dict | None:
+    """The state in ``path`` with ``rank``'s own values, or None (with a warning) when the
+    files are damaged."""
+    state = _load_file(path, STATE_FILE, location, weights_only)
+    if state is None:
+        return None
+    if not isinstance(state, dict) or "step" not in state:
+        warnings.warn(
+            f"skipping checkpoint {path}: {STATE_FILE} is not a disttrain state", stacklevel=3)
+        return None
     try:
-        state = torch.load(path / STATE_FILE, map_location=location, weights_only=weights_only)
+        rank_files = [name for name in listed_files(path) if name != STATE_FILE]
+    except (OSError, ValueError) as err:
+        warnings.warn(f"skipping checkpoint {path}: unreadable {MARKER}: {err}", stacklevel=3)
+        return None
+    mine = CheckpointLayout.rank_file(rank)
+    if mine in rank_files:
+        values = _load_file(path, mine, location, weights_only)
+        if values is None:
+            return None
+        if not isinstance(values, dict):
+            warnings.warn(f"skipping checkpoint {path}: {mine} is not a dict", stacklevel=3)
+            return None
+        state["rank_state"] = values
+    elif rank_files:  # saved by a job without this rank
+        state["rank_state"] = None
+    return state
+
+
+def _load_file(path: Path, name: str, location: Any, weights_only: bool) -> Any:
+    """What ``path/name`` holds, or None (with a warning) when it is damaged."""
+    try:
+        return torch.load(path / name, map_location=location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         message = str(err)
         if weights_only and "Unsupported global" in message:
@@ -195,19 +257,14 @@ def _load(path: Path, location: Any, weights_only: bool) -> dict | None:
             f"skipping damaged checkpoint {path}: {message.splitlines()[0]}", stacklevel=3)
         return None
     except (OSError, EOFError, RuntimeError) as err:
-        warnings.warn(f"skipping unreadable checkpoint {path}: {err}", stacklevel=3)
+        warnings.warn(f"skipping unreadable checkpoint {path}: {err}", stacklevel=4)
         return None
-    if not isinstance(state, dict) or "step" not in state:
-        warnings.warn(
-            f"skipping checkpoint {path}: {STATE_FILE} is not a disttrain state", stacklevel=3)
-        return None
-    return state
 
 
-def _load_newest(candidates: list[tuple[int, Path]], location: Any,
+def _load_newest(candidates: list[tuple[int, Path]], rank: int, location: Any,
                  weights_only: bool) -> tuple[int | None, dict | None]:
     for step, path in reversed(candidates):
-        state = _load(path, location, weights_only)
+        state = _load(path, rank, location, weights_only)
         if state is not None:
             return step, state
     return None, None

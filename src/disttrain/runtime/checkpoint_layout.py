@@ -5,14 +5,16 @@
     <directory>/
         step_00000100/          one complete checkpoint per step
             state.pt            what rank 0 saved (model, optimizer, ..., step)
-            COMPLETE            marker, written last; JSON metadata
+            rank_00000.pt       each rank's own values (RNG states), when saved with them
+            rank_00001.pt
+            COMPLETE            marker, written last; JSON metadata listing the files
         .tmp-step_00000200-4242/   being written by process 4242; never read
 
 A step directory counts only when it holds the marker, and it only gets its final name
 through ``os.rename`` after everything in it was written and fsynced, so a crash at any
-point leaves either the old set of checkpoints or the new one. Per-rank files (RNG
-states, sampler position) are meant to join ``state.pt`` as ``rank_<NNNNN>.pt`` and be
-listed in the marker's ``files``.
+point leaves either the old set of checkpoints or the new one. Rank 0 writes every file,
+the per-rank ones included (gathered from the other ranks first), so one rename commits
+them together.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class CheckpointLayout:
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
+
+    @staticmethod
+    def rank_file(rank: int) -> str:
+        return f"rank_{rank:05d}.pt"
 
     def temp_dir(self, step: int) -> Path:
         # Hidden and not matching step_N, so readers never mistake it for a checkpoint.
@@ -110,10 +116,15 @@ def commit(layout: CheckpointLayout, step: int, write_files: Callable[[Path], li
     if temp.exists():  # a previous writer with our pid (pid reuse) died here
         shutil.rmtree(temp)
     temp.mkdir()
-    files = write_files(temp)
-    marker = json.dumps({"format": FORMAT, "step": step, "files": files, **meta}, indent=1)
-    write_durably(temp / MARKER, lambda f: f.write(marker.encode()))
-    _fsync_dir(temp)
+    try:
+        files = write_files(temp)
+        marker = json.dumps({"format": FORMAT, "step": step, "files": files, **meta}, indent=1)
+        write_durably(temp / MARKER, lambda f: f.write(marker.encode()))
+        _fsync_dir(temp)
+    except BaseException:
+        # A full disk is the usual cause: give the space back now, not at the next save.
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     final = layout.step_dir(step)
     if final.exists():
         # rename() cannot replace a non-empty directory: move the old one aside first.
@@ -125,6 +136,11 @@ def commit(layout: CheckpointLayout, step: int, write_files: Callable[[Path], li
         os.rename(temp, final)
     _fsync_dir(layout.root)
     return final
+
+
+def listed_files(path: Path) -> list[str]:
+    """The file names the marker of the checkpoint in ``path`` lists."""
+    return list(json.loads((path / MARKER).read_text()).get("files", []))
 
 
 def prune(layout: CheckpointLayout, keep_last: int | None) -> list[Path]:

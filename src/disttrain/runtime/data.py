@@ -17,7 +17,7 @@ from torch.utils.data import (
 )
 
 from ..errors import UsageError
-from . import loop
+from . import loop, preemption
 from .context import Context, context
 from .device import batch_target, ddp_device_ids, move_to, non_blocking_for, pin_memory_for
 from .samplers import EvalShardSampler
@@ -146,23 +146,39 @@ def _prepare_loader(loader: DataLoader, ctx: Context, *, position: int) -> Prepa
     if isinstance(loader, PreparedLoader):
         return loader  # prepared already: re-sharding a shard would drop data
     sampler = shard_sampler(loader, rank=ctx.rank, world_size=ctx.world_size, position=position)
+    prepared = _rebuilt(loader, sampler, pin_memory=pin_memory_for(ctx.device),
+                        target=batch_target(ctx.device))
+    return loop.track(prepared)
+
+
+def with_sampler(loader: DataLoader, sampler: Any) -> DataLoader:
+    """A loader like ``loader`` (same batches, workers, device) drawing from ``sampler``.
+
+    Resuming an epoch part-way uses it with the indices still to come, so that the batches
+    already trained on are never read again.
+    """
+    return _rebuilt(loader, sampler, pin_memory=loader.pin_memory,
+                    target=getattr(loader, "target", None))
+
+
+def _rebuilt(loader: DataLoader, sampler: Any, *, pin_memory: bool,
+             target: torch.device | None) -> PreparedLoader:
     # in_order exists from torch 2.6 on; pass it only where the loader has it.
     extra = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}
-    prepared = PreparedLoader(
+    return PreparedLoader(
         loader.dataset,
         batch_size=loader.batch_size,
         sampler=sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
-        pin_memory=pin_memory_for(ctx.device),
+        pin_memory=pin_memory,
         drop_last=loader.drop_last,
         timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
+        worker_init_fn=preemption.worker_init(loader.worker_init_fn),
         multiprocessing_context=loader.multiprocessing_context,
         generator=loader.generator,
         prefetch_factor=loader.prefetch_factor,
         persistent_workers=loader.persistent_workers,
-        target=batch_target(ctx.device),
+        target=target,
         **extra,
     )
-    return loop.track(prepared)

@@ -31,16 +31,25 @@ def set_epoch(epoch: int) -> None:
                 sampler.set_epoch(epoch)
 
 
-def epochs(n: int, *, start: int = 0) -> Iterator[int]:
+def epochs(n: int, *, start: int | None = None) -> Iterator[int]:
     """Yield ``start, start+1, ..., n-1``, reshuffling the prepared loaders for each.
 
     ``DistributedSampler`` shuffles with ``seed + epoch``, so every rank draws the same
     permutation and takes its own disjoint slice; without ``set_epoch`` every epoch would
-    repeat the first one's order. ``start`` resumes a run (e.g. the epoch after the one
-    stored in a checkpoint). Loaders prepared while the loop runs join from the next epoch.
+    repeat the first one's order. Without ``start`` the loop follows the state
+    :func:`disttrain.resume` returned, if any (from the checkpoint's epoch on), else
+    starts at 0. Loaders prepared while the loop runs join from the next epoch.
     """
     if n < 0:
         raise UsageError(f"epochs(n={n}): n cannot be negative")
+    if start is None:
+        from .resume import current  # resume builds on this module
+
+        state = current()
+        if state is not None:
+            yield from state.epochs(n)
+            return
+        start = 0
     if start < 0:
         raise UsageError(f"epochs(start={start}): start cannot be negative")
     for epoch in range(start, n):

@@ -1,0 +1,355 @@
+"""Resumable training: where the loop stands, saved with the model, so a restarted job
+carries on as if it had never stopped.
+
+::
+
+    state = disttrain.resume("ckpt", every=100, model=model, optimizer=opt, scheduler=sched)
+    for epoch in disttrain.epochs(10):        # from the checkpoint's epoch on
+        for x, y in state.steps(train_dl):    # without the batches already trained on
+            ...                               # a checkpoint every 100 steps
+
+A checkpoint (through :mod:`.checkpoint`, so atomic and loaded with ``weights_only``)
+holds the objects given to :func:`resume`, the step, the position in the epoch and, per
+rank, every random generator (:mod:`.rng`). With the same world size a run killed at any
+moment and resumed ends with the same bits as the run that never stopped, because
+
+- the epoch's remaining batches come from the same permutation (the sampler's indices
+  from the saved position on; the batches before it are not read again);
+- each rank's generators are restored *after* the resumed epoch's iterator exists, since
+  creating it draws from them, which the uninterrupted run did before the checkpoint.
+
+SIGTERM stops the loop at the next step boundary on every rank, saves, and exits with
+:data:`~.preemption.PREEMPTED_EXIT` (see :mod:`.preemption`).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    SequentialSampler,
+)
+
+from ..errors import DisttrainError, UsageError
+from ..workerenv import CHECKPOINT_DIR, WorkerEnv
+from . import checkpoint, loop, preemption, rng
+from .context import Context, context
+from .data import unwrap, with_sampler
+from .samplers import EvalShardSampler
+
+__all__ = ["TrainingState", "current", "resume"]
+
+# Names the checkpoint itself uses; objects cannot be saved under them.
+_RESERVED = ("step", "progress", "rank_state")
+# Samplers whose order is a function of the epoch alone, so the rest of an epoch can be
+# cut from a fresh iteration of it.
+_REPEATABLE = (DistributedSampler, SequentialSampler, EvalShardSampler)
+
+_current: TrainingState | None = None
+
+
+def resume(directory: str | PathLike[str] | None = None, *, every: int | None = None,
+           keep_last: int | None = 3, weights_only: bool = True,
+           **objects: Any) -> TrainingState:
+    """Load the newest complete checkpoint in ``directory`` (if any) into ``objects``;
+    return the :class:`TrainingState` that continues from it. Call it on every rank.
+
+    ``objects`` are what has a ``state_dict()``: model (DDP or not), optimizer, LR
+    scheduler, ``GradScaler``...; None values are skipped (``scaler=None`` without AMP).
+    ``directory`` defaults to ``$DISTTRAIN_CHECKPOINT_DIR``; without either nothing is
+    saved or loaded and the state only counts. ``every`` is the number of steps between
+    checkpoints (default ``$DISTTRAIN_CHECKPOINT_EVERY``, else 0: at the end of each
+    epoch); ``keep_last`` and ``weights_only`` are :func:`checkpoint.save`'s and
+    :func:`checkpoint.load_latest`'s.
+    """
+    global _current
+    ctx = context()
+    env = WorkerEnv.from_environ()
+    directory = directory if directory is not None else env.checkpoint_dir
+    every = every if every is not None else (env.checkpoint_every or 0)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise UsageError(f"resume(every={every!r}): steps between checkpoints, an integer >= 0 "
+                         "(0: at the end of each epoch)")
+    if keep_last is not None and keep_last < 1:
+        raise UsageError(f"resume(keep_last={keep_last}): keep at least 1, or None for all")
+    kept = {name: obj for name, obj in objects.items() if obj is not None}
+    for name, obj in kept.items():
+        _check_object(name, obj)
+    if _current is not None:
+        _current.close()
+    state = TrainingState(Path(directory) if directory else None, every=every,
+                          keep_last=keep_last, objects=kept, ctx=ctx)
+    if state.directory is not None:
+        state._load(weights_only)
+        state._watch_sigterm()
+    _current = state
+    return state
+
+
+def current() -> TrainingState | None:
+    """The state the last :func:`resume` returned (what ``disttrain.epochs`` follows)."""
+    return _current
+
+
+@dataclass(frozen=True)
+class _ResumePoint:
+    """Where the loaded checkpoint stopped, applied when its epoch's steps begin."""
+
+    epoch: int
+    epoch_step: int
+    epoch_samples: int  # of the epoch's global order (all ranks), consumed
+    epoch_done: bool  # every step of the epoch ran; only the code after them remains
+    world_size: int
+    rank_state: dict | None
+
+
+class TrainingState:
+    """The step and epoch of a training loop, checkpointed so that it can resume.
+
+    ``step``: steps finished in the whole run -- inside ``steps()``'s loop, the index of
+    the step being run. ``epoch``: the current epoch. ``epoch_step``: steps of this epoch
+    finished (inside the loop, the batch's index in the epoch). ``resumed_from``: the step
+    the run started from, or None.
+    """
+
+    def __init__(self, directory: Path | None, *, every: int, keep_last: int | None,
+                 objects: dict[str, Any], ctx: Context) -> None:
+        self.directory = directory
+        self.every = every
+        self.keep_last = keep_last
+        self.step = 0
+        self.epoch = 0
+        self.epoch_step = 0
+        self.resumed_from: int | None = None
+        self._objects = objects
+        self._ctx = ctx
+        self._epoch_samples = 0
+        self._epoch_len: int | None = None
+        self._loader: Any = None
+        self._point: _ResumePoint | None = None
+        self._saved_step: int | None = None
+        self._vote: preemption.StopVote | None = None
+
+    # -- the loops ---------------------------------------------------------------------
+
+    def epochs(self, n: int) -> Iterator[int]:
+        """Like :func:`disttrain.epochs`, from the checkpoint's epoch on."""
+        for epoch in loop.epochs(n, start=min(self.epoch, n)):
+            self.epoch = epoch
+            yield epoch
+            if self._point is not None:  # the resumed epoch ran no steps(): nothing to skip
+                self._restore_generators(self._point, loader=None)
+                self._point = None
+            self.epoch, self.epoch_step, self._epoch_samples = epoch + 1, 0, 0
+            self._epoch_len = None
+
+    def steps(self, loader: Iterable) -> Iterator[Any]:
+        """The batches of ``loader`` left in this epoch; one optimizer step per batch.
+
+        When the body of the loop has run for a batch, that step counts: a checkpoint is
+        saved every ``every`` steps (``every=0``: after the epoch's last step), and a
+        SIGTERM on any rank makes every rank save here and exit.
+        """
+        batches = self._begin_epoch(loader)
+        for batch in batches:
+            yield batch
+            self._end_step(loader)
+        if self.every == 0 and self.directory is not None:
+            self._checkpoint()
+
+    def save(self) -> Path | None:
+        """Checkpoint now, as of the last finished step; call it on every rank.
+
+        A run resumed from it starts with the next step -- or, saved after an epoch's last
+        step, with that epoch's code after its step loop. Returns the path on rank 0.
+        """
+        if self.directory is None:
+            raise UsageError("TrainingState.save(): no checkpoint directory; pass one to "
+                             f"disttrain.resume() or set {CHECKPOINT_DIR}")
+        progress = {
+            "epoch": self.epoch,
+            "epoch_step": self.epoch_step,
+            "epoch_samples": self._epoch_samples,
+            "epoch_done": self._epoch_len is not None and self.epoch_step >= self._epoch_len,
+            "world_size": self._ctx.world_size,
+        }
+        generator = getattr(self._loader, "generator", None)
+        path = checkpoint.save(
+            self.directory, step=self.step, keep_last=self.keep_last,
+            rank_state=rng.capture([generator]), progress=progress, **self._objects,
+        )
+        self._saved_step = self.step
+        return path
+
+    def close(self) -> None:
+        """Stop handling SIGTERM; :func:`resume` does it for the state it replaces."""
+        global _current
+        if self._vote is not None:
+            preemption.uninstall()
+            self._vote = None
+        if _current is self:
+            _current = None
+
+    # -- inside ------------------------------------------------------------------------
+
+    def _load(self, weights_only: bool) -> None:
+        assert self.directory is not None
+        loaded = checkpoint.load_latest(self.directory, weights_only=weights_only,
+                                        **self._objects)
+        if loaded is None:
+            return
+        progress = loaded.get("progress")
+        if not isinstance(progress, dict):
+            raise DisttrainError(
+                f"the newest checkpoint in {self.directory} (step {loaded['step']}) was not "
+                "written by disttrain.resume(): it holds no training progress; give resume() "
+                "a directory of its own")
+        self.step = self.resumed_from = self._saved_step = loaded["step"]
+        self.epoch = progress["epoch"]
+        self._point = _ResumePoint(
+            epoch=progress["epoch"], epoch_step=progress["epoch_step"],
+            epoch_samples=progress["epoch_samples"], epoch_done=progress["epoch_done"],
+            world_size=progress["world_size"], rank_state=loaded.get("rank_state"),
+        )
+        if self._ctx.is_main:
+            where = "at its end" if self._point.epoch_done else \
+                f"after {self._point.epoch_step} of its steps"
+            print(f"disttrain: resuming from step {self.step} in {self.directory} "
+                  f"(epoch {self.epoch}, {where})", file=sys.stderr, flush=True)
+            if self._point.world_size != self._ctx.world_size:
+                warnings.warn(_world_size_warning(self._point, self._ctx.world_size),
+                              stacklevel=3)
+
+    def _watch_sigterm(self) -> None:
+        if not preemption.install():
+            warnings.warn("disttrain.resume() outside the main thread: SIGTERM cannot be "
+                          "handled, a preempted run loses the steps since its last checkpoint",
+                          stacklevel=3)
+            return
+        group = None
+        if self._ctx.distributed and dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")  # the vote stays on the CPU
+        self._vote = preemption.StopVote(group, distributed=self._ctx.distributed)
+
+    def _begin_epoch(self, loader: Iterable) -> Iterator[Any]:
+        self._loader = loader
+        self._epoch_len = _length(loader)
+        point, self._point = self._point, None
+        if point is None:
+            return iter(loader)
+        if point.epoch != self.epoch:  # the resumed epoch was left without steps()
+            self._restore_generators(point, loader)
+            return iter(loader)
+        batch_size = getattr(loader, "batch_size", None) or 1
+        per_rank = point.epoch_samples // self._ctx.world_size
+        self.epoch_step = point.epoch_step if point.world_size == self._ctx.world_size \
+            else per_rank // batch_size
+        self._epoch_samples = point.epoch_samples
+        if point.epoch_done:
+            batches: Iterator[Any] = iter(())
+            self.epoch_step = self._epoch_len if self._epoch_len is not None else self.epoch_step
+        else:
+            batches = self._rest_of_epoch(loader, per_rank, self.epoch_step)
+        self._restore_generators(point, loader)
+        return batches
+
+    def _rest_of_epoch(self, loader: Any, samples: int, steps: int) -> Iterator[Any]:
+        """``loader``'s batches from its ``samples``-th sample (``steps``-th batch) on."""
+        if samples == 0:
+            return iter(loader)
+        indexable = (
+            isinstance(loader, DataLoader)
+            and not isinstance(loader.dataset, IterableDataset)
+            and (loader.batch_sampler is None or type(loader.batch_sampler) is BatchSampler)
+        )
+        if not indexable:
+            self._warn_once(
+                f"resuming epoch {self.epoch} part-way by reading and dropping its first "
+                f"{steps} batches: a {type(loader).__name__} without an index sampler cannot "
+                "start in the middle")
+            batches = iter(loader)
+            for _ in range(steps):
+                next(batches, None)
+            return batches
+        if not isinstance(loader.sampler, _REPEATABLE):
+            self._warn_once(
+                f"resuming epoch {self.epoch} part-way with a {type(loader.sampler).__name__}, "
+                "which may not repeat the order it had: batches of this epoch may be seen "
+                "twice or not at all (disttrain.prepare() gives a DistributedSampler, which "
+                "does repeat it)")
+        remaining = list(loader.sampler)[samples:]
+        return iter(with_sampler(loader, remaining))
+
+    def _restore_generators(self, point: _ResumePoint, loader: Any) -> None:
+        if point.rank_state is not None:
+            rng.restore(point.rank_state, [getattr(loader, "generator", None)])
+
+    def _end_step(self, loader: Any) -> None:
+        self.step += 1
+        self.epoch_step += 1
+        self._epoch_samples += (getattr(loader, "batch_size", None) or 1) * self._ctx.world_size
+        if self.directory is None:
+            return
+        stop = self._vote() if self._vote is not None else False
+        if stop or (self.every and self.step % self.every == 0):
+            self._checkpoint()
+        if stop:
+            if self._ctx.is_main:
+                print(f"disttrain: SIGTERM: stopped after step {self.step}, saved in "
+                      f"{self.directory}; exiting with {preemption.PREEMPTED_EXIT}, "
+                      "the next run resumes there", file=sys.stderr, flush=True)
+            raise SystemExit(preemption.PREEMPTED_EXIT)
+
+    def _checkpoint(self) -> None:
+        if self._saved_step != self.step:
+            self.save()
+
+    def _warn_once(self, message: str) -> None:
+        if self._ctx.is_main:
+            warnings.warn(message, stacklevel=4)
+
+
+def _check_object(name: str, obj: Any) -> None:
+    if name in _RESERVED:
+        raise UsageError(f"resume({name}=...): {name!r} is a name the checkpoint uses itself; "
+                         "pass the object under another name")
+    target = unwrap(obj)
+    for method in ("state_dict", "load_state_dict"):
+        if not callable(getattr(target, method, None)):
+            raise UsageError(
+                f"resume({name}=...): a {type(obj).__name__} has no {method}(); pass models, "
+                "optimizers, schedulers, scalers -- objects that save and load their state")
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _world_size_warning(point: _ResumePoint, world_size: int) -> str:
+    lost = ""
+    if world_size > point.world_size:
+        lost = (f" ranks {point.world_size}-{world_size - 1} have no saved random state "
+                "(they keep their own seeds);")
+    return (
+        f"disttrain: resuming a checkpoint saved by {point.world_size} ranks with "
+        f"{world_size}: training continues from step {point.epoch_step} of epoch "
+        f"{point.epoch} at the same point of the epoch's data order, but it cannot be "
+        "bit-for-bit the run that never stopped: the global batch changes with the number "
+        "of ranks, up to world-size minus one samples of this epoch are seen twice, each "
+        f"rank's data shard and random draws (dropout, augmentation) differ;{lost} "
+        "resume with the original world size for an exact continuation"
+    )

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from disttrain.datasets import mnist as M
 from disttrain.datasets import (
     DigitsDataset,
     generate_digits,
@@ -20,6 +19,7 @@ from disttrain.datasets import (
     write_idx,
     write_mnist,
 )
+from disttrain.datasets import mnist as M
 
 
 def small_split(n: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -113,7 +113,7 @@ def test_two_nodes_layout(cluster):
     assert cluster.ns_id(a) != cluster.ns_id(b)
     for nd in cluster.nodes:
         r = cluster.run_in(nd, ["ip", "-o", "-4", "addr", "show"], check=True)
-        addrs = {(l.split()[1], l.split()[3]) for l in r.stdout.splitlines()}
+        addrs = {(line.split()[1], line.split()[3]) for line in r.stdout.splitlines()}
         assert addrs == {("lo", "127.0.0.1/8"), ("eth1", f"{nd.ip}/24")}, r.stdout
     # nothing of the rig in the root namespace: its interfaces are not there
     assert not any(name.startswith(("eth1", "p0", "p1", "br0")) for name in root_links())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from _launch import run_ranks, run_single
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -20,7 +20,7 @@ model, opt, loader = disttrain.prepare(
     torch.nn.Linear(8, 2), None, DataLoader(data, batch_size=8, shuffle=True))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 loss_meter = disttrain.MeanMeter()
-for epoch in disttrain.epochs(1):
+for _epoch in disttrain.epochs(1):
     for x, y in loader:
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)

@@ -5,7 +5,8 @@
 Each rank times ``--votes`` stop votes (one all-reduce of an int32 on the CPU group, what
 ``TrainingState.steps()`` does after every step while it has a checkpoint directory) and
 ``--steps`` DDP training steps of the example's ConvNet at its batch size, interleaved in
-blocks so that both see the same machine load. Prints JSON; rank 0's figures.
+blocks so that both see the same machine load. Prints JSON (rank 0's figures) and writes
+it to bench/results/stop_vote-<date>-<machine>-<cpus>cpu.json.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -99,7 +101,11 @@ def main() -> int:
     if result.returncode != 0 or not found:
         sys.stderr.write(result.stdout + result.stderr)
         return result.returncode or 1
-    print(found[-1])
+    result = {"bench": "stop_vote", "date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
+              "cpus": os.cpu_count(), **json.loads(found[-1])}
+    name = f"stop_vote-{result['date']}-{result['machine']}-{result['cpus']}cpu.json"
+    (ROOT / "bench" / "results" / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
     return 0
 
 

@@ -18,6 +18,8 @@ CHECKPOINT_DIR = "DISTTRAIN_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "DISTTRAIN_CHECKPOINT_EVERY"
 PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
 CONNECT_TIMEOUT = "DISTTRAIN_CONNECT_TIMEOUT"
+HEARTBEAT_DIR = "DISTTRAIN_HEARTBEAT_DIR"
+DEFAULT_PG_TIMEOUT_S = 300
 
 # Interface variables that pin gloo/NCCL to the network that reaches the master.
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -49,6 +51,8 @@ def launcher_env(
     socket_ifname: str | None = None,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
+    heartbeat_dir: str | None = None,
+    hang_timeout_s: int = 0,
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Variables a node's agent exports to its workers, on top of torch elastic's own.
@@ -61,6 +65,11 @@ def launcher_env(
         env[CHECKPOINT_DIR] = checkpoint_dir
     if checkpoint_every is not None:
         env[CHECKPOINT_EVERY] = str(checkpoint_every)
+    if heartbeat_dir:
+        env[HEARTBEAT_DIR] = heartbeat_dir
+    if hang_timeout_s and PG_TIMEOUT not in inherited:
+        # A collective must outlast the watchdog, or it would fail first, without the stacks.
+        env[PG_TIMEOUT] = str(max(DEFAULT_PG_TIMEOUT_S, hang_timeout_s + 60))
     if "OMP_NUM_THREADS" not in inherited:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     if socket_ifname:
@@ -96,12 +105,16 @@ class WorkerEnv:
     master_addr: str | None = None
     master_port: int | None = None
     restart_count: int = 0
+    # torch's agent hosts the store the workers rendezvous through (it sets
+    # TORCHELASTIC_USE_AGENT_STORE), so keys outlive a restart.
+    agent_store: bool = False
     backend: str | None = None
     run_dir: str | None = None
     checkpoint_dir: str | None = None
     # Steps between checkpoints for disttrain.resume(); 0: at the end of each epoch.
     checkpoint_every: int | None = None
-    pg_timeout_s: float = 300.0
+    heartbeat_dir: str | None = None
+    pg_timeout_s: float = float(DEFAULT_PG_TIMEOUT_S)
     connect_timeout_s: float = 120.0
 
     @property
@@ -122,10 +135,12 @@ class WorkerEnv:
             master_addr=environ.get("MASTER_ADDR") if "WORLD_SIZE" in environ else None,
             master_port=int(port) if port else None,
             restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             backend=environ.get(BACKEND) or None,
             run_dir=environ.get(RUN_DIR) or None,
             checkpoint_dir=environ.get(CHECKPOINT_DIR) or None,
             checkpoint_every=_int(environ, CHECKPOINT_EVERY, None),
-            pg_timeout_s=float(environ.get(PG_TIMEOUT) or 300.0),
+            heartbeat_dir=environ.get(HEARTBEAT_DIR) or None,
+            pg_timeout_s=float(environ.get(PG_TIMEOUT) or DEFAULT_PG_TIMEOUT_S),
             connect_timeout_s=float(environ.get(CONNECT_TIMEOUT) or 120.0),
         )

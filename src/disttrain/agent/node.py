@@ -21,8 +21,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodePlan
+from ..workerenv import HEARTBEAT_DIR
 from .logs import RankLogs
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
+from .watchdog import HANG_EXIT, Watchdog
 
 MONITOR_INTERVAL_S = 0.1
 
@@ -81,6 +83,17 @@ def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailur
     return failures
 
 
+@contextlib.contextmanager
+def _watchdog(plan: LaunchPlan, node: NodePlan) -> Iterator[Watchdog | None]:
+    if not plan.hang_timeout_s:
+        yield None
+        return
+    # SIGTERM to ourselves: torch's agent then stops the workers as on any stop request.
+    with Watchdog(node.env[HEARTBEAT_DIR], plan.hang_timeout_s, node.host,
+                  on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM)) as dog:
+        yield dog
+
+
 def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr) -> int:
     """Start, watch and stop this node's workers; return the exit code for the launcher."""
     config = LaunchConfig(
@@ -106,7 +119,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
-    with _exported(node.env):
+    with _exported(node.env), _watchdog(plan, node) as dog:
         try:
             elastic_launch(config, plan.argv[0])(*plan.argv[1:])
         except ChildFailedError as err:
@@ -115,6 +128,9 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             print(format_failure(first, failures, plan.run_dir), file=report_to, flush=True)
             return first.exit_code
         except SignalException as err:
+            if dog is not None and dog.fired:
+                print(dog.fired, file=report_to, flush=True)
+                return HANG_EXIT
             print(
                 f"disttrain: got {err.sigval.name}, stopped all {node.nproc} workers on {node.host}",
                 file=report_to,

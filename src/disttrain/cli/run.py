@@ -67,6 +67,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="static (default: node ranks in host order) or c10d (torch's dynamic rendezvous)")
     p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=int, default=120,
                    help="seconds to wait for all nodes to join before failing (default 120)")
+    p.add_argument("--hang-timeout", dest="hang_timeout", type=int, default=0, metavar="S",
+                   help="stop the job, with every rank's stack, when no rank made progress for S "
+                   "seconds (ranks using disttrain's runtime; default 0: off)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="where disttrain.resume() saves and finds checkpoints (DISTTRAIN_CHECKPOINT_DIR)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="steps between checkpoints for disttrain.resume() (0: at each epoch's end)")
     p.add_argument("--stop-grace", dest="stop_grace", type=int, default=15,
                    help="seconds workers get to exit after SIGTERM before SIGKILL (default 15)")
     add_host_args(p)
@@ -100,6 +107,9 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         rdzv_backend=args.rdzv_backend,
         rdzv_timeout_s=args.rdzv_timeout,
         stop_grace_s=args.stop_grace,
+        hang_timeout_s=args.hang_timeout,
+        checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_every=args.checkpoint_every,
     )
 
 

@@ -80,6 +80,9 @@ class LaunchSpec:
     rdzv_backend: str = "static"
     rdzv_timeout_s: int = 120
     stop_grace_s: int = 15
+    hang_timeout_s: int = 0  # 0: no watchdog; the process group's timeout still bounds collectives
+    checkpoint_dir: str | None = None  # absolute: workers on other hosts start elsewhere
+    checkpoint_every: int | None = None
 
     def __post_init__(self) -> None:
         if not self.entry:
@@ -109,5 +112,10 @@ class LaunchSpec:
                 f"--rdzv-backend must be one of {', '.join(RDZV_BACKENDS)}, got {self.rdzv_backend!r}")
         if self.rdzv_timeout_s < 1:
             raise UsageError(f"--rdzv-timeout must be at least 1 second, got {self.rdzv_timeout_s}")
+        if self.hang_timeout_s < 0:
+            raise UsageError(f"--hang-timeout cannot be negative (0 turns it off), got {self.hang_timeout_s}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 0:
+            raise UsageError(
+                f"--checkpoint-every cannot be negative (0: at the end of each epoch), got {self.checkpoint_every}")
         if self.stop_grace_s < 0:
             raise UsageError(f"--stop-grace cannot be negative, got {self.stop_grace_s}")

@@ -71,6 +71,7 @@ class LaunchPlan:
     rdzv_timeout_s: int
     max_restarts: int
     stop_grace_s: int
+    hang_timeout_s: int
     shown_ranks: tuple[int, ...] | None
     nodes: tuple[NodePlan, ...]
 
@@ -138,6 +139,10 @@ def make_plan(
                 omp_threads=omp_threads(cpus=node_facts.cpus, nproc=nproc),
                 inherited=inherited_env,
                 socket_ifname=node_facts.socket_ifname,
+                checkpoint_dir=spec.checkpoint_dir,
+                checkpoint_every=spec.checkpoint_every,
+                heartbeat_dir=f"{run_dir}/heartbeat/node{node_rank}" if spec.hang_timeout_s else None,
+                hang_timeout_s=spec.hang_timeout_s,
                 extra=spec.env,
             ),
             workers=tuple(
@@ -174,6 +179,7 @@ def make_plan(
         rdzv_timeout_s=spec.rdzv_timeout_s,
         max_restarts=spec.max_restarts,
         stop_grace_s=spec.stop_grace_s,
+        hang_timeout_s=spec.hang_timeout_s,
         shown_ranks=spec.ranks,
         nodes=nodes,
     )

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..errors import DisttrainError
 from ..placement import choose_backend, choose_device
 from ..workerenv import CONNECT_TIMEOUT, WorkerEnv
-
+from . import heartbeat
 
 CONNECT_FAILED_EXIT = 75  # EX_TEMPFAIL: the network, not the script, is at fault
 
@@ -53,6 +53,21 @@ def _connect_watchdog(env: WorkerEnv):
         yield
     finally:
         done.set()
+
+
+def _attempt_store(env: WorkerEnv, timeout: timedelta) -> dist.Store | None:
+    """The agent's store, under a prefix of this restart's own; None: use ``env://``.
+
+    torch's elastic agent keeps one store for the whole job with static rendezvous (and
+    shares its c10d one), and ``env://`` adds no per-restart prefix: after a restart
+    (``--max-restarts``) the ranks can read the previous attempt's addresses and the
+    process group fails with "Connection refused" -- often, not always.
+    """
+    if not env.agent_store or env.master_addr is None or env.master_port is None:
+        return None
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"/disttrain/attempt_{env.restart_count}", store)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,8 +148,14 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
         timeout = timedelta(seconds=env.pg_timeout_s if timeout_s is None else timeout_s)
         extra = {"device_id": ctx.device} if ctx.backend == "nccl" else {}
         with _connect_watchdog(env):
-            dist.init_process_group(ctx.backend, init_method="env://", timeout=timeout, **extra)
+            store = _attempt_store(env, timeout)
+            if store is None:
+                dist.init_process_group(ctx.backend, init_method="env://", timeout=timeout, **extra)
+            else:
+                dist.init_process_group(ctx.backend, store=store, rank=env.rank,
+                                        world_size=env.world_size, timeout=timeout, **extra)
         _owns_group = True
+    heartbeat.start(env)
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import Any
 
 import torch
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import (
     BatchSampler,
@@ -17,10 +20,13 @@ from torch.utils.data import (
 )
 
 from ..errors import UsageError
-from . import loop, preemption
+from . import heartbeat, loop, preemption
 from .context import Context, context
 from .device import batch_target, ddp_device_ids, move_to, non_blocking_for, pin_memory_for
 from .samplers import EvalShardSampler
+
+# The DDP models prepare() made; weak, so that a model the script drops is freed as usual.
+_prepared_models: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
 # DistributedSampler's own default, used when the loader carries no generator.
 DEFAULT_SEED = 0
@@ -62,7 +68,9 @@ def _prepare_model(model: torch.nn.Module, ctx: Context) -> torch.nn.Module:
     model = model.to(ctx.device)
     if not ctx.distributed:
         return model
-    return DistributedDataParallel(model, device_ids=ddp_device_ids(ctx.device))
+    ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(ctx.device))
+    _prepared_models.add(ddp)
+    return ddp
 
 
 class PreparedLoader(DataLoader):
@@ -77,15 +85,21 @@ class PreparedLoader(DataLoader):
         self.target = target
 
     def __iter__(self):
-        batches = super().__iter__()
-        if self.target is None:
-            return batches
-        return self._moved(batches, self.target, non_blocking_for(self.target))
+        batches = super().__iter__()  # here, not in the generator: it draws from the RNG now
+        # An unpadded shard (shuffle=False) may give this rank one batch fewer than another;
+        # training DDP on it, the rank with the extra batch would wait forever in backward.
+        # Under torch's Join, ranks that ran out shadow the others' collectives instead.
+        uneven = isinstance(self.sampler, EvalShardSampler)
+        joined = [m for m in _prepared_models if m.training] if uneven else []
+        return self._steps(batches, self.target, joined)
 
     @staticmethod
-    def _moved(batches, target: torch.device, non_blocking: bool):
-        for batch in batches:
-            yield move_to(batch, target, non_blocking=non_blocking)
+    def _steps(batches, target: torch.device | None, joined: list[DistributedDataParallel]):
+        non_blocking = target is not None and non_blocking_for(target)
+        with Join(joined) if joined else contextlib.nullcontext():
+            for batch in batches:
+                heartbeat.beat()  # each batch is progress, for the launcher's hang watchdog
+                yield batch if target is None else move_to(batch, target, non_blocking=non_blocking)
 
 
 def shard_sampler(loader: DataLoader, *, rank: int, world_size: int, position: int = 0) -> Sampler:

@@ -17,6 +17,7 @@ while their parent handles it; they still exit with their parent.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -64,17 +65,35 @@ def requested() -> bool:
 
 
 class WorkerInit:
-    """A DataLoader ``worker_init_fn``: ignore SIGTERM if the parent handles it, then run
-    the user's own function (a class, not a closure, so that it pickles for spawn)."""
+    """A DataLoader ``worker_init_fn``: if the parent handles SIGTERM, survive the agent's,
+    then run the user's own function (a class, not a closure, so that it pickles for spawn)."""
 
     def __init__(self, user_fn: Any = None) -> None:
         self.user_fn = user_fn
 
     def __call__(self, worker_id: int) -> None:
         if _installed:  # inherited from the parent through fork
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _exit_on_sigterm_from_parent_only()
         if self.user_fn is not None:
             self.user_fn(worker_id)
+
+
+def _exit_on_sigterm_from_parent_only() -> None:
+    """What torch does in a DataLoader worker, minus dying of anyone else's SIGTERM.
+
+    Not ``SIG_IGN``: the parent's own SIGTERM must still end the worker, or a training
+    process exiting on an error (multiprocessing terminates, then joins its workers) waits
+    until the agent kills it. Only a waiting thread sees who sent the signal.
+    """
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=wait, name="disttrain-worker-sigterm", daemon=True).start()
 
 
 def worker_init(user_fn: Any) -> WorkerInit:

@@ -32,6 +32,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.utils.data import (
     BatchSampler,
@@ -217,6 +218,11 @@ class TrainingState:
                 "a directory of its own")
         self.step = self.resumed_from = self._saved_step = loaded["step"]
         self.epoch = progress["epoch"]
+        for obj in self._objects.values():
+            if isinstance(obj, torch.optim.Optimizer) and self.step > 0:
+                # It did step, in the run resumed: resuming at an epoch's end, a scheduler
+                # stepped there would warn "lr_scheduler.step() before optimizer.step()".
+                obj._opt_called = True  # torch's own flag for that warning
         self._point = _ResumePoint(
             epoch=progress["epoch"], epoch_step=progress["epoch_step"],
             epoch_samples=progress["epoch_samples"], epoch_done=progress["epoch_done"],
@@ -248,9 +254,6 @@ class TrainingState:
         point, self._point = self._point, None
         if point is None:
             return iter(loader)
-        if point.epoch != self.epoch:  # the resumed epoch was left without steps()
-            self._restore_generators(point, loader)
-            return iter(loader)
         batch_size = getattr(loader, "batch_size", None) or 1
         per_rank = point.epoch_samples // self._ctx.world_size
         self.epoch_step = point.epoch_step if point.world_size == self._ctx.world_size \
@@ -261,6 +264,8 @@ class TrainingState:
             self.epoch_step = self._epoch_len if self._epoch_len is not None else self.epoch_step
         else:
             batches = self._rest_of_epoch(loader, per_rank, self.epoch_step)
+        # Only now: creating the iterator drew from the generators (the loader's seed for
+        # its workers), which the uninterrupted run did before the checkpoint.
         self._restore_generators(point, loader)
         return batches
 
@@ -274,7 +279,7 @@ class TrainingState:
             and (loader.batch_sampler is None or type(loader.batch_sampler) is BatchSampler)
         )
         if not indexable:
-            self._warn_once(
+            self._warn_on_main(
                 f"resuming epoch {self.epoch} part-way by reading and dropping its first "
                 f"{steps} batches: a {type(loader).__name__} without an index sampler cannot "
                 "start in the middle")
@@ -283,7 +288,7 @@ class TrainingState:
                 next(batches, None)
             return batches
         if not isinstance(loader.sampler, _REPEATABLE):
-            self._warn_once(
+            self._warn_on_main(
                 f"resuming epoch {self.epoch} part-way with a {type(loader.sampler).__name__}, "
                 "which may not repeat the order it had: batches of this epoch may be seen "
                 "twice or not at all (disttrain.prepare() gives a DistributedSampler, which "
@@ -312,10 +317,17 @@ class TrainingState:
             raise SystemExit(preemption.PREEMPTED_EXIT)
 
     def _checkpoint(self) -> None:
-        if self._saved_step != self.step:
+        if self._saved_step == self.step:
+            return
+        try:
             self.save()
+        except DisttrainError as err:
+            # A full disk or an unwritable directory: one line, not a traceback through
+            # the user's `for` loop, which does not look like it writes anything.
+            print(f"disttrain: rank {self._ctx.rank}: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(err.exit_code) from None
 
-    def _warn_once(self, message: str) -> None:
+    def _warn_on_main(self, message: str) -> None:
         if self._ctx.is_main:
             warnings.warn(message, stacklevel=4)
 
@@ -340,16 +352,16 @@ def _length(loader: Any) -> int | None:
 
 
 def _world_size_warning(point: _ResumePoint, world_size: int) -> str:
-    lost = ""
+    caveats = ["the global batch changes with the number of ranks",
+               "each rank's data shard and random draws (dropout, augmentation) differ"]
     if world_size > point.world_size:
-        lost = (f" ranks {point.world_size}-{world_size - 1} have no saved random state "
-                "(they keep their own seeds);")
+        caveats.append(f"ranks {point.world_size}-{world_size - 1} have no saved random state "
+                       "and keep their own seeds")
+    if point.epoch_samples % world_size:
+        caveats.append(f"up to {world_size - 1} samples of this epoch are trained on twice")
     return (
-        f"disttrain: resuming a checkpoint saved by {point.world_size} ranks with "
-        f"{world_size}: training continues from step {point.epoch_step} of epoch "
-        f"{point.epoch} at the same point of the epoch's data order, but it cannot be "
-        "bit-for-bit the run that never stopped: the global batch changes with the number "
-        "of ranks, up to world-size minus one samples of this epoch are seen twice, each "
-        f"rank's data shard and random draws (dropout, augmentation) differ;{lost} "
-        "resume with the original world size for an exact continuation"
+        f"disttrain: the checkpoint was saved by {point.world_size} ranks and is resumed by "
+        f"{world_size}: training continues at sample {point.epoch_samples} of epoch "
+        f"{point.epoch}'s order, but cannot be bit-for-bit the run that never stopped: "
+        f"{'; '.join(caveats)}. Resume with {point.world_size} ranks for an exact continuation."
     )

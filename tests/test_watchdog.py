@@ -1,0 +1,71 @@
+"""The hang watchdog: real ranks, one of which stops; the job ends with every rank's stack."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS, assert_all_gone, cli_env, descendants
+from disttrain.agent.watchdog import HANG_EXIT, Beat, stalled_for, where
+
+SLEEP_LINE = next(i for i, line in enumerate((SCRIPTS / "hang_rank1.py").read_text().splitlines(), 1)
+                  if "time.sleep(600)" in line)
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_stops_is_found_with_its_stack(home):
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "disttrain", "run", "-n", "2", "--hang-timeout", "4", str(SCRIPTS / "hang_rank1.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    assert "rank 1 gets stuck" in launcher.stdout.readline()
+    workers = descendants(launcher.pid)
+    start = time.monotonic()
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == HANG_EXIT, err
+    assert time.monotonic() - start < 30
+    assert "no progress on" in err and "for 4 s (--hang-timeout)" in err
+    assert f"rank 1: hang_rank1.py:{SLEEP_LINE} in <module>   <- stopped in the script's own code" in err
+    # rank 0 waits inside torch (the all-reduce of DDP's backward), called from the script
+    rank0 = next(line for line in err.splitlines() if line.strip().startswith("rank 0:"))
+    assert "called from hang_rank1.py" in rank0 and "<-" not in rank0
+    run_dir = Path(err.split("logs: ")[1].split()[0])
+    assert f'hang_rank1.py", line {SLEEP_LINE}' in (run_dir / "attempt_0" / "rank1.stacks").read_text()
+    assert_all_gone(workers)
+
+
+def test_where_names_the_innermost_frame_and_the_call_site():
+    dump = (
+        "Thread 0x00007f (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n'
+        "\n"
+        "Current thread 0x00007e (most recent call first):\n"
+        '  File "/venv/lib/python3.11/site-packages/torch/autograd/graph.py", line 824 in _engine_run_backward\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/_tensor.py", line 647 in backward\n'
+        '  File "/home/me/train.py", line 40 in train_step\n'
+        '  File "/home/me/train.py", line 61 in <module>\n'
+    )
+    assert where(dump) == "graph.py:824 in _engine_run_backward, called from train.py:40 in train_step"
+    assert where('  File "/home/me/train.py", line 12 in <module>\n') == "train.py:12 in <module>"
+    assert where("") == "no Python stack (the process did not answer)"
+
+
+def test_stall_is_measured_from_the_freshest_rank():
+    beats = [Beat(0, 1, Path("a"), 100.0), Beat(1, 2, Path("b"), 130.0)]
+    assert stalled_for(beats, 140.0) == 10.0
+    assert stalled_for([], 140.0) == 0.0  # nobody beat yet: not armed
+
+
+@pytest.mark.timeout(90)
+def test_uneven_batches_do_not_hang_a_prepared_ddp_loop(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "disttrain", "run", "-n", "2", str(SCRIPTS / "uneven_batches.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=80, env=cli_env(DISTTRAIN_PG_TIMEOUT="30"))
+    assert result.returncode == 0, result.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["steps"] for r in ranks] == [3, 2]
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # still one model: the shadowed step is shared

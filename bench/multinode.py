@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,11 +91,13 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def machine_cpu() -> tuple[float, float]:
-    """(busy, steal) CPU seconds of the whole machine since boot (/proc/stat)."""
+    """(busy, steal) CPU seconds of the whole machine since boot (/proc/stat). Busy is user,
+    nice and system time: irq/softirq time (the veth and loopback traffic of our own jobs
+    among it) belongs to no process, so it is left out rather than blamed on others."""
     with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq) / CLK_TCK, steal / CLK_TCK
+        user, nice, system, *_rest = (int(v) for v in f.readline().split()[1:9])
+        steal = int(_rest[4])
+    return (user + nice + system) / CLK_TCK, steal / CLK_TCK
 
 
 def reaped_cpu(pid: int) -> float:
@@ -114,33 +117,30 @@ def own_cpu() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-class Noise:
-    """How much CPU the rest of the machine took while one job ran.
+def sshd_pids(cluster) -> list[int]:
+    """Each node's listening sshd (the rig keeps its pid file in its workdir)."""
+    return [int((cluster.workdir / f"sshd_{node.name}.pid").read_text().split()[0]) for node in cluster.nodes]
+
+
+@contextmanager
+def noise(cluster):
+    """How much CPU the rest of the machine took while one job ran; fills the dict it yields.
 
     Everything a job runs is reaped either by this process (the launcher and its tree) or
     by a node's sshd (every ssh session with the remote agent and its workers): their CPU
     lands in our rusage or in sshd's cutime/cstime once they have exited, which
     ``check_clean`` waits for. The rest of /proc/stat's busy time is other people's."""
+    pids = sshd_pids(cluster)
 
-    def __init__(self, cluster) -> None:
-        self.sshd = []
-        for node in cluster.nodes:  # rig keeps sshd's pid file in its workdir
-            pidfile = cluster.workdir / f"sshd_{node.name}.pid"
-            self.sshd.append(int(pidfile.read_text().split()[0]))
-
-    def _snapshot(self) -> tuple[float, float, float, float]:
+    def snapshot() -> tuple[float, float, float, float]:
         busy, steal = machine_cpu()
-        ours = own_cpu() + sum(reaped_cpu(pid) for pid in self.sshd)
-        return time.monotonic(), busy, steal, ours
+        return time.monotonic(), busy, steal, own_cpu() + sum(reaped_cpu(pid) for pid in pids)
 
-    def __enter__(self) -> "Noise":
-        self.start = self._snapshot()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        end = self._snapshot()
-        wall, busy, steal, ours = (b - a for a, b in zip(self.start, end))
-        self.figures = {"others_cores": max(0.0, busy - ours) / wall, "steal_cores": steal / wall}
+    figures: dict[str, float] = {}
+    start = snapshot()
+    yield figures
+    wall, busy, steal, ours = (b - a for a, b in zip(start, snapshot()))
+    figures.update(others_cores=max(0.0, busy - ours) / wall, steal_cores=steal / wall)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -199,7 +199,7 @@ def interleaved(configs: list[str], repeats: int):
 def throughput_once(cluster, config: str, args, env: dict[str, str]) -> dict:
     script = ["--ranks", "0", str(EXAMPLE), "--samples", str(args.samples), "--batch-size",
               str(args.batch_size), "--epochs", "1", "--log-every", "0", "--seed", "0"]
-    with Noise(cluster) as noise:
+    with noise(cluster) as load:
         start = time.monotonic()
         proc = cluster.run_in("node0", launcher_argv(cluster, config, script), timeout=JOB_TIMEOUT_S,
                               cwd=ROOT, env=env)
@@ -211,7 +211,7 @@ def throughput_once(cluster, config: str, args, env: dict[str, str]) -> dict:
     if summary["world_size"] != 2:
         raise RuntimeError(f"{config}: world size {summary['world_size']}, expected 2")
     return {"samples_per_s": summary["train_samples_per_s"], "epoch_s": summary["epoch_seconds"][0],
-            "job_wall_s": wall, "train_loss": summary["train_loss"], **noise.figures}
+            "job_wall_s": wall, "train_loss": summary["train_loss"], **load}
 
 
 def launch_once(cluster, config: str, env: dict[str, str]) -> dict:
@@ -222,7 +222,7 @@ def launch_once(cluster, config: str, env: dict[str, str]) -> dict:
         for line in iter(stream.readline, ""):
             events.append((time.monotonic(), name, line))
 
-    with Noise(cluster) as noise:
+    with noise(cluster) as load:
         start = time.monotonic()
         proc = cluster.popen_in("node0", argv, cwd=ROOT, env=env, text=True, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -256,7 +256,7 @@ def launch_once(cluster, config: str, env: dict[str, str]) -> dict:
         "ddp_built_s": max(r["prepared"] for r in ranks) - start,
         "stepped_s": max(r["stepped"] for r in ranks) - start,
         "exited_s": end - start,              # disttrain run exited
-        **noise.figures,
+        **load,
     }
 
 
@@ -288,8 +288,7 @@ def summarize(results: dict[str, list[dict]], keys: list[str], quiet_cores: floa
     for config, runs in results.items():
         quiet = [run for run in runs if run["others_cores"] <= quiet_cores]
         out[config] = {
-            "per_repeat": {key: [r3(run[key]) if isinstance(run[key], float) else run[key] for run in runs]
-                           for key in runs[0]},
+            "per_repeat": {key: [r3(run[key]) for run in runs] for key in runs[0]},
             "median": medians(runs, keys),
             "quiet_repeats": len(quiet),
             "quiet_median": medians(quiet, keys) if quiet else None,
@@ -370,13 +369,23 @@ def bench(cluster, args, env: dict[str, str]) -> dict:
 # --------------------------------------------------------------------------- main
 
 
-def versions() -> dict[str, str]:
+def versions() -> dict:
     import torch
 
     import disttrain
 
+    def git(*argv: str) -> str | None:  # read-only: no index refresh, no lock taken
+        try:
+            proc = subprocess.run(["git", "--no-optional-locks", *argv], capture_output=True, text=True,
+                                  cwd=ROOT, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout.rstrip("\n") if proc.returncode == 0 else None
+
+    modified = git("status", "--porcelain", "--", "src", "examples")
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "disttrain": disttrain.__version__}
+            "disttrain": disttrain.__version__, "commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted_src": None if modified is None else [line[3:] for line in modified.splitlines()]}
 
 
 def main() -> int:
@@ -433,6 +442,8 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="disttrain-bench-") as home:
         env = dict(os.environ, DISTTRAIN_HOME=home)  # run folders go away with the bench
+        for key in ("DISTTRAIN_CHECKPOINT_DIR", "DISTTRAIN_CHECKPOINT_EVERY"):
+            env.pop(key, None)  # the example would checkpoint (and resume) from there
         try:
             cluster = Cluster(2).start()
         except RigError as err:

@@ -43,6 +43,9 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from _launch import kill_tree  # noqa: E402  (the tests' own: launcher and every worker session)
+
 EXAMPLE = ROOT / "examples" / "mnist_convnet.py"
 KINDS = ("sigkill-rank", "sigkill-during-write", "sigterm-launcher", "sigterm-rank")
 PREEMPTED_EXIT = 143
@@ -143,20 +146,6 @@ class Run:
     @property
     def output(self) -> str:
         return "\n".join(self.lines)
-
-
-def kill_tree(pid: int) -> None:
-    try:
-        root = psutil.Process(pid)
-        family = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for process in family:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(family, timeout=10)
 
 
 def sha256(path: Path) -> str | None:

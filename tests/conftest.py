@@ -25,6 +25,25 @@ def _session_home(tmp_path_factory: pytest.TempPathFactory):
         os.environ["DISTTRAIN_HOME"] = saved
 
 
+JOB_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+
+
+@pytest.fixture
+def ctx(monkeypatch: pytest.MonkeyPatch):
+    """A fresh world-of-one runtime context, whatever the environment pytest runs in."""
+    import disttrain as runtime  # `disttrain` in this module is the CLI helper below
+    from disttrain.runtime import context as context_module
+
+    for name in JOB_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name in [k for k in os.environ if k.startswith("DISTTRAIN_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(context_module, "_current", None)
+    yield runtime.init()
+    runtime.shutdown()
+
+
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An isolated DISTTRAIN_HOME, so run folders land in the test's tmp dir."""

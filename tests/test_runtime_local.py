@@ -1,7 +1,6 @@
 """The runtime in this very process, a world of one: prepare, metrics, checkpoints."""
 
 import math
-import os
 from collections import namedtuple
 
 import pytest
@@ -11,25 +10,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import disttrain
 from disttrain import checkpoint
 from disttrain.errors import DisttrainError, UsageError
-from disttrain.runtime import context as context_module
 from disttrain.runtime import loop
 from disttrain.runtime.checkpoint_layout import MARKER, STATE_FILE
 from disttrain.runtime.samplers import EvalShardSampler
-
-JOB_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
-
-
-@pytest.fixture
-def ctx(monkeypatch):
-    """A fresh world-of-one context, whatever the environment pytest runs in."""
-    for name in JOB_VARS:
-        monkeypatch.delenv(name, raising=False)
-    for name in [k for k in os.environ if k.startswith("DISTTRAIN_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(context_module, "_current", None)
-    yield disttrain.init()
-    disttrain.shutdown()
 
 
 def test_world_of_one_sets_up_nothing(ctx):

@@ -31,6 +31,7 @@ _EXPORTS = {
     "print0": "runtime.metrics",
     "barrier": "runtime.metrics",
     "checkpoint": "runtime.checkpoint",
+    "Trainer": "trainer",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -63,3 +64,4 @@ if TYPE_CHECKING:  # pragma: no cover
         topk_correct,
     )
     from .runtime.resume import TrainingState, resume
+    from .trainer import Trainer

@@ -19,6 +19,11 @@ CHECKPOINT_EVERY = "DISTTRAIN_CHECKPOINT_EVERY"
 PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
 CONNECT_TIMEOUT = "DISTTRAIN_CONNECT_TIMEOUT"
 HEARTBEAT_DIR = "DISTTRAIN_HEARTBEAT_DIR"
+# Set by ``disttrain bench``; read by the runtime's step timer (BenchSettings).
+BENCH_STEPS = "DISTTRAIN_BENCH_STEPS"
+BENCH_WARMUP = "DISTTRAIN_BENCH_WARMUP"
+BENCH_EXIT = "DISTTRAIN_BENCH_EXIT"
+BENCH_MARKER = "disttrain-bench:"  # rank 0's result line on stdout starts with it
 DEFAULT_PG_TIMEOUT_S = 300
 
 # Interface variables that pin gloo/NCCL to the network that reaches the master.

@@ -8,10 +8,11 @@ import sys
 from ..errors import DisttrainError, UsageError
 from ..version import __version__
 from . import agent as agent_cmd
+from . import bench as bench_cmd
 from . import doctor as doctor_cmd
 from . import run as run_cmd
 
-SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd)
+SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd)
 
 
 class OneLineParser(argparse.ArgumentParser):

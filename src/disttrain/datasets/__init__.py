@@ -10,6 +10,7 @@ from .mnist import (
     write_idx,
     write_mnist,
 )
+from .stl10 import STL10Dataset, generate_stl10, load_stl10, read_stl10, write_stl10
 
 __all__ = [
     "DigitsDataset",
@@ -21,3 +22,4 @@ __all__ = [
     "write_idx",
     "write_mnist",
 ]
+__all__ += ["STL10Dataset", "generate_stl10", "load_stl10", "read_stl10", "write_stl10"]

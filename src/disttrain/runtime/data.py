@@ -20,7 +20,7 @@ from torch.utils.data import (
 )
 
 from ..errors import UsageError
-from . import heartbeat, loop, preemption
+from . import heartbeat, loop, preemption, steptimer
 from .context import Context, context
 from .device import batch_target, ddp_device_ids, move_to, non_blocking_for, pin_memory_for
 from .samplers import EvalShardSampler
@@ -91,7 +91,7 @@ class PreparedLoader(DataLoader):
         # Under torch's Join, ranks that ran out shadow the others' collectives instead.
         uneven = isinstance(self.sampler, EvalShardSampler)
         joined = [m for m in _prepared_models if m.training] if uneven else []
-        return self._steps(batches, self.target, joined)
+        return steptimer.timed(self._steps(batches, self.target, joined), self)
 
     @staticmethod
     def _steps(batches, target: torch.device | None, joined: list[DistributedDataParallel]):

@@ -1,0 +1,184 @@
+"""``disttrain bench``: the seed chapter's 1/2/4-process timing, as one command.
+
+    disttrain bench train.py -n 1,2,4 [--global-batch 128] [--steps 20] [-- script args]
+
+Each count runs through ``disttrain run`` with the global batch kept constant (the script's
+per-process batch flag gets ``global batch / processes``, as the chapter halved it by
+hand), the steady-state samples/s are read from the runtime's step timer, and the table
+says which count to use here and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from ..config.launch import parse_env
+from ..errors import UsageError
+from ..scaling import plot, report
+from ..scaling.bench import (
+    BenchSpec,
+    busy_before,
+    context_notes,
+    headline,
+    json_context,
+    machine_facts,
+    parse_counts,
+    run_all,
+)
+from .common import add_host_args, hosts_from_args
+
+DEFAULT_COUNTS = "1,2,4"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time a training script with several process counts; recommend one",
+        usage="disttrain bench [options] SCRIPT [options] [-- script args]",
+        description="Run SCRIPT under each process count of -n (one `disttrain run` each, in "
+        "turn), keeping the global batch constant by passing --global-batch / processes to "
+        "the script's per-process batch flag. Prints samples/s, speed-up and parallel "
+        "efficiency per count and the count to use on this machine. Options may come before "
+        "or after SCRIPT; the script's own arguments go after `--`.",
+    )
+    _add_options(p, lambda value: value)
+    # One REMAINDER for the script and what follows: with a positional of its own for the
+    # script, argparse would swallow a `--` right after it, and `train.py -- --lr 1` could
+    # not be told from `train.py --lr 1`.
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="SCRIPT [options] [-- script args]",
+                   help="the training script (or module with -m), more bench options, then `--` "
+                   "and the script's own arguments")
+    # The same options once more, for those written after SCRIPT; unset ones stay unset.
+    trailing = type(p)(prog=p.prog, add_help=False)
+    _add_options(trailing, lambda value: argparse.SUPPRESS)
+    p.set_defaults(handler=handle, trailing_parser=trailing)
+
+
+def _add_options(p: argparse.ArgumentParser, default) -> None:
+    p.add_argument("-n", "--nproc", default=default(DEFAULT_COUNTS), metavar="LIST",
+                   help=f"process counts per host to try, e.g. 1,2,4 (default {DEFAULT_COUNTS})")
+    p.add_argument("--global-batch", type=int, default=default(128), metavar="N",
+                   help="samples per step over all processes, the same for every count (default 128)")
+    p.add_argument("--batch-arg", default=default("--batch-size"), metavar="FLAG",
+                   help="the script's per-process batch flag, written --batch-arg=--per-gpu-batch "
+                   "(default --batch-size)")
+    p.add_argument("--steps", type=int, default=default(20), metavar="N",
+                   help="training steps to time per count, after the warm-up (default 20)")
+    p.add_argument("--warmup", type=int, default=default(5), metavar="N",
+                   help="untimed steps first (default 5)")
+    p.add_argument("--timeout", type=float, default=default(600.0), metavar="S",
+                   help="seconds one count may take before it is stopped (default 600)")
+    p.add_argument("--json", action="store_true", default=default(False),
+                   help="print the results as JSON instead of the table")
+    p.add_argument("--plot", metavar="PNG", default=default(None),
+                   help="also draw speed-up against the ideal line (needs disttrain[plot])")
+    p.add_argument("--dry-run", action="store_true", default=default(False),
+                   help="print the `disttrain run` command of every count and exit")
+    p.add_argument("-m", "--module", action="store_true", default=default(False),
+                   help="treat SCRIPT as a Python module, like `python -m`")
+    # Passed through to every `disttrain run`.
+    p.add_argument("--backend", default=default(None), help="process-group backend, as for run")
+    p.add_argument("--master-port", type=int, default=default(None), help="as for run")
+    p.add_argument("--env", action="append", default=default([]), metavar="KEY=VALUE",
+                   help="an environment variable for every worker (repeatable), as for run")
+    add_host_args(p)
+    if default(None) is argparse.SUPPRESS:
+        for action in p._actions:  # add_host_args sets its own defaults
+            action.default = argparse.SUPPRESS
+    p.add_argument("--sync", action="store_true", default=default(False),
+                   help="with --hosts: copy the working directory to every host first, as for run")
+    p.add_argument("--no-preflight", action="store_true", default=default(False),
+                   help="with --hosts: skip run's reachability checks")
+
+
+def finish_parsing(args: argparse.Namespace) -> argparse.Namespace:
+    """Options written after SCRIPT, and the script's arguments after ``--``."""
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command or command[0].startswith("-"):
+        raise UsageError("disttrain bench: name the training script (see disttrain bench --help)")
+    args.script, rest = command[0], command[1:]
+    split = rest.index("--") if "--" in rest else len(rest)
+    options, args.script_args = rest[:split], rest[split + 1:]
+    try:
+        args.trailing_parser.parse_args(options, namespace=args)
+    except UsageError as err:
+        message = str(err)
+        if "unrecognized arguments" in message:
+            hint = "; the script's own arguments go after `--`"
+            at = message.rfind(" (see ")
+            raise UsageError(message[:at] + hint + message[at:] if at > 0 else message + hint) from None
+        raise
+    return args
+
+
+def spec_from_args(args: argparse.Namespace) -> BenchSpec:
+    hosts = hosts_from_args(args)
+    parse_env(args.env)  # a bad --env is reported now, not by the first count
+    flags: list[str] = []
+    if args.hosts:
+        flags += ["--hosts", args.hosts]
+    if args.hostfile:
+        flags += ["--hostfile", args.hostfile]
+    for option in args.ssh_option:
+        flags += ["--ssh-option", option]
+    if args.python != sys.executable:
+        flags += ["--python", args.python]
+    for setting in args.env:
+        flags += ["--env", setting]
+    if args.backend:
+        flags += ["--backend", args.backend]
+    if args.master_port is not None:
+        flags += ["--master-port", str(args.master_port)]
+    if args.sync:
+        flags.append("--sync")
+    if args.no_preflight:
+        flags.append("--no-preflight")
+    spec = BenchSpec(
+        script=args.script, module=args.module, script_args=tuple(args.script_args),
+        counts=parse_counts(args.nproc), hosts=tuple(h.name for h in hosts or ()),
+        global_batch=args.global_batch, batch_arg=args.batch_arg, steps=args.steps,
+        warmup=args.warmup, timeout_s=args.timeout, run_flags=tuple(flags), env=tuple(args.env),
+    )
+    if not spec.hosts and not spec.module and not Path(spec.script).is_file():
+        raise UsageError(f"script not found: {spec.script}")
+    return spec
+
+
+def handle(args: argparse.Namespace) -> int:
+    args = finish_parsing(args)
+    spec = spec_from_args(args)
+    if args.plot:
+        plot.require_matplotlib()
+    if args.dry_run:
+        commands = [spec.argv(n) for n in spec.counts]
+        if args.json:
+            print(json.dumps(commands))
+        else:
+            print("\n".join(shlex.join(c) for c in commands))
+        return 0
+    notes = context_notes(busy=None if spec.hosts else busy_before())
+    measurements = run_all(spec)
+    rows = report.scaling(measurements)
+    cpus, gpus = machine_facts(measurements, local=not spec.hosts)
+    hosts = max(1, len(spec.hosts))
+    recommendation = report.recommend(rows, cpus=cpus, gpus=gpus, hosts=hosts)
+    title = headline(spec, cpus, gpus)
+    if args.json:
+        print(json.dumps(report.to_json(rows, recommendation, **json_context(spec, cpus, gpus),
+                                        notes=notes), indent=2))
+    else:
+        print(report.format_table(rows, recommendation, hosts=hosts, title=title))
+        for note in notes:
+            print(f"note: {note}")
+    if args.plot:
+        path = plot.write_plot(args.plot, rows, title=title)
+        print(f"disttrain bench: plot written to {path}", file=sys.stderr)
+    return 0 if all(m.ok for m in measurements) else 1
+
+

@@ -1,0 +1,204 @@
+"""One bench: the validated spec, every count run in turn, the facts around the numbers.
+
+:mod:`disttrain.cli.bench` parses the command line into a :class:`BenchSpec` and calls
+:func:`run_all`; :mod:`.report` turns the measurements into the table.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+
+from ..config.launch import parse_env
+from ..errors import UsageError
+from . import report, runner
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSpec:
+    """A bench, validated: every mistake is found before the first count starts."""
+
+    script: str
+    module: bool
+    script_args: tuple[str, ...]
+    counts: tuple[int, ...]
+    hosts: tuple[str, ...]  # host names; empty: this machine
+    global_batch: int
+    batch_arg: str
+    steps: int
+    warmup: int
+    timeout_s: float
+    run_flags: tuple[str, ...]  # for every `disttrain run`: host flags, --env, --backend...
+    env: tuple[str, ...] = ()  # the --env settings among them
+
+    def __post_init__(self) -> None:
+        for name, value, low in (("--global-batch", self.global_batch, 1), ("--steps", self.steps, 1),
+                                 ("--warmup", self.warmup, 0)):
+            if value < low:
+                raise UsageError(f"{name} must be at least {low}, got {value}")
+        if not self.timeout_s > 0:
+            raise UsageError(f"--timeout must be more than 0 seconds, got {self.timeout_s:g}")
+        if not self.batch_arg.startswith("-"):
+            raise UsageError(f"--batch-arg {self.batch_arg!r}: name the script's flag, e.g. --batch-size")
+        given = [a for a in self.script_args
+                 if a == self.batch_arg or a.startswith(self.batch_arg + "=")]
+        if given:
+            raise UsageError(
+                f"{given[0]} is in the script's arguments, but the bench sets {self.batch_arg} "
+                "itself for each count (--global-batch / processes): remove it")
+        hosts = max(1, len(self.hosts))
+        uneven = [n for n in self.counts if self.global_batch % (n * hosts)]
+        if uneven:
+            worlds = [n * hosts for n in self.counts]
+            multiple = math.lcm(*worlds)
+            where = f" on {hosts} hosts" if hosts > 1 else ""
+            raise UsageError(
+                f"--global-batch {self.global_batch} cannot be split evenly over "
+                f"{uneven[0] * hosts} processes{where}: pick a multiple of {multiple}")
+
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        return tuple(n * max(1, len(self.hosts)) for n in self.counts)
+
+    def argv(self, nproc: int) -> list[str]:
+        world = nproc * max(1, len(self.hosts))
+        return runner.count_argv(
+            self.script, nproc=nproc, batch_per_process=self.global_batch // world,
+            batch_arg=self.batch_arg, script_args=self.script_args, run_flags=self.run_flags,
+            steps=self.steps, warmup=self.warmup, module=self.module)
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``: positive, without repeats, in increasing order."""
+    counts = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise UsageError(
+                f"-n/--nproc: expected process counts like 1,2,4 (each at least 1), got {text!r}")
+        counts.add(int(part))
+    return tuple(sorted(counts))
+
+
+def run_all(spec: BenchSpec) -> list[report.Measurement]:
+    """Every count in turn; a failing one is recorded and the next one runs."""
+    results: list[report.Measurement] = []
+    hosts = max(1, len(spec.hosts))
+    for n in spec.counts:
+        world = n * hosts
+        batch = spec.global_batch // world
+        label = report.processes(n, hosts)
+        print(f"disttrain bench: {label}, {batch} samples per process per step ...",
+              file=sys.stderr, flush=True)
+        try:
+            outcome = runner.run_count(spec.argv(n), timeout_s=spec.timeout_s)
+        except KeyboardInterrupt:
+            print(f"disttrain bench: interrupted during {label}", file=sys.stderr)
+            raise
+        if outcome.returncode == 2 and not any(m.ok for m in results):
+            usage = [line for line in outcome.stderr.splitlines() if line.startswith("disttrain: error:")]
+            if usage:  # disttrain run refused the command: every count would
+                raise UsageError(usage[-1][len("disttrain: error: "):])
+        result = runner.measurement(outcome, nproc=n, world_size=world, batch_per_process=batch,
+                                    timeout_s=spec.timeout_s, threads=expected_threads(spec, n))
+        if result.ok:
+            print(f"disttrain bench: {label}: {result.samples_per_s:,.0f} samples/s "
+                  f"({outcome.seconds:.0f} s)", file=sys.stderr, flush=True)
+        else:
+            where = f"; logs: {result.log_dir}" if result.log_dir else ""
+            print(f"disttrain bench: {label}: FAILED: {result.error}{where}", file=sys.stderr,
+                  flush=True)
+        results.append(result)
+    return results
+
+
+def expected_threads(spec: BenchSpec, nproc: int) -> int | None:
+    """OMP threads per process as ``disttrain run`` sets them here: the user's setting
+    (``--env`` or this environment), else cores / processes. Unknown on other hosts."""
+    value = parse_env(list(spec.env)).get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    if value:
+        return int(value) if value.isdigit() else None
+    if spec.hosts:
+        return None
+    from ..placement import omp_threads, usable_cpus
+
+    return omp_threads(cpus=usable_cpus(), nproc=nproc)
+
+
+def machine_facts(measurements: list[report.Measurement], *, local: bool) -> tuple[int | None, int]:
+    """Cores and GPUs per host: what the workers reported, else (on one machine) ours."""
+    for m in measurements:
+        if m.cpus is not None:
+            return m.cpus, m.cuda_devices or 0
+    if not local:
+        return None, 0
+    from ..placement import usable_cpus
+
+    return usable_cpus(), _local_gpus()
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def headline(spec: BenchSpec, cpus: int | None, gpus: int) -> str:
+    where = f"{len(spec.hosts)} hosts" if spec.hosts else platform.node()
+    cores = f"{cpus} cores" if cpus else "cores unknown"
+    gpu = f", {gpus} GPU{'s' if gpus != 1 else ''}" if gpus else ", no GPU"
+    command = shlex.join([spec.script, *spec.script_args])
+    return (f"disttrain bench: {command}, global batch {spec.global_batch} "
+            f"({where}: {cores}{gpu}{' per host' if spec.hosts else ''})")
+
+
+def json_context(spec: BenchSpec, cpus: int | None, gpus: int) -> dict:
+    import torch
+
+    return {
+        "bench": "scaling",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "script": spec.script,
+        "script_args": list(spec.script_args),
+        "machine": platform.node(),
+        "hosts": list(spec.hosts) or None,
+        "cpus_per_host": cpus,
+        "gpus_per_host": gpus,
+        "torch": torch.__version__,
+        "global_batch": spec.global_batch,
+        "batch_arg": spec.batch_arg,
+        "steps": spec.steps,
+        "warmup": spec.warmup,
+    }
+
+
+def busy_before() -> tuple[float, int] | None:
+    """``(1-minute load average, cores)`` when this machine is already busy, else None."""
+    from ..placement import usable_cpus
+
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+    cpus = usable_cpus()
+    return (load, cpus) if load > cpus / 2 else None
+
+
+def context_notes(*, busy: tuple[float, int] | None) -> list[str]:
+    """What makes these numbers less than clean, said next to them."""
+    notes = []
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        notes.append(f"OMP_NUM_THREADS={threads} is set here, so every count ran with it instead "
+                     "of `disttrain run`'s cores / processes")
+    if busy:
+        load, cpus = busy
+        notes.append(f"this machine was already busy (load average {load:.1f} on {cpus} cores) "
+                     "when the bench started: other processes compete with the measured ones, "
+                     "and a process with several threads suffers most; run it again when idle")
+    return notes

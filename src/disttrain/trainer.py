@@ -1,0 +1,243 @@
+"""``Trainer``: the tutorial's train / validate / keep-the-best loop in one call.
+
+::
+
+    trainer = disttrain.trainer.Trainer(model, optimizer, train_dl, val_dl, F.cross_entropy,
+                                        scheduler=sched, metrics=("top1", "top5"),
+                                        checkpoint_dir="ckpt")
+    history = trainer.fit(epochs=90)
+
+A small loop on top of the runtime, for those who want one: it calls
+:func:`disttrain.prepare`, runs :func:`disttrain.epochs`, reduces every metric over ranks
+(sums and counts, so each validation sample counts once), keeps the best model by the
+first metric, checkpoints after every epoch and resumes from the newest checkpoint. Rank 0
+shows progress, appends one JSON line per epoch to ``metrics.jsonl`` in the run folder
+(``disttrain run`` sets it) and, when tensorboard is installed, writes the same numbers as
+TensorBoard scalars there. Anything it does not do is a plain loop away: the runtime
+underneath is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import UsageError
+from .runtime import checkpoint
+from .runtime.context import context
+from .runtime.data import prepare, unwrap
+from .runtime.loop import epochs as epoch_range
+from .runtime.metrics import MeanMeter, print0, reduce_max, reduce_mean, reduce_sum, topk_correct
+from .workerenv import WorkerEnv
+
+__all__ = ["Trainer"]
+
+# name -> how many of a batch's samples it counts as hits; the metric is hits / samples
+Metric = Callable[[torch.Tensor, torch.Tensor], "int | float | torch.Tensor"]
+BEST_MODEL = "best_model.pt"
+METRICS_FILE = "metrics.jsonl"
+
+
+def _topk(k: int) -> Metric:
+    return lambda output, target: topk_correct(output, target, (k,))[0]
+
+
+def _metrics(metrics: Sequence[str] | Mapping[str, Metric]) -> dict[str, Metric]:
+    if isinstance(metrics, Mapping):
+        return dict(metrics)
+    known = {}
+    for name in metrics:
+        if not (name.startswith("top") and name[3:].isdigit() and int(name[3:]) >= 1):
+            raise UsageError(f"Trainer(metrics=...): unknown metric {name!r}; name topK ones "
+                             "(top1, top5) or pass {name: fn(output, target) -> hits}")
+        known[name] = _topk(int(name[3:]))
+    return known
+
+
+class Trainer:
+    """Train ``model`` on ``train_loader``, validate on ``val_loader`` after every epoch.
+
+    ``loss_fn(output, target)`` gives the batch's mean loss. ``metrics``: ``("top1",
+    "top5")`` or ``{name: fn(output, target) -> hits in the batch}``; the first one picks
+    the best model (higher is better; the validation loss when there are none). The
+    scheduler steps once per epoch. ``checkpoint_dir`` (default
+    ``$DISTTRAIN_CHECKPOINT_DIR``): a checkpoint after each epoch, the best model as
+    ``best_model.pt``, and :meth:`fit` resumes from the newest checkpoint there.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 train_loader: Iterable, val_loader: Iterable | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
+                 scheduler: Any = None, metrics: Sequence[str] | Mapping[str, Metric] = ("top1",),
+                 checkpoint_dir: str | os.PathLike[str] | None = None,
+                 run_dir: str | os.PathLike[str] | None = None, log_every: int = 50,
+                 progress: bool = True) -> None:
+        if loss_fn is None:
+            raise UsageError("Trainer(loss_fn=...): give the loss, e.g. torch.nn.functional.cross_entropy")
+        self.metrics = _metrics(metrics)  # before prepare(): a typo should cost nothing
+        env = WorkerEnv.from_environ()
+        loaders = [train_loader] + ([val_loader] if val_loader is not None else [])
+        self.ddp_model, self.optimizer, *prepared = prepare(model, optimizer, *loaders)
+        self.model = unwrap(self.ddp_model)  # validated and saved unwrapped (see EvalShardSampler)
+        self.train_loader = prepared[0]
+        self.val_loader = prepared[1] if val_loader is not None else None
+        self.loss_fn, self.scheduler = loss_fn, scheduler
+        directory = checkpoint_dir or env.checkpoint_dir
+        self.checkpoint_dir = Path(directory) if directory else None
+        where = run_dir or env.run_dir
+        self.run_dir = Path(where) if where else None
+        self.log_every, self.progress = log_every, progress
+        self.best: float | None = None
+        self.history: list[dict[str, Any]] = []
+        self._writer: Any = None
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def fit(self, epochs: int) -> list[dict[str, Any]]:
+        """Train until ``epochs`` epochs are done (counting those a checkpoint holds);
+        return one record per epoch run now."""
+        start = self._resume()
+        ran = []
+        try:
+            for epoch in epoch_range(epochs, start=start):
+                record = {"epoch": epoch, **self.train_epoch(epoch)}
+                if self.val_loader is not None:
+                    record.update(self.validate())
+                record["lr"] = self.optimizer.param_groups[0]["lr"]
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                record["best"] = self._keep_if_best(record)
+                self._checkpoint(epoch)
+                self._log(record)
+                ran.append(record)
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+        return ran
+
+    def train_epoch(self, epoch: int) -> dict[str, float]:
+        self.ddp_model.train()
+        loss_meter = MeanMeter()
+        start = time.perf_counter()
+        batches = self._bar(self.train_loader, epoch)
+        for step, (inputs, target) in enumerate(batches):
+            loss = self.loss_fn(self.ddp_model(inputs), target)
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            loss_meter.update(loss, len(target))
+            if hasattr(batches, "set_postfix"):
+                batches.set_postfix(loss=f"{loss_meter.local_avg:.4f}")
+            elif self.progress and self.log_every and step % self.log_every == 0:
+                # every rank runs as many steps, so all of them reach this collective
+                print0(f"epoch {epoch} step {step}/{len(self.train_loader)} "
+                       f"loss {reduce_mean(loss.detach()).item():.4f}")
+        if hasattr(batches, "close"):
+            batches.close()
+        return {"train_loss": loss_meter.avg, "seconds": reduce_max(time.perf_counter() - start)}
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """``val_loss`` and ``val_<metric>`` over every rank's share, each sample once."""
+        self.model.eval()
+        sums = torch.zeros(2 + len(self.metrics), dtype=torch.float64)  # loss, count, hits...
+        for inputs, target in self.val_loader:
+            output = self.model(inputs)
+            n = len(target)
+            sums[0] += float(self.loss_fn(output, target)) * n
+            sums[1] += n
+            for i, metric in enumerate(self.metrics.values()):
+                sums[2 + i] += float(metric(output, target))
+        sums = reduce_sum(sums).tolist()  # once, after the loop: shares may differ by a batch
+        count = sums[1]
+        values = [s / count if count else math.nan for s in (sums[0], *sums[2:])]
+        return {"val_loss": values[0],
+                **{f"val_{name}": v for name, v in zip(self.metrics, values[1:])}}
+
+    # -- around the loop -----------------------------------------------------------------
+
+    def _resume(self) -> int:
+        if self.checkpoint_dir is None:
+            return 0
+        state = checkpoint.load_latest(self.checkpoint_dir, model=self.ddp_model,
+                                       optimizer=self.optimizer,
+                                       **({"scheduler": self.scheduler} if self.scheduler else {}))
+        if state is None:
+            return 0
+        self.best = state.get("best")
+        print0(f"disttrain: Trainer resumes after epoch {state['epoch'] - 1} "
+               f"from {self.checkpoint_dir}", file=sys.stderr)
+        return state["epoch"]
+
+    def _score(self, record: Mapping[str, Any]) -> float | None:
+        if self.metrics:
+            return record.get(f"val_{next(iter(self.metrics))}")
+        loss = record.get("val_loss")
+        return None if loss is None else -loss
+
+    def _keep_if_best(self, record: Mapping[str, Any]) -> bool:
+        score = self._score(record)
+        if score is None or math.isnan(score) or (self.best is not None and score <= self.best):
+            return False
+        self.best = score
+        if self.checkpoint_dir is not None and context().is_main:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            path = self.checkpoint_dir / BEST_MODEL
+            temp = path.with_name(f".{BEST_MODEL}.{os.getpid()}.tmp")
+            torch.save(self.model.state_dict(), temp)
+            os.replace(temp, path)  # whole or not at all
+        return True
+
+    def _checkpoint(self, epoch: int) -> None:
+        if self.checkpoint_dir is None:
+            return
+        objects = {"scheduler": self.scheduler} if self.scheduler is not None else {}
+        checkpoint.save(self.checkpoint_dir, step=epoch + 1, model=self.ddp_model,
+                        optimizer=self.optimizer, epoch=epoch + 1, best=self.best, **objects)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in record.items() if k != "epoch")
+        if self.progress:
+            print0(f"epoch {record['epoch']}: {shown}")
+        if not context().is_main or self.run_dir is None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / METRICS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        writer = self._tensorboard()
+        if writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "epoch":
+                    writer.add_scalar(key, value, record["epoch"])
+            writer.flush()
+
+    def _tensorboard(self) -> Any:
+        if self._writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                return None
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        return self._writer
+
+    def _bar(self, loader: Iterable, epoch: int) -> Iterable:
+        """tqdm on rank 0 at a terminal; through a launcher's pipes (where a redrawn bar
+        arrives as one long line at the epoch's end) plain lines every ``log_every`` steps."""
+        if not (self.progress and context().is_main and sys.stderr.isatty()):
+            return loader
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return loader
+        return tqdm(loader, desc=f"epoch {epoch}", unit="batch", leave=False)

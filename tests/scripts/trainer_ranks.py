@@ -1,0 +1,30 @@
+"""Trainer on N ranks: prints its last record and rank 0's own count over the whole val set."""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import disttrain
+from disttrain.trainer import Trainer
+
+checkpoint_dir = sys.argv[1]
+g = torch.Generator().manual_seed(0)
+x = torch.randn(160, 4, generator=g)
+y = (x[:, 0] + x[:, 1] > 0).long()
+train = TensorDataset(x[:119], y[:119])
+val = TensorDataset(x[119:], y[119:])  # 41 samples: 21 + 20 on two ranks
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+trainer = Trainer(model, optimizer,
+                  DataLoader(train, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)),
+                  DataLoader(val, batch_size=8), F.cross_entropy, metrics=("top1",),
+                  checkpoint_dir=checkpoint_dir, log_every=5)
+history = trainer.fit(2)
+if disttrain.context().is_main:
+    with torch.no_grad():
+        hits = int((trainer.model(val.tensors[0]).argmax(1) == val.tensors[1]).sum())
+    print(json.dumps({"last": history[-1], "whole_val_top1": hits / len(val)}), flush=True)

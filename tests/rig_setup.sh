@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what tests/rig.py (the multi-node test rig) needs. Idempotent and fast when
+# Install what tests/rig.py (the multi-node test rig) and tests/slurm_rig.py need. Idempotent and fast when
 # everything is already there (no apt call at all then). Needs root; without root it only
 # reports what is missing and exits 0 so that the rig's tests skip with a clear reason.
 set -euo pipefail
@@ -13,6 +13,11 @@ declare -A NEED=(
   [/usr/sbin/iptables]=iptables
   [/usr/bin/fuser]=psmisc
   [/usr/bin/nsenter]=util-linux
+  # tests/slurm_rig.py: a real Slurm (munged, slurmctld, slurmd and the client commands)
+  [/usr/sbin/munged]=munge
+  [/usr/sbin/slurmctld]=slurmctld
+  [/usr/sbin/slurmd]=slurmd
+  [/usr/bin/sbatch]=slurm-client
 )
 
 missing=()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -28,7 +29,11 @@ def assert_usage_error(result, *fragments: str) -> None:
         (["run", "-n", "0", GOOD], ["-n/--nproc-per-node must be at least 1"]),
         (["run", "-n", "abc", GOOD], ["positive integer or 'auto'", "'abc'"]),
         (["run", "--master-port", "70000", GOOD], ["1..65535"]),
-        (["run", "--backend", "nope", GOOD], ["unknown backend 'nope'"]),
+        (["run", "--backend", "nope", GOOD], ["unknown backend 'nope'", "--backend takes local, ssh, slurm"]),
+        (["run", "--dist-backend", "nope", GOOD], ["unknown backend 'nope'"]),
+        (["run", "--backend", "gloo", "--dist-backend", "nccl", GOOD], ["disagree"]),
+        (["run", "--backend", "ssh", GOOD], ["--backend ssh needs --hosts"]),
+        (["run", "--nodes", "2", GOOD], ["--nodes is a Slurm flag: add --backend slurm"]),
         (["run", "-m", "no_such_module_xyz"], ["module 'no_such_module_xyz' not found"]),
         (["run", "--ranks", "7", "-n", "2", GOOD], ["rank 7"]),
         (["run", "--env", "oops", GOOD], ["KEY=VALUE"]),
@@ -51,3 +56,17 @@ def test_master_port_in_use_is_reported_before_start(tmp_path):
                            env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
     assert_usage_error(result, f"--master-port {port} is already in use")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_backend_gloo_still_works_with_one_line_of_warning(tmp_path):
+    """--backend named the process-group backend before it named where processes start."""
+    result = disttrain("run", "--backend", "gloo", "--dry-run", GOOD, env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ("disttrain: warning: --backend gloo is deprecated for the process-group backend; "
+                             "use --dist-backend gloo\n")
+    assert json.loads(result.stdout)["backend"] == "gloo"
+    new = disttrain("run", "--dist-backend", "gloo", "--backend", "local", "--dry-run", GOOD,
+                    env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+    assert new.returncode == 0 and new.stderr == "", new.stderr
+    assert json.loads(new.stdout)["backend"] == "gloo"

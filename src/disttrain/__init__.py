@@ -32,6 +32,7 @@ _EXPORTS = {
     "barrier": "runtime.metrics",
     "checkpoint": "runtime.checkpoint",
     "Trainer": "trainer",
+    "Job": "jobs",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -48,6 +49,7 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .jobs import Job
     from .runtime import checkpoint
     from .runtime.context import Context, context, init, shutdown
     from .runtime.data import prepare, unwrap

@@ -9,7 +9,7 @@ place they are written, and :class:`WorkerEnv` is the one place any of them is r
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 BACKEND = "DISTTRAIN_BACKEND"
@@ -19,6 +19,10 @@ CHECKPOINT_EVERY = "DISTTRAIN_CHECKPOINT_EVERY"
 PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
 CONNECT_TIMEOUT = "DISTTRAIN_CONNECT_TIMEOUT"
 HEARTBEAT_DIR = "DISTTRAIN_HEARTBEAT_DIR"
+# TensorFlow workers: the cluster's ``host:port`` list in task order, and the node's first
+# task; disttrain.tfconfig turns them into each worker's TF_CONFIG.
+TF_WORKERS = "DISTTRAIN_TF_WORKERS"
+TF_FIRST_TASK = "DISTTRAIN_TF_FIRST_TASK"
 # Set by ``disttrain bench``; read by the runtime's step timer (BenchSettings).
 BENCH_STEPS = "DISTTRAIN_BENCH_STEPS"
 BENCH_WARMUP = "DISTTRAIN_BENCH_WARMUP"
@@ -58,6 +62,8 @@ def launcher_env(
     checkpoint_every: int | None = None,
     heartbeat_dir: str | None = None,
     hang_timeout_s: int = 0,
+    tf_workers: Sequence[str] = (),
+    tf_first_task: int = 0,
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Variables a node's agent exports to its workers, on top of torch elastic's own.
@@ -75,6 +81,9 @@ def launcher_env(
     if hang_timeout_s and PG_TIMEOUT not in inherited:
         # A collective must outlast the watchdog, or it would fail first, without the stacks.
         env[PG_TIMEOUT] = str(max(DEFAULT_PG_TIMEOUT_S, hang_timeout_s + 60))
+    if tf_workers:
+        env[TF_WORKERS] = ",".join(tf_workers)
+        env[TF_FIRST_TASK] = str(tf_first_task)
     if "OMP_NUM_THREADS" not in inherited:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     if socket_ifname:

@@ -21,6 +21,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodePlan
+from ..tfconfig import prepare_node
 from ..workerenv import HEARTBEAT_DIR
 from .logs import RankLogs
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
@@ -119,7 +120,11 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
-    with _exported(node.env), _watchdog(plan, node) as dog:
+    env = dict(node.env)
+    if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
+        env.update(prepare_node(node.env, host=node.host, nproc=node.nproc, world_size=plan.world_size,
+                                report_to=report_to))
+    with _exported(env), _watchdog(plan, node) as dog:
         try:
             elastic_launch(config, plan.argv[0])(*plan.argv[1:])
         except ChildFailedError as err:

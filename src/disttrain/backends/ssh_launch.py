@@ -5,11 +5,15 @@ output is already prefixed ``[host rankN]``; this module relays it, keeps a copy
 and stops every host when one fails or the user interrupts. Stopping is done by closing
 each agent's stdin (the agent then stops its workers, see ``cli/agent.py``); ssh clients
 that do not exit within the grace period are killed.
+
+That flow (:func:`run_agents`) is shared: a job's instances on this machine
+(``disttrain job run``, backend ``local``) are the same agents started without ssh.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -17,17 +21,23 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
-from ..config.hosts import Host
+from ..config.hosts import DEFAULT_MULTIHOST_PORT, Host
+from ..config.launch import LaunchSpec
 from ..errors import DisttrainError
-from ..plan.launch import LaunchPlan
+from ..plan.launch import LaunchPlan, NodeFacts, make_plan
+from ..preflight.checks import check_facts, raise_on_failure, reach_checks
+from ..workerenv import forwarded_env
 from .ssh import ssh_argv
 
 PROBE_TIMEOUT_S = 30
+AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
 
 
@@ -77,58 +87,110 @@ def probe_all(hosts: Sequence[Host], **kwargs) -> list[dict | DisttrainError]:
     return [f.exception() or f.result() for f in futures]
 
 
-class _Relay:
-    """Copies one stream of one host's agent to the terminal and to per-rank log files."""
+def plan_hosts(spec: LaunchSpec, hosts: Sequence[Host], *, python: str, options: Sequence[str], cwd: str,
+               paths: Sequence[str], run_id: str, run_dir: str,
+               preflight: bool = True) -> tuple[LaunchPlan, list[dict]]:
+    """Ask every host for its facts over ssh, check them, and plan one node per host.
 
-    def __init__(self, run_dir: Path, lock: threading.Lock) -> None:
+    Returns the plan and each host's facts (its route to the master, cores, GPUs).
+    """
+    master = spec.master_addr or master_address(hosts[0], options)
+    port = spec.master_port or DEFAULT_MULTIHOST_PORT
+    spec = replace(spec, nnodes=len(hosts), node_rank=0, master_addr=master, master_port=port)
+    facts = probe_all(hosts, python=python, master=master, port=port, paths=paths, options=options, cwd=cwd)
+    check_facts(hosts, facts, master_port=port)
+    if preflight:
+        raise_on_failure(reach_checks(hosts, facts, master_port=port, python=python, options=options))
+    nodes = tuple(NodeFacts(hostname=h.name, cpus=f["cpus"], cuda_devices=f["cuda_devices"],
+                            socket_ifname=f["ifname"], address=f["address"], slots=h.slots)
+                  for h, f in zip(hosts, facts))
+    plan = make_plan(spec, nodes, python=python, master_port=port, run_id=run_id, run_dir=run_dir,
+                     inherited_env=forwarded_env(os.environ))
+    return plan, facts
+
+
+class _Relay:
+    """Copies one stream of one agent to the terminal, to per-rank log files and to an
+    optional transcript; keeps the agent's own lines (its root-cause block)."""
+
+    def __init__(self, run_dir: Path, lock: threading.Lock, transcript: TextIO | None = None) -> None:
         self._run_dir = run_dir
         self._lock = lock
+        self._transcript = transcript
         self._files: dict[int, TextIO] = {}
+        # Per agent: its own (unprefixed) stderr lines; the root-cause block is at the end.
+        self.agent_lines: dict[int, deque[str]] = {}
 
-    def pump(self, stream, out: TextIO) -> None:
+    def pump(self, stream, out: TextIO, agent: int | None = None) -> None:
         for line in iter(stream.readline, ""):
             match = _PREFIX.match(line)
             with self._lock:
                 out.write(line)
                 out.flush()
+                if self._transcript is not None:
+                    self._transcript.write(line)
+                    self._transcript.flush()
                 if match:
                     rank = int(match["rank"])
                     if rank not in self._files:
                         self._files[rank] = open(self._run_dir / f"rank{rank}.log", "a")
                     self._files[rank].write(line[match.end():])
                     self._files[rank].flush()
+                elif agent is not None:
+                    self.agent_lines.setdefault(agent, deque(maxlen=AGENT_LINES_KEPT)).append(line.rstrip("\n"))
+
+    def report(self, agent: int) -> str:
+        """The agent's own message about the failure: from its first ``disttrain:`` line on."""
+        lines = list(self.agent_lines.get(agent, ()))
+        start = next((i for i, line in enumerate(lines) if line.startswith("disttrain:")), len(lines))
+        return "\n".join(lines[start:])
 
     def close(self) -> None:
         for fh in self._files.values():
             fh.close()
 
 
-def run_hosts(
+@dataclass(frozen=True, kw_only=True)
+class AgentsOutcome:
+    """How a launch of one agent per node ended; the same for every backend."""
+
+    exit_code: int
+    failed: int | None = None  # index (node rank) of the agent that failed first
+    report: str = ""  # that agent's own root-cause block, as it printed it
+    signal: int | None = None  # SIGINT/SIGTERM that made the launcher stop every node
+
+
+def agent_argv(plan: LaunchPlan, node_rank: int, python: str) -> list[str]:
+    """The hidden per-node command: torch's elastic agent for one node of ``plan``."""
+    return [python, "-m", "disttrain", "agent", "--plan", plan.to_json(indent=None),
+            "--node-rank", str(node_rank), "--watch-stdin"]
+
+
+def run_agents(
     plan: LaunchPlan,
-    hosts: Sequence[Host],
+    commands: Sequence[Sequence[str]],
     *,
-    python: str,
-    options: Sequence[str],
-    cwd: str,
-    env: Mapping[str, str],
-) -> int:
-    """Start every host's agent, relay output, return the exit code of the first failure."""
-    run_dir = Path(plan.run_dir)
-    relay = _Relay(run_dir, threading.Lock())
-    plan_json = plan.to_json(indent=None)
+    cwd: str | None = None,
+    transcript: TextIO | None = None,
+) -> AgentsOutcome:
+    """Start one agent per node (``commands[i]`` runs node ``i``), relay their output, stop
+    every node at the first failure or on SIGINT/SIGTERM, and say how it ended.
+
+    The shared flow of every multi-node backend: a command is an ssh argv (``--hosts``) or
+    a local ``disttrain agent`` (a job's instances on this machine).
+    """
+    relay = _Relay(Path(plan.run_dir), threading.Lock(), transcript)
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    for node, host in zip(plan.nodes, hosts):
-        argv = [python, "-m", "disttrain", "agent", "--plan", plan_json,
-                "--node-rank", str(node.node_rank), "--watch-stdin"]
+    for index, argv in enumerate(commands):
         proc = subprocess.Popen(
-            ssh_argv(host, argv, options=options, cwd=cwd, env=env),
+            list(argv), cwd=cwd,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, start_new_session=True,  # a Ctrl-C reaches us only; we stop the hosts
+            text=True, start_new_session=True,  # a Ctrl-C reaches us only; we stop the nodes
         )
         procs.append(proc)
-        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            pump = threading.Thread(target=relay.pump, args=(stream, out), daemon=True)
+        for stream, out, agent in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, index)):
+            pump = threading.Thread(target=relay.pump, args=(stream, out, agent), daemon=True)
             pump.start()
             pumps.append(pump)
 
@@ -148,16 +210,51 @@ def run_hosts(
             pump.join(timeout=5)
         relay.close()
     if interrupted:
-        sig = interrupted[0]
-        print(f"disttrain: got {signal.Signals(sig).name}, stopped all hosts", file=sys.stderr)
-        return 128 + sig
+        return AgentsOutcome(exit_code=128 + interrupted[0], signal=interrupted[0])
     if first_failure is None:
-        return 0
+        return AgentsOutcome(exit_code=0)
     index, code = first_failure
-    if code == 255:
-        print(f"disttrain: lost the ssh connection to {hosts[index].name} "
-              f"(node {index}); the other hosts were stopped", file=sys.stderr)
-    return code
+    return AgentsOutcome(exit_code=code, failed=index, report=relay.report(index))
+
+
+def run_hosts(
+    plan: LaunchPlan,
+    hosts: Sequence[Host],
+    *,
+    python: str,
+    options: Sequence[str],
+    cwd: str,
+    env: Mapping[str, str],
+) -> int:
+    """Start every host's agent, relay output, return the exit code of the first failure."""
+    outcome = launch_hosts(plan, hosts, python=python, options=options, cwd=cwd, env=env)
+    if outcome.signal:
+        print(f"disttrain: got {signal.Signals(outcome.signal).name}, stopped all hosts", file=sys.stderr)
+    return outcome.exit_code
+
+
+def launch_hosts(
+    plan: LaunchPlan,
+    hosts: Sequence[Host],
+    *,
+    python: str,
+    options: Sequence[str],
+    cwd: str,
+    env: Mapping[str, str],
+    transcript: TextIO | None = None,
+) -> AgentsOutcome:
+    """One agent per host over ssh; a lost ssh connection (255) is named in the report."""
+    commands = [ssh_argv(host, agent_argv(plan, node.node_rank, python), options=options, cwd=cwd, env=env)
+                for node, host in zip(plan.nodes, hosts)]
+    outcome = run_agents(plan, commands, transcript=transcript)
+    if outcome.failed is not None and outcome.exit_code == 255:
+        lost = (f"disttrain: lost the ssh connection to {hosts[outcome.failed].name} "
+                f"(node {outcome.failed}); the other hosts were stopped")
+        print(lost, file=sys.stderr)
+        if transcript is not None:
+            transcript.write(lost + "\n")
+        outcome = replace(outcome, report="\n".join(filter(None, (lost, outcome.report))))
+    return outcome
 
 
 def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int]) -> tuple[int, int] | None:

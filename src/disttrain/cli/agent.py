@@ -15,7 +15,10 @@ from ..errors import UsageError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     agent = sub.add_parser("agent")
-    agent.add_argument("--plan", required=True, help="the launch plan as JSON")
+    source = agent.add_mutually_exclusive_group(required=True)
+    source.add_argument("--plan", help="the launch plan as JSON")
+    # A file on the shared filesystem (Slurm): one argv word holds at most 128 KiB.
+    source.add_argument("--plan-file", help="a file holding the launch plan as JSON")
     agent.add_argument("--node-rank", type=int, required=True)
     agent.add_argument("--watch-stdin", action="store_true",
                        help="stop the workers when stdin closes (the launcher went away)")
@@ -53,7 +56,7 @@ def handle_agent(args: argparse.Namespace) -> int:
     from ..agent.node import run_node
     from ..plan.launch import plan_from_json
 
-    plan = plan_from_json(args.plan)
+    plan = plan_from_json(args.plan if args.plan is not None else Path(args.plan_file).read_text())
     nodes = [n for n in plan.nodes if n.node_rank == args.node_rank]
     if not nodes:
         raise UsageError(f"the plan has no node rank {args.node_rank}")

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config.hosts import Host, parse_hostfile, parse_hosts
+from ..config.hosts import DEFAULT_MULTIHOST_PORT, Host, parse_hostfile, parse_hosts  # noqa: F401 (re-exported)
 from ..errors import UsageError
-
-DEFAULT_MULTIHOST_PORT = 29500
 
 
 def add_host_args(p: argparse.ArgumentParser) -> None:

@@ -10,9 +10,11 @@ from ..version import __version__
 from . import agent as agent_cmd
 from . import bench as bench_cmd
 from . import doctor as doctor_cmd
+from . import job as job_cmd
+from . import jobs as jobs_cmd
 from . import run as run_cmd
 
-SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd)
+SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd, job_cmd, jobs_cmd)
 
 
 class OneLineParser(argparse.ArgumentParser):

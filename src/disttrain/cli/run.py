@@ -5,30 +5,22 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import secrets
-import socket
 import sys
-import time
-from dataclasses import replace
 from pathlib import Path
 
 from ..backends.ssh import parse_ssh_options
-from ..backends.ssh_launch import master_address, probe_all, run_hosts
+from ..backends.ssh_launch import plan_hosts, run_hosts
 from ..backends.sync import sync_all
 from ..config.hosts import Host
 from ..config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
 from ..errors import UsageError
+from ..home import disttrain_home, new_run_id
 from ..net import free_port, port_in_use
-from ..placement import usable_cpus
-from ..plan.launch import LaunchPlan, NodeFacts, make_plan
-from ..preflight.checks import (
-    fact_checks,
-    first_failure,
-    raise_on_failure,
-    reach_checks,
-)
+from ..plan.launch import LaunchPlan, make_plan
+from ..preflight.facts import local_facts
 from ..workerenv import forwarded_env
-from .common import DEFAULT_MULTIHOST_PORT, add_host_args, hosts_from_args
+from . import slurm_run
+from .common import add_host_args, hosts_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,8 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="processes per node: a number or 'auto' (one per GPU; on CPU one per two cores)")
     p.add_argument("-m", "--module", action="store_true",
                    help="treat SCRIPT as a Python module, like `python -m`")
-    p.add_argument("--backend", default=None,
-                   help="process-group backend (default: nccl with CUDA, else gloo)")
+    slurm_run.add_args(p)  # --backend (local, ssh, slurm), --dist-backend and the Slurm flags
+    p.add_argument("--framework", default="pytorch", metavar="pytorch|tensorflow",
+                   help="tensorflow: give each worker its TF_CONFIG (MultiWorkerMirroredStrategy) and "
+                   "tf.keras = tf-keras when installed (default: pytorch)")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (torchrun-style manual multi-node)")
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
                    help="this node's rank when --nnodes > 1")
@@ -99,7 +93,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
-        backend=args.backend,
+        backend=args.dist_backend,
         max_restarts=args.max_restarts,
         ranks=parse_ranks(args.ranks),
         log_dir=args.log_dir,
@@ -110,6 +104,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         hang_timeout_s=args.hang_timeout,
         checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_every=args.checkpoint_every,
+        framework=args.framework,
     )
 
 
@@ -129,16 +124,6 @@ def check_entry(spec: LaunchSpec) -> None:
         raise UsageError(f"script not found: {spec.entry}")
 
 
-def local_facts() -> NodeFacts:
-    import torch  # the agent needs it anyway; imported here only to count GPUs
-
-    return NodeFacts(
-        hostname=socket.gethostname(),
-        cpus=usable_cpus(),
-        cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
-    )
-
-
 def choose_port(spec: LaunchSpec) -> int:
     host = spec.master_addr or "127.0.0.1"
     if spec.master_port is None:
@@ -152,56 +137,20 @@ def choose_port(spec: LaunchSpec) -> int:
     return spec.master_port
 
 
-def disttrain_home() -> Path:
-    return Path(os.environ.get("DISTTRAIN_HOME") or Path.home() / ".disttrain")
-
-
-def new_run_id(entry: str) -> str:
-    stem = Path(entry).stem if not entry.startswith(".") else entry
-    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in stem.split(".")[-1] or stem)
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
-
-
 def multihost_plan(args: argparse.Namespace, hosts: tuple[Host, ...]) -> LaunchPlan:
     """Ask every host for its facts over ssh, check them, and plan one node per host."""
     options = parse_ssh_options(args.ssh_option)
     spec = spec_from_args(args)
-    master = spec.master_addr or master_address(hosts[0], options)
-    port = spec.master_port or DEFAULT_MULTIHOST_PORT
-    spec = replace(spec, nnodes=len(hosts), node_rank=0, master_addr=master, master_port=port)
     if args.sync and not args.dry_run:
         sync_all(hosts, os.getcwd(), python=args.python, options=options)
-    facts = probe_all(
-        hosts, python=args.python, master=master, port=port,
-        paths=[] if spec.is_module else [spec.entry], options=options, cwd=os.getcwd(),
-    )
-    check_facts(hosts, facts, spec)
-    if not args.no_preflight and not args.dry_run:
-        raise_on_failure(reach_checks(hosts, facts, master_port=port, python=args.python, options=options))
     run_id = new_run_id(spec.entry)
-    return make_plan(
-        spec,
-        tuple(
-            NodeFacts(hostname=h.name, cpus=f["cpus"], cuda_devices=f["cuda_devices"],
-                      socket_ifname=f["ifname"], address=f["address"], slots=h.slots)
-            for h, f in zip(hosts, facts)
-        ),
-        python=args.python,
-        master_port=port,
-        run_id=run_id,
+    plan, _ = plan_hosts(
+        spec, hosts, python=args.python, options=options, cwd=os.getcwd(),
+        paths=[] if spec.is_module else [spec.entry], run_id=run_id,
         run_dir=os.path.abspath(spec.log_dir or str(disttrain_home() / "runs" / run_id)),
-        inherited_env=forwarded_env(os.environ),
+        preflight=not args.no_preflight and not args.dry_run,
     )
-
-
-def check_facts(hosts: tuple[Host, ...], facts: list, spec: LaunchSpec) -> None:
-    """What would make the job fail or hang later (doctor's own checks), reported now."""
-    for fact in facts:
-        if isinstance(fact, Exception):
-            raise fact
-    failed = first_failure(fact_checks(hosts, facts, master_port=spec.master_port))
-    if failed:
-        raise UsageError(f"{failed.host}: {failed.detail}; fix: {failed.fix}")
+    return plan
 
 
 def plan_from_args(args: argparse.Namespace, hosts: tuple[Host, ...] | None) -> LaunchPlan:
@@ -215,7 +164,7 @@ def plan_from_args(args: argparse.Namespace, hosts: tuple[Host, ...] | None) -> 
     run_dir = spec.log_dir or str(disttrain_home() / "runs" / run_id)
     return make_plan(
         spec,
-        local_facts(),
+        local_facts(slurm_run.step_cpus(slurm_run.allocation_for(args))),
         python=sys.executable,
         master_port=choose_port(spec),
         run_id=run_id,
@@ -225,6 +174,10 @@ def plan_from_args(args: argparse.Namespace, hosts: tuple[Host, ...] | None) -> 
 
 
 def handle(args: argparse.Namespace) -> int:
+    slurm_run.resolve_backends(args)
+    alloc = slurm_run.allocation_for(args)
+    if (alloc is not None and not alloc.in_step) or (alloc is None and args.launch_backend == "slurm"):
+        return slurm_run.handle(args, alloc)
     hosts = hosts_from_args(args)
     plan = plan_from_args(args, hosts)
     if args.dry_run:

@@ -13,6 +13,9 @@ from pathlib import Path
 
 from ..errors import UsageError
 
+# The rendezvous port on the first host when --master-port is not given (torchrun's default).
+DEFAULT_MULTIHOST_PORT = 29500
+
 _HOST = re.compile(
     r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?"
     r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._-]+))"

@@ -11,6 +11,8 @@ from ..placement import BACKENDS
 # static: node ranks fixed by host order, the launcher's choice; c10d: torch's dynamic
 # rendezvous, where nodes take ranks in the order they join.
 RDZV_BACKENDS = ("static", "c10d")
+# pytorch: the script is started as is; tensorflow: each worker also gets its TF_CONFIG.
+FRAMEWORKS = ("pytorch", "tensorflow")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -83,6 +85,7 @@ class LaunchSpec:
     hang_timeout_s: int = 0  # 0: no watchdog; the process group's timeout still bounds collectives
     checkpoint_dir: str | None = None  # absolute: workers on other hosts start elsewhere
     checkpoint_every: int | None = None
+    framework: str = "pytorch"
 
     def __post_init__(self) -> None:
         if not self.entry:
@@ -119,3 +122,5 @@ class LaunchSpec:
                 f"--checkpoint-every cannot be negative (0: at the end of each epoch), got {self.checkpoint_every}")
         if self.stop_grace_s < 0:
             raise UsageError(f"--stop-grace cannot be negative, got {self.stop_grace_s}")
+        if self.framework not in FRAMEWORKS:
+            raise UsageError(f"--framework must be one of {', '.join(FRAMEWORKS)}, got {self.framework!r}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..config.launch import LaunchSpec
 from ..errors import UsageError
 from ..placement import auto_nproc, choose_backend, omp_threads
+from ..tfconfig import SHIM, tf_config, worker_addresses
 from ..workerenv import launcher_env
 
 
@@ -74,6 +75,7 @@ class LaunchPlan:
     hang_timeout_s: int
     shown_ranks: tuple[int, ...] | None
     nodes: tuple[NodePlan, ...]
+    framework: str = "pytorch"
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(dataclasses.asdict(self), indent=indent)
@@ -83,6 +85,18 @@ def _nproc(spec: LaunchSpec, facts: NodeFacts) -> int:
     if spec.nproc_per_node != "auto":
         return int(spec.nproc_per_node)
     return facts.slots or auto_nproc(cuda_devices=facts.cuda_devices, cpus=facts.cpus)
+
+
+def _tf_workers(placed: tuple, *, nnodes: int, master_addr: str, master_port: int) -> tuple[str, ...]:
+    """Every TensorFlow worker's ``host:port``; none for one worker (MirroredStrategy needs no cluster)."""
+    if nnodes > len(placed):
+        raise UsageError(
+            "--framework tensorflow across nodes needs --hosts (or a job): every worker's TF_CONFIG "
+            "lists all workers' addresses, which one node started by hand cannot know"
+        )
+    if sum(nproc for _, _, nproc, _ in placed) < 2:
+        return ()
+    return worker_addresses([(facts.address or master_addr, nproc) for _, facts, nproc, _ in placed], master_port)
 
 
 def make_plan(
@@ -122,10 +136,13 @@ def make_plan(
     backend = choose_backend(spec.backend, cuda_available=placed[0][1].cuda_devices > 0)
     master_addr = spec.master_addr or "127.0.0.1"
 
-    if spec.is_module:
-        argv = (python, "-u", "-m", spec.entry, *spec.script_args)
-    else:
-        argv = (python, "-u", spec.entry, *spec.script_args)
+    target = ("-m", spec.entry) if spec.is_module else (spec.entry,)
+    tf_workers: tuple[str, ...] = ()
+    if spec.framework == "tensorflow":
+        target = ("-m", SHIM, *target)  # adds the worker's TF_CONFIG, then execs the script
+        tf_workers = _tf_workers(placed, nnodes=nnodes, master_addr=master_addr, master_port=master_port)
+    argv = (python, "-u", *target, *spec.script_args)
+    show_tf_config = bool(tf_workers) and "TF_CONFIG" not in inherited_env and "TF_CONFIG" not in spec.env
 
     nodes = tuple(
         NodePlan(
@@ -143,6 +160,8 @@ def make_plan(
                 checkpoint_every=spec.checkpoint_every,
                 heartbeat_dir=f"{run_dir}/heartbeat/node{node_rank}" if spec.hang_timeout_s else None,
                 hang_timeout_s=spec.hang_timeout_s,
+                tf_workers=tf_workers,
+                tf_first_task=first,
                 extra=spec.env,
             ),
             workers=tuple(
@@ -159,6 +178,7 @@ def make_plan(
                         "GROUP_RANK": str(node_rank),
                         "MASTER_ADDR": master_addr,
                         "MASTER_PORT": str(master_port),
+                        **({"TF_CONFIG": tf_config(tf_workers, first + local_rank)} if show_tf_config else {}),
                     },
                 )
                 for local_rank in range(nproc)
@@ -182,6 +202,7 @@ def make_plan(
         hang_timeout_s=spec.hang_timeout_s,
         shown_ranks=spec.ranks,
         nodes=nodes,
+        framework=spec.framework,
     )
 
 

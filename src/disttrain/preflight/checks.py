@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from ..backends.ssh import ssh_argv
 from ..config.hosts import Host
-from ..errors import DisttrainError
+from ..errors import DisttrainError, UsageError
 
 LISTENER_START_S = 20
 CONNECT_ROUND_S = 20
@@ -165,3 +165,13 @@ def raise_on_failure(results: Sequence[CheckResult]) -> None:
     failed = first_failure(results)
     if failed:
         raise DisttrainError(f"preflight ({failed.check}, {failed.host}): {failed.detail}; fix: {failed.fix}")
+
+
+def check_facts(hosts: Sequence[Host], facts: Sequence[dict | Exception], *, master_port: int) -> None:
+    """What would make the job fail or hang later (doctor's own checks), raised before launch."""
+    for fact in facts:
+        if isinstance(fact, Exception):
+            raise fact
+    failed = first_failure(fact_checks(hosts, facts, master_port=master_port))
+    if failed:
+        raise UsageError(f"{failed.host}: {failed.detail}; fix: {failed.fix}")

@@ -71,3 +71,16 @@ def node_facts(*, master: str, port: int | None = None, paths: list[str] = (), c
         "cwd_exists": Path(cwd).is_dir(),
         "port_free": (not port_in_use(master, port)) if (is_master and port) else None,
     }
+
+
+def local_facts(cpus: int | None = None):
+    """This machine as a node to plan for (``cpus``: what Slurm gave a step, if it did)."""
+    import torch  # the agent needs it anyway; imported here only to count GPUs
+
+    from ..plan.launch import NodeFacts
+
+    return NodeFacts(
+        hostname=socket.gethostname(),
+        cpus=cpus or usable_cpus(),
+        cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    )

@@ -1,0 +1,158 @@
+"""``disttrain jobs ls | show ID | logs ID [-f] | stop ID``: the job history."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .job import add_store_arg
+
+FOLLOW_POLL_S = 0.3
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    jobs = sub.add_parser("jobs", help="list, inspect, follow and stop recorded jobs",
+                          description="The job history kept by `disttrain job run` (SQLite).")
+    actions = jobs.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    ls = actions.add_parser("ls", help="recorded jobs, newest first")
+    ls.add_argument("-n", "--limit", type=int, default=20, help="how many (default 20; 0: all)")
+    ls.add_argument("--json", action="store_true", help="print the records as JSON")
+    ls.set_defaults(handler=handle_ls)
+
+    show = actions.add_parser("show", help="one job: states and times, hosts, spec, artifacts, metrics, failure")
+    show.add_argument("job", metavar="ID", help="a job id or name")
+    show.add_argument("--json", action="store_true", help="print the record as JSON")
+    show.set_defaults(handler=handle_show)
+
+    logs = actions.add_parser("logs", help="a job's output, as its terminal showed it")
+    logs.add_argument("job", metavar="ID", help="a job id or name")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    logs.add_argument("--rank", type=int, default=None, help="only this rank's output, without prefixes")
+    logs.set_defaults(handler=handle_logs)
+
+    stop = actions.add_parser("stop", help="stop a running job (its runner stops every instance)")
+    stop.add_argument("job", metavar="ID", help="a job id or name")
+    stop.add_argument("--timeout", type=float, default=30.0,
+                      help="seconds to wait for the job to stop before killing its runner (default 30)")
+    stop.set_defaults(handler=handle_stop)
+
+    for p in (ls, show, logs, stop):
+        add_store_arg(p)
+
+
+def _store(args: argparse.Namespace):
+    from ..store import JobStore
+
+    return JobStore(args.store)
+
+
+def _when(stamp: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) if stamp else "-"
+
+
+def _took(record) -> str:
+    end = record.ended or time.time()
+    return f"{end - record.created:.1f} s"
+
+
+def _where(record) -> str:
+    machines = list(dict.fromkeys(h["host"] for h in record.hosts))
+    return f"{len(record.hosts)} on {','.join(machines)}" if record.hosts else "-"
+
+
+def handle_ls(args: argparse.Namespace) -> int:
+    from ..jobs.control import refresh
+
+    with _store(args) as store:
+        records = [refresh(store, r) for r in store.list(args.limit or None)]
+    if args.json:
+        print(json.dumps([r.to_dict() for r in records], indent=2))
+        return 0
+    rows = [("ID", "NAME", "STATE", "CREATED", "DURATION", "EXIT", "INSTANCES")]
+    rows += [(str(r.id), r.name, str(r.state), _when(r.created), _took(r),
+              "-" if r.exit_code is None else str(r.exit_code), _where(r)) for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def handle_show(args: argparse.Namespace) -> int:
+    from ..jobs.control import refresh
+
+    with _store(args) as store:
+        record = refresh(store, store.get(args.job))
+    if args.json:
+        print(json.dumps(record.to_dict(), indent=2))
+        return 0
+    fields = [
+        ("id", str(record.id)), ("name", record.name), ("state", str(record.state)),
+        ("created", _when(record.created)), ("duration", _took(record)),
+        ("exit code", "-" if record.exit_code is None else str(record.exit_code)),
+        ("instances", ", ".join(f"{h['instance']} on {h['host']}" for h in record.hosts) or "-"),
+        ("job dir", record.job_dir), ("logs", f"{record.log_dir}  (disttrain jobs logs {record.id})"),
+    ]
+    fields += [(f"{kind} artifact", url) for kind, url in record.artifacts.items()]
+    fields.append(("metrics", json.dumps(record.metrics) if record.metrics is not None else "-"))
+    start = record.events[0][1] if record.events else record.created
+    fields.append(("history", ", ".join(f"{state} +{t - start:.1f}s" for state, t in record.events)))
+    for key, value in fields:
+        print(f"{key + ':':<18}{value}")
+    if record.failure:
+        print("failure:" if record.state == "Failed" else "reason:")
+        print("\n".join(f"  {line}" for line in record.failure.splitlines()))
+    print("spec:")
+    print("\n".join(f"  {line}" for line in json.dumps(record.spec, indent=2).splitlines()))
+    return 0
+
+
+def handle_logs(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from ..jobs.control import refresh
+
+    with _store(args) as store:
+        record = store.get(args.job)
+        logs = Path(record.log_dir or Path(record.job_dir) / "logs")
+        path = logs / ("job.log" if args.rank is None else f"rank{args.rank}.log")
+        if not args.follow and not path.exists():
+            what = "no output yet" if args.rank is None else f"no output of rank {args.rank}"
+            raise UsageError(f"job {record.name}: {what} ({path})")
+        offset = 0
+        while True:
+            offset = _print_from(path, offset)
+            if not args.follow:
+                return 0
+            if refresh(store, store.get(record.id)).state.final:
+                _print_from(path, offset)  # what was written while we looked at the state
+                return 0
+            time.sleep(FOLLOW_POLL_S)
+
+
+def _print_from(path: Path, offset: int) -> int:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+    except FileNotFoundError:
+        return offset
+    sys.stdout.write(data.decode(errors="replace"))
+    sys.stdout.flush()
+    return offset + len(data)
+
+
+def handle_stop(args: argparse.Namespace) -> int:
+    from ..jobs.control import stop_job
+
+    with _store(args) as store:
+        before = store.get(args.job)
+        record = stop_job(store, args.job, timeout_s=args.timeout)
+    if before.state.final:
+        print(f"job {record.name} (id {record.id}) is already {record.state}; nothing to stop")
+    else:
+        print(f"job {record.name} (id {record.id}) {record.state}"
+              + ("" if record.exit_code is None else f", exit code {record.exit_code}"))
+    return 0

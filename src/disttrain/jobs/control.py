@@ -1,0 +1,74 @@
+"""Acting on recorded jobs from another process: stop one, and notice runners that died.
+
+A job's runner records its host, pid and process start time; a stop request signals that
+process (SIGTERM: it stops its instances, then records Stopped). The start time guards
+against a recycled pid. A runner killed outright (SIGKILL, a reboot) records nothing more;
+such a job is marked Failed the next time the history is read on that host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+
+from ..errors import DisttrainError
+from ..store import JobRecord, JobState, JobStore, TransitionError
+
+
+def runner_alive(record: JobRecord) -> bool | None:
+    """True/False for a runner on this host; None when it ran elsewhere (cannot tell)."""
+    import psutil
+
+    if record.runner_host != socket.gethostname() or record.runner_pid is None:
+        return None
+    try:
+        process = psutil.Process(record.runner_pid)
+        same = record.runner_started is None or abs(process.create_time() - record.runner_started) < 1.0
+        return same and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def refresh(store: JobStore, record: JobRecord) -> JobRecord:
+    """A job that says it is running whose runner is gone is marked Failed, saying so."""
+    if record.state.final or runner_alive(record) is not False:
+        return record
+    try:
+        return store.transition(
+            record.id, JobState.FAILED,
+            failure=f"the job's runner (pid {record.runner_pid} on {record.runner_host}) ended without "
+                    f"recording an outcome (killed?) while the job was {record.state}",
+        )
+    except TransitionError:
+        return store.get(record.id)
+
+
+def stop_job(store: JobStore, ref: str, *, timeout_s: float = 30.0) -> JobRecord:
+    """Ask the runner to stop; after ``timeout_s`` kill it and record Stopped ourselves."""
+    record = store.get(ref)
+    if record.state.final:
+        return record
+    alive = runner_alive(record)
+    if alive is None:
+        raise DisttrainError(
+            f"job {record.name} runs on {record.runner_host} (pid {record.runner_pid}); stop it there")
+    if alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.runner_pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            record = store.get(record.id)
+            if record.state.final:
+                return record
+            time.sleep(0.2)
+        # The instances' agents see their stdin close when the runner dies and stop their workers.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.runner_pid, signal.SIGKILL)
+    try:
+        return store.transition(record.id, JobState.STOPPED, exit_code=137 if alive else None,
+                                failure="stopped by `disttrain jobs stop`" + ("" if alive else " (runner was gone)"))
+    except TransitionError:
+        return store.get(record.id)

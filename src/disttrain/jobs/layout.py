@@ -1,0 +1,118 @@
+"""The job directory: one class owns where everything of a job lives on disk.
+
+::
+
+    <job dir>/                         $DISTTRAIN_HOME/jobs/<job name>
+      algo-1/                          instance 1, laid out as SageMaker's /opt/ml
+        input/config/hyperparameters.json
+        input/config/resourceconfig.json
+        input/data/<channel>/          linked to a local input, or to the staged copy
+        model/                         SM_MODEL_DIR  -> model.tar.gz
+        output/data/                   SM_OUTPUT_DATA_DIR -> output.tar.gz
+        output/failure                 the root cause, when the job failed
+      algo-2/ ...
+      channels/<channel>/              inputs copied from URLs, once for all instances
+      code/                            source_dir when it was a tarball
+      checkpoints/                     DISTTRAIN_CHECKPOINT_DIR (disttrain.resume, max_restarts)
+      logs/                            the launch's run folder: job.log, plan.json, attempt_<k>/rank<R>.*
+      packed/                          model.tar.gz, output.tar.gz before upload
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def instance_names(count: int) -> tuple[str, ...]:
+    """SageMaker's host names: algo-1 .. algo-N."""
+    return tuple(f"algo-{i}" for i in range(1, count + 1))
+
+
+@dataclass(frozen=True)
+class InstancePaths:
+    """One instance's ``/opt/ml``."""
+
+    root: Path
+
+    @property
+    def input(self) -> Path:
+        return self.root / "input"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "input" / "config"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "input" / "data"
+
+    def channel(self, name: str) -> Path:
+        return self.data / name
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def output(self) -> Path:
+        return self.root / "output"
+
+    @property
+    def output_data(self) -> Path:
+        return self.root / "output" / "data"
+
+    @property
+    def failure(self) -> Path:
+        return self.root / "output" / "failure"
+
+    def create(self) -> None:
+        for folder in (self.config, self.data, self.model, self.output_data):
+            folder.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    root: Path
+    hosts: tuple[str, ...]  # instance names, algo-1 first
+
+    def instance(self, host: str) -> InstancePaths:
+        return InstancePaths(self.root / host)
+
+    @property
+    def instances(self) -> tuple[InstancePaths, ...]:
+        return tuple(self.instance(h) for h in self.hosts)
+
+    @property
+    def first(self) -> InstancePaths:
+        return self.instance(self.hosts[0])
+
+    def staged_channel(self, name: str) -> Path:
+        return self.root / "channels" / name
+
+    @property
+    def code(self) -> Path:
+        return self.root / "code"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def transcript(self) -> Path:
+        """Everything the job printed, as the terminal showed it (``disttrain jobs logs``)."""
+        return self.logs / "job.log"
+
+    @property
+    def packed(self) -> Path:
+        return self.root / "packed"
+
+    def create(self) -> None:
+        for instance in self.instances:
+            instance.create()
+        for folder in (self.checkpoints, self.logs):
+            folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,78 @@
+"""What a finished job leaves: artifacts at ``output_path/<job name>/`` and its final metrics."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..errors import DisttrainError
+from .layout import JobLayout
+from .staging import open_fs
+from .tarballs import pack_dir
+
+
+def final_metrics(logs: Path) -> dict | None:
+    """The last JSON object line rank 0 printed (of its last attempt), or None."""
+    from ..agent.logs import rank_log  # imports torch's elastic agent
+
+    numbers = (p.name.removeprefix("attempt_") for p in logs.glob("attempt_*"))
+    attempts = sorted((int(n) for n in numbers if n.isdigit()), reverse=True)
+    candidates = [rank_log(logs, 0, "stdout", a) for a in attempts]
+    candidates.append(logs / "rank0.log")  # the relayed copy, e.g. when the attempt files live on another host
+    for path in candidates:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            line = line.strip()
+            if line.startswith("{") and line.endswith("}"):
+                try:
+                    value = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(value, dict):
+                    return value
+        return None
+    return None
+
+
+def artifact_url(output_path: str, job_name: str, filename: str) -> str:
+    return posixpath.join(output_path.rstrip("/"), job_name, filename)
+
+
+def upload_artifacts(layout: JobLayout, *, output_path: str, job_name: str,
+                     storage_options: dict[str, Any]) -> dict[str, str]:
+    """algo-1's ``model/`` → ``model.tar.gz``, its ``output/data/`` → ``output.tar.gz``."""
+    packed = {
+        "model": pack_dir(layout.first.model, layout.packed / "model.tar.gz"),
+        "output": pack_dir(layout.first.output_data, layout.packed / "output.tar.gz"),
+    }
+    urls = {}
+    for kind, local in packed.items():
+        url = artifact_url(output_path, job_name, local.name)
+        _publish(local, url, storage_options)
+        urls[kind] = url
+    return urls
+
+
+def _publish(local: Path, url: str, storage_options: dict[str, Any]) -> None:
+    """Upload under a temporary name, then move into place: a reader never sees half a file."""
+    fs, path = open_fs(url, storage_options, "output_path")
+    partial = f"{path}.{uuid.uuid4().hex[:8]}.partial"
+    try:
+        fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        fs.put_file(str(local), partial)
+        fs.mv(partial, path)
+    except BaseException as err:  # a stop (SIGTERM) mid-upload leaves no partial object either
+        try:
+            if fs.exists(partial):
+                fs.rm(partial)
+        except Exception:  # the upload error below is what matters
+            pass
+        if isinstance(err, Exception):  # any fsspec backend's error, named with the URL
+            raise DisttrainError(f"uploading {local.name} to {url} failed: {type(err).__name__}: {err}") from None
+        raise

@@ -1,0 +1,210 @@
+"""A job from spec to record: Pending → Staging → Running → Uploading → Completed | Failed | Stopped.
+
+Every step is recorded in the store as it happens, so a job that fails, is stopped or whose
+runner dies leaves its state, logs and root cause behind. Job names: each run of a spec is
+named ``<name>-<YYYYMMDD-HHMMSS>-<4 hex>`` (SageMaker appends a timestamp to a base job name
+the same way), so reruns never collide and sort by time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import TextIO
+
+from ..config.launch import LaunchSpec
+from ..errors import DisttrainError
+from ..store import JobRecord, JobState, JobStore, TransitionError
+from .backends import Backend, Placement, make_backend
+from .layout import JobLayout, instance_names
+from .results import final_metrics, upload_artifacts
+from .sagemaker import hyperparameter_args, sm_env, write_config
+from .spec import JobSpec
+from .staging import check_inputs, stage_channels, stage_source
+
+
+class JobStopped(BaseException):
+    """SIGTERM/SIGINT outside the launch (staging, uploading): unwinds like KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def new_job_name(base: str) -> str:
+    return f"{base}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def jobs_home() -> Path:
+    from ..home import disttrain_home
+
+    return disttrain_home()
+
+
+def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None) -> JobRecord:
+    """Run ``spec`` to the end and return its record (Completed, Failed or Stopped).
+
+    Bad input (a missing channel or entry point) raises UsageError before anything is
+    recorded; an error after that (staging, launching, uploading) is recorded as the job's
+    failure and raised.
+    """
+    check_inputs(spec)
+    backend = make_backend(spec)
+    owned = not isinstance(store, JobStore)
+    db = JobStore(store) if owned else store
+    try:
+        home = jobs_home()
+        name = new_job_name(spec.name)
+        layout = JobLayout(home / "jobs" / name, instance_names(spec.instance_count))
+        record = db.create(
+            name=name, spec=spec.to_record(), job_dir=str(layout.root), log_dir=str(layout.logs),
+            runner_host=socket.gethostname(), runner_pid=os.getpid(), runner_started=_started(),
+        )
+        output_path = spec.output_path or str(home / "artifacts")
+        return _Run(spec, db, record, layout, backend, output_path).run()
+    finally:
+        if owned:
+            db.close()
+
+
+def _started() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+class _Run:
+    def __init__(self, spec: JobSpec, store: JobStore, record: JobRecord, layout: JobLayout,
+                 backend: Backend, output_path: str) -> None:
+        self.spec, self.store, self.record, self.layout = spec, store, record, layout
+        self.backend, self.output_path = backend, output_path
+        self.transcript: TextIO | None = None
+
+    @property
+    def id(self) -> int:
+        return self.record.id
+
+    def say(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+        if self.transcript is not None:
+            self.transcript.write(message + "\n")
+            self.transcript.flush()
+
+    def run(self) -> JobRecord:
+        self.layout.create()
+        with open(self.layout.transcript, "a") as self.transcript, _signals_stop():
+            try:
+                return self._run()
+            except JobStopped as stop:
+                return self._end(JobState.STOPPED, 128 + stop.signum, failure=f"stopped by {stop}")
+            except KeyboardInterrupt:
+                return self._end(JobState.STOPPED, 130, failure="stopped by SIGINT")
+            except DisttrainError as err:
+                self._end(JobState.FAILED, err.exit_code, failure=str(err))
+                raise
+            except Exception as err:
+                self._end(JobState.FAILED, 1, failure=f"disttrain bug: {type(err).__name__}: {err}")
+                raise
+
+    def _run(self) -> JobRecord:
+        spec, layout = self.spec, self.layout
+        self.store.transition(self.id, JobState.STAGING)
+        self.say(f"disttrain: job {self.record.name} (id {self.id}), {spec.instance_count} instance(s), "
+                 f"{spec.backend} backend; job dir: {layout.root}")
+        cwd = stage_source(spec, layout)
+        stage_channels(spec, layout, self.say)
+        placement = self.backend.place(
+            LaunchSpec(
+                entry=spec.entry_point,
+                script_args=tuple(hyperparameter_args(spec.hyperparameters)),
+                nproc_per_node=spec.processes_per_instance,
+                max_restarts=spec.max_restarts,
+                env=dict(spec.env),
+                log_dir=str(layout.logs),
+                checkpoint_dir=str(layout.checkpoints),
+                framework=spec.framework,
+            ),
+            instances=layout.hosts, run_id=self.record.name, run_dir=str(layout.logs),
+            paths=[str(cwd / spec.entry_point), str(layout.root)], cwd=str(cwd),
+        )
+        plan = self._with_sagemaker_env(placement, cwd)
+        (layout.logs / "plan.json").write_text(plan.to_json())
+        hosts = [{"instance": i, "host": w} for i, w in zip(layout.hosts, placement.where)]
+        self.store.transition(self.id, JobState.RUNNING, hosts=hosts)
+        self.say(f"disttrain: {plan.world_size} worker(s) ({plan.backend}) on {', '.join(layout.hosts)}, "
+                 f"rendezvous {plan.master_addr}:{plan.master_port}; logs: {layout.logs}")
+        outcome = self.backend.launch(plan, cwd=str(cwd), transcript=self.transcript)
+        metrics = final_metrics(layout.logs)
+        if outcome.signal:
+            return self._end(JobState.STOPPED, outcome.exit_code, metrics=metrics,
+                             failure=f"stopped by {signal.Signals(outcome.signal).name}")
+        if outcome.exit_code:
+            instance = layout.hosts[outcome.failed] if outcome.failed is not None else "an instance"
+            failure = outcome.report or f"disttrain: {instance} exited with code {outcome.exit_code}"
+            return self._end(JobState.FAILED, outcome.exit_code, metrics=metrics, failure=failure)
+        self.store.transition(self.id, JobState.UPLOADING, metrics=metrics)
+        artifacts = upload_artifacts(layout, output_path=self.output_path, job_name=self.record.name,
+                                     storage_options=spec.storage_options)
+        return self._end(JobState.COMPLETED, 0, metrics=metrics, artifacts=artifacts)
+
+    def _with_sagemaker_env(self, placement: Placement, cwd: Path):
+        spec, layout = self.spec, self.layout
+        nodes = []
+        for node, host, ifname, gpus, cpus in zip(placement.plan.nodes, layout.hosts, placement.ifnames,
+                                                  placement.gpus, placement.cpus):
+            write_config(layout.instance(host), host=host, hosts=layout.hosts, ifname=ifname,
+                         hyperparameters=spec.hyperparameters, channels=spec.inputs)
+            sagemaker = sm_env(layout=layout, host=host, hyperparameters=spec.hyperparameters,
+                               channels=spec.inputs, entry_point=spec.entry_point, source_dir=str(cwd),
+                               num_gpus=gpus, num_cpus=cpus, ifname=ifname)
+            # The spec's own env wins, as --env does for `disttrain run`.
+            nodes.append(replace(node, env={**node.env, **sagemaker, **spec.env}))
+        return replace(placement.plan, nodes=tuple(nodes))
+
+    def _end(self, state: JobState, exit_code: int, *, failure: str | None = None, **fields) -> JobRecord:
+        if state is JobState.FAILED and failure:
+            for inst in self.layout.instances:
+                if inst.output.is_dir():
+                    with open(inst.failure, "a") as fh:  # after any text the script wrote itself
+                        fh.write(failure.rstrip("\n") + "\n")
+        try:
+            record = self.store.transition(self.id, state, exit_code=exit_code, failure=failure, **fields)
+        except TransitionError:  # `jobs stop` recorded the end first (the runner was unresponsive)
+            record = self.store.get(self.id)
+        took = (record.ended or time.time()) - record.created
+        line = f"disttrain: job {record.name} (id {record.id}) {record.state} in {took:.1f} s"
+        if record.state is JobState.COMPLETED:
+            line += f"; model: {record.artifacts['model']}"
+        else:
+            line += f", exit code {exit_code}; see `disttrain jobs show {record.id}`"
+        self.say(line)
+        return record
+
+
+@contextlib.contextmanager
+def _signals_stop() -> Iterator[None]:
+    """SIGTERM (``disttrain jobs stop``) unwinds the runner as JobStopped, so the record says Stopped.
+
+    While the instances run, the launch flow's own handler takes over and stops them first.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame) -> None:
+        raise JobStopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,216 @@
+"""The job history: one SQLite file that several runners write at once.
+
+Concurrency comes from SQLite itself: WAL mode (readers never block the writer), a busy
+timeout (a writer waits for another instead of failing with "database is locked"), and
+short write transactions (``BEGIN IMMEDIATE``: the state check and the update happen under
+one lock, so two processes cannot both move the same job). No connection is held inside a
+transaction while a job runs, so a runner that is killed leaves nothing locked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import DisttrainError, UsageError
+from .states import JobState, allowed
+
+STORE_ENV = "DISTTRAIN_STORE"
+BUSY_TIMEOUT_S = 30.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL UNIQUE,
+    state TEXT NOT NULL,
+    created REAL NOT NULL,
+    started REAL,
+    ended REAL,
+    exit_code INTEGER,
+    spec TEXT NOT NULL,
+    hosts TEXT NOT NULL DEFAULT '[]',
+    job_dir TEXT NOT NULL,
+    log_dir TEXT,
+    artifacts TEXT NOT NULL DEFAULT '{}',
+    metrics TEXT,
+    failure TEXT,
+    runner_host TEXT,
+    runner_pid INTEGER,
+    runner_started REAL
+);
+CREATE TABLE IF NOT EXISTS events (
+    job_id INTEGER NOT NULL REFERENCES jobs(id),
+    state TEXT NOT NULL,
+    time REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
+"""
+
+# Columns a transition or update may set, and whether they hold JSON.
+_JSON = {"spec", "hosts", "artifacts", "metrics"}
+_SETTABLE = {"exit_code", "hosts", "log_dir", "artifacts", "metrics", "failure",
+             "runner_host", "runner_pid", "runner_started"}
+
+
+class TransitionError(DisttrainError):
+    """A state change the state machine forbids (e.g. a Completed job cannot be stopped)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRecord:
+    id: int
+    name: str
+    state: JobState
+    created: float
+    started: float | None
+    ended: float | None
+    exit_code: int | None
+    spec: dict
+    hosts: list
+    job_dir: str
+    log_dir: str | None
+    artifacts: dict
+    metrics: dict | None
+    failure: str | None
+    runner_host: str | None
+    runner_pid: int | None
+    runner_started: float | None
+    events: tuple[tuple[str, float], ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state"] = str(self.state)
+        data["events"] = [{"state": s, "time": t} for s, t in self.events]
+        return data
+
+
+def default_store_path() -> Path:
+    """``$DISTTRAIN_STORE``, else ``$DISTTRAIN_HOME/jobs.db``."""
+    if os.environ.get(STORE_ENV):
+        return Path(os.environ[STORE_ENV])
+    from ..home import disttrain_home
+
+    return disttrain_home() / "jobs.db"
+
+
+class JobStore:
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path) if path else default_store_path()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # isolation_level=None: transactions are begun explicitly, and kept short.
+            self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # durable at each checkpoint; WAL stays consistent
+            self._db.executescript(_SCHEMA)  # each statement commits on its own; all are idempotent
+        except (OSError, sqlite3.Error) as err:
+            raise UsageError(f"cannot open the job store {self.path}: {err} (set --store or {STORE_ENV})") from None
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> JobStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        # IMMEDIATE takes the write lock up front: a read-then-write inside a deferred
+        # transaction could fail with SQLITE_BUSY halfway, after the busy timeout is moot.
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def create(self, *, name: str, spec: dict, job_dir: str, **fields: Any) -> JobRecord:
+        now = time.time()
+        columns = {"name": name, "state": JobState.PENDING.value, "created": now, "spec": spec,
+                   "job_dir": job_dir, **_checked(fields)}
+        values = [json.dumps(v) if k in _JSON else v for k, v in columns.items()]
+        with self._write() as db:
+            try:
+                cur = db.execute(
+                    f"INSERT INTO jobs ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})", values)
+            except sqlite3.IntegrityError:
+                raise UsageError(f"a job named {name!r} is already recorded in {self.path}") from None
+            db.execute("INSERT INTO events VALUES (?, ?, ?)", (cur.lastrowid, JobState.PENDING.value, now))
+            job_id = cur.lastrowid
+        return self.get(job_id)
+
+    def transition(self, job_id: int, new: JobState, **fields: Any) -> JobRecord:
+        """Move a job to ``new`` (setting ``fields`` with it), or raise TransitionError."""
+        now = time.time()
+        sets = {"state": new.value, **_checked(fields)}
+        if new is JobState.RUNNING:
+            sets["started"] = now
+        if new.final:
+            sets["ended"] = now
+        with self._write() as db:
+            row = db.execute("SELECT name, state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise UsageError(f"no job with id {job_id} in {self.path}")
+            current = JobState(row["state"])
+            if not allowed(current, new):
+                raise TransitionError(f"job {row['name']} is {current}; it cannot become {new}")
+            self._set(db, job_id, sets)
+            db.execute("INSERT INTO events VALUES (?, ?, ?)", (job_id, new.value, now))
+        return self.get(job_id)
+
+    def update(self, job_id: int, **fields: Any) -> JobRecord:
+        """Set fields without a state change (hosts once known, the log folder)."""
+        with self._write() as db:
+            self._set(db, job_id, _checked(fields))
+        return self.get(job_id)
+
+    @staticmethod
+    def _set(db: sqlite3.Connection, job_id: int, sets: dict[str, Any]) -> None:
+        values = [json.dumps(v) if k in _JSON else v for k, v in sets.items()]
+        db.execute(f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in sets)} WHERE id = ?", (*values, job_id))
+
+    def get(self, ref: int | str) -> JobRecord:
+        """A job by id (``12``) or by name."""
+        if isinstance(ref, int) or str(ref).isdigit():
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (int(ref),)).fetchone()
+        else:
+            row = self._db.execute("SELECT * FROM jobs WHERE name = ?", (ref,)).fetchone()
+        if row is None:
+            raise UsageError(f"no job {ref!r} in {self.path} (see `disttrain jobs ls`)")
+        events = self._db.execute(
+            "SELECT state, time FROM events WHERE job_id = ? ORDER BY time, rowid", (row["id"],)).fetchall()
+        return _record(row, tuple((e["state"], e["time"]) for e in events))
+
+    def list(self, limit: int | None = None) -> list[JobRecord]:
+        """Newest first."""
+        rows = self._db.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit or -1,)).fetchall()
+        return [_record(row) for row in rows]
+
+    def integrity(self) -> str:
+        return self._db.execute("PRAGMA integrity_check").fetchone()[0]
+
+
+def _checked(fields: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(fields) - _SETTABLE
+    if unknown:
+        raise TypeError(f"not a settable job field: {', '.join(sorted(unknown))}")
+    return fields
+
+
+def _record(row: sqlite3.Row, events: tuple = ()) -> JobRecord:
+    data = {key: row[key] for key in row.keys()}
+    for key in _JSON:
+        data[key] = json.loads(data[key]) if data[key] is not None else None
+    data["state"] = JobState(data["state"])
+    return JobRecord(**data, events=events)

@@ -1,0 +1,266 @@
+"""``disttrain job run`` / ``disttrain jobs``: real jobs, real processes, gloo over loopback.
+
+The script under test is a SageMaker-style entry point (tests/scripts/sm_train.py): it
+reads only SM_* variables and argparse, as it would on SageMaker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import SCRIPTS, assert_all_gone, cli_env, descendants, disttrain
+from disttrain.jobs import Job
+from disttrain.net import free_port
+from disttrain.store import JobStore
+
+NOTE = "a b; $(touch /tmp/pwned-job) 'q' \"dq\" `x` | & > <"
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), DISTTRAIN_STORE=str(tmp_path / "jobs.db"))
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    """y = 2x + 1 on 40 points, in two CSV files (a channel is a folder)."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for part in range(2):
+        lines = [f"{x / 40},{2 * x / 40 + 1}" for x in range(part * 20, part * 20 + 20)]
+        (folder / f"part{part}.csv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def spec_file(tmp_path: Path, name: str, **fields) -> Path:
+    spec = {"name": name, "entry_point": "sm_train.py", "source_dir": str(SCRIPTS),
+            "processes_per_instance": 1, **fields}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def show(env: dict, job: str | int) -> dict:
+    result = disttrain("jobs", "show", str(job), "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def tar_members(path: str | Path) -> dict[str, bytes]:
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+@pytest.mark.timeout(150)
+def test_sagemaker_script_on_two_instances_end_to_end(tmp_path, env, data):
+    hps = {"epochs": 4, "lr": 0.5, "note": NOTE}
+    spec = spec_file(tmp_path, "linear", instance_count=2, inputs={"training": str(data)},
+                     output_path=str(tmp_path / "artifacts"), hyperparameters=hps)
+    result = disttrain("job", "run", str(spec), env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "[algo-1 rank0] {\"loss\"" in result.stdout  # rank-prefixed, per instance
+
+    record = show(env, 1)
+    name = record["name"]
+    assert name.startswith("linear-") and record["state"] == "Completed" and record["exit_code"] == 0
+    assert [s["state"] for s in record["events"]] == ["Pending", "Staging", "Running", "Uploading", "Completed"]
+    assert [h["instance"] for h in record["hosts"]] == ["algo-1", "algo-2"]
+    metrics = record["metrics"]
+    assert metrics["world"] == 2 and abs(metrics["w"] - 2) < 0.01 and abs(metrics["b"] - 1) < 0.01
+
+    # model.tar.gz holds model/'s files at its top, as SageMaker packs it
+    model_tar = tmp_path / "artifacts" / name / "model.tar.gz"
+    assert record["artifacts"] == {"model": str(model_tar), "output": str(model_tar.with_name("output.tar.gz"))}
+    members = tar_members(model_tar)
+    assert list(members) == ["model.pth"]
+    (tmp_path / "model.pth").write_bytes(members["model.pth"])
+    weights = torch.load(tmp_path / "model.pth", weights_only=True)
+    assert weights["w"].item() == pytest.approx(metrics["w"])
+    assert json.loads(tar_members(model_tar.with_name("output.tar.gz"))["facts.json"])["rank"] == 0
+
+    job_dir = Path(record["job_dir"])
+    for rank, host in enumerate(["algo-1", "algo-2"]):
+        facts = json.loads((job_dir / host / "output" / "data" / "facts.json").read_text())
+        assert facts["rank"] == rank and facts["samples"] == 20  # each instance trained on its half
+        assert facts["note"] == facts["hp_note"] == NOTE and facts["unknown"] == []
+        assert facts["hps"] == hps and facts["channels"] == ["training"]
+        assert facts["model_dir"] == str(job_dir / host / "model")
+        assert facts["resourceconfig"] == {"current_host": host, "hosts": ["algo-1", "algo-2"],
+                                           "network_interface_name": "lo"}
+        config = job_dir / host / "input" / "config" / "hyperparameters.json"
+        assert json.loads(config.read_text()) == hps
+        assert sorted(p.name for p in (job_dir / host / "input" / "data" / "training").iterdir()) == \
+            ["part0.csv", "part1.csv"]
+    assert not Path("/tmp/pwned-job").exists()
+
+    listing = disttrain("jobs", "ls", env=env).stdout.splitlines()
+    assert listing[0].split() == ["ID", "NAME", "STATE", "CREATED", "DURATION", "EXIT", "INSTANCES"]
+    assert listing[1].split()[:3] == ["1", name, "Completed"] and "2 on" in listing[1]
+    human = disttrain("jobs", "show", name, env=env).stdout
+    assert re.search(r"^state: +Completed$", human, re.M)
+    assert re.search(rf"^model artifact: +{re.escape(str(model_tar))}$", human, re.M)
+    logs = disttrain("jobs", "logs", "1", env=env).stdout
+    assert f"disttrain: job {name} (id 1), 2 instance(s), local backend" in logs
+    assert "[algo-1 rank0] {\"loss\"" in logs and "Completed in" in logs
+    assert '"world": 2' in disttrain("jobs", "logs", "1", "--rank", "0", env=env).stdout
+
+
+@pytest.mark.timeout(150)
+def test_failing_job_keeps_record_logs_and_root_cause(tmp_path, env, data):
+    spec = spec_file(tmp_path, "broken", instance_count=2, inputs={"training": str(data)},
+                     output_path=str(tmp_path / "artifacts"), hyperparameters={"fail-host": "algo-2"})
+    result = disttrain("job", "run", str(spec), env=env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    root_cause = "disttrain: rank 1 on algo-2 exited with code 1"
+    assert root_cause in result.stderr
+
+    record = show(env, 1)
+    assert record["state"] == "Failed" and record["exit_code"] == 1
+    assert [s["state"] for s in record["events"]] == ["Pending", "Staging", "Running", "Failed"]
+    assert record["failure"].startswith(root_cause)
+    assert "ValueError: algo-2 cannot go on: bad shard 17" in record["failure"]
+    job_dir = Path(record["job_dir"])
+    for host in ("algo-1", "algo-2"):
+        assert (job_dir / host / "output" / "failure").read_text() == record["failure"] + "\n"
+    assert not (tmp_path / "artifacts").exists()  # nothing uploaded for a failed job
+    assert "ValueError: algo-2 cannot go on" in (job_dir / "logs" / "attempt_0" / "rank1.stderr").read_text()
+    assert root_cause in disttrain("jobs", "logs", "1", env=env).stdout
+    human = disttrain("jobs", "show", "1", env=env).stdout
+    assert re.search(r"^state: +Failed$", human, re.M) and f"failure:\n  {root_cause}" in human
+
+
+@pytest.mark.timeout(150)
+def test_two_jobs_at_once_are_both_recorded_right(tmp_path, env, data, monkeypatch):
+    """One job from the CLI, one from the Python API in this process, at the same time."""
+    monkeypatch.setenv("DISTTRAIN_HOME", env["DISTTRAIN_HOME"])
+    fields = {"entry_point": "sm_train.py", "source_dir": str(SCRIPTS), "processes_per_instance": 1,
+              "inputs": {"training": str(data)}, "output_path": str(tmp_path / "artifacts")}
+    spec = spec_file(tmp_path, "first", **fields, hyperparameters={"epochs": 1, "lr": 0.5})
+    cli_run = subprocess.Popen([sys.executable, "-m", "disttrain", "job", "run", str(spec)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        api_record = Job(name="second", **fields, hyperparameters={"epochs": 2, "lr": 0.5}).run(
+            store=tmp_path / "jobs.db")
+        out, err = cli_run.communicate(timeout=120)
+    finally:
+        if cli_run.poll() is None:
+            cli_run.kill()
+            cli_run.communicate()
+    assert cli_run.returncode == 0, err
+    assert api_record.state == "Completed" and api_record.exit_code == 0
+    with JobStore(tmp_path / "jobs.db") as store:
+        assert store.integrity() == "ok"
+        records = {r.spec["name"]: store.get(r.id) for r in store.list()}
+    assert set(records) == {"first", "second"} and records["second"] == api_record
+    for base, epochs in (("first", 1), ("second", 2)):
+        record = records[base]
+        assert record.state == "Completed" and record.exit_code == 0
+        assert record.spec["hyperparameters"]["epochs"] == epochs and record.metrics["world"] == 1
+        assert Path(record.artifacts["model"]).is_file() and record.name in record.artifacts["model"]
+        assert [state for state, _ in record.events][-1] == "Completed" and len(record.events) == 5
+    assert records["first"].job_dir != records["second"].job_dir
+    assert records["first"].metrics != records["second"].metrics  # each its own run's last line
+
+
+@pytest.mark.timeout(120)
+def test_jobs_stop_ends_a_running_job_and_its_processes(tmp_path, env, data):
+    spec = spec_file(tmp_path, "sleepy", inputs={"training": str(data)}, hyperparameters={"sleep": 300})
+    runner = subprocess.Popen([sys.executable, "-m", "disttrain", "job", "run", str(spec)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = runner.stdout.readline()
+        assert "ready" in line, runner.stderr.read()
+        family = descendants(runner.pid)
+        assert show(env, 1)["state"] == "Running"
+        follow = subprocess.Popen([sys.executable, "-m", "disttrain", "jobs", "logs", "1", "-f"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        stop = disttrain("jobs", "stop", "1", env=env, timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        assert stop.stdout.startswith("job sleepy-") and "Stopped, exit code 143" in stop.stdout
+        assert runner.wait(timeout=30) == 143
+        assert_all_gone(family)
+        followed, _ = follow.communicate(timeout=30)  # -f ends by itself when the job does
+        assert "[rank0] ready" in followed and "Stopped in" in followed
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        runner.communicate()
+    record = show(env, 1)
+    assert record["state"] == "Stopped" and record["events"][-1]["state"] == "Stopped"
+    again = disttrain("jobs", "stop", "1", env=env)
+    assert again.returncode == 0 and "already Stopped; nothing to stop" in again.stdout
+
+
+# --- S3: a real S3-protocol server (moto) on loopback, reached through s3fs -------------------
+
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                  "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    try:
+        host, port = server._server.server_address[:2]
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch):
+    import s3fs
+
+    for key, value in {**S3_CREDENTIALS, "AWS_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(key, value)
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+    bucket = f"b{free_port()}"
+    fs.mkdir(bucket)
+    return fs, bucket
+
+
+@pytest.mark.timeout(150)
+def test_channel_and_output_on_s3(tmp_path, env, data, s3):
+    fs, bucket = s3
+    for csv in data.iterdir():
+        fs.put_file(str(csv), f"{bucket}/datasets/linear/{csv.name}")
+    env = {**env, **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
+    spec = spec_file(tmp_path, "s3job", inputs={"training": f"s3://{bucket}/datasets/linear"},
+                     output_path=f"s3://{bucket}/jobs", hyperparameters={"epochs": 4, "lr": 0.5})
+    result = disttrain("job", "run", str(spec), env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    record = show(env, 1)
+    name = record["name"]
+    assert f"staging channel training from s3://{bucket}/datasets/linear" in result.stderr
+    assert record["artifacts"]["model"] == f"s3://{bucket}/jobs/{name}/model.tar.gz"
+    assert sorted(fs.ls(f"{bucket}/jobs/{name}")) == [f"{bucket}/jobs/{name}/model.tar.gz",
+                                                       f"{bucket}/jobs/{name}/output.tar.gz"]  # no partials
+    fs.get_file(f"{bucket}/jobs/{name}/model.tar.gz", str(tmp_path / "model.tar.gz"))
+    assert list(tar_members(tmp_path / "model.tar.gz")) == ["model.pth"]
+    assert record["metrics"]["world"] == 1 and abs(record["metrics"]["w"] - 2) < 0.01
+    staged = Path(record["job_dir"]) / "channels" / "training"
+    assert sorted(p.name for p in staged.iterdir()) == ["part0.csv", "part1.csv"]
+
+
+def test_missing_s3_channel_is_named_before_anything_runs(tmp_path, env, s3):
+    _, bucket = s3
+    env = {**env, **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
+    spec = spec_file(tmp_path, "nodata", inputs={"training": f"s3://{bucket}/no/such/prefix"})
+    result = disttrain("job", "run", str(spec), env=env, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"disttrain: error: inputs.training: s3://{bucket}/no/such/prefix "
+                                     "does not exist")
+    assert json.loads(disttrain("jobs", "ls", "--json", env=env).stdout) == []

@@ -1,0 +1,54 @@
+"""``backend: ssh``: a job's instances on real hosts (network namespaces + sshd), through the
+same ssh path as ``disttrain run --hosts``. The runner runs inside node0, as a user logged
+in there would; the job directory is on the filesystem the nodes share.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import SCRIPTS, cli_env
+from disttrain.store import JobStore
+from rig import cluster_fixture
+
+cluster = cluster_fixture(2)
+
+
+@pytest.mark.timeout(180)
+def test_sagemaker_script_on_two_ssh_hosts(cluster, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "all.csv").write_text("".join(f"{x / 40},{2 * x / 40 + 1}\n" for x in range(40)))
+    spec = {
+        "name": "over-ssh", "entry_point": "sm_train.py", "source_dir": str(SCRIPTS),
+        "backend": "ssh", "hosts": [f"root@{node.ip}" for node in cluster.nodes],
+        "ssh_options": [f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
+                        "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"],
+        "processes_per_instance": 1, "inputs": {"training": str(data)},
+        "output_path": str(tmp_path / "artifacts"), "hyperparameters": {"epochs": 4, "lr": 0.5},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), DISTTRAIN_STORE=str(tmp_path / "jobs.db"))
+    result = cluster.run_in("node0", [sys.executable, "-m", "disttrain", "job", "run", str(tmp_path / "job.yaml")],
+                            timeout=150, env=env)
+    assert result.returncode == 0, result.stderr
+    with JobStore(tmp_path / "jobs.db") as store:
+        (record,) = store.list()
+    assert record.state == "Completed" and record.metrics["world"] == 2
+    assert [h["host"] for h in record.hosts] == [node.ip for node in cluster.nodes]
+    assert f'[{cluster.nodes[0].ip} rank0] {{"loss"' in (Path(record.log_dir) / "job.log").read_text()
+    for rank, host in enumerate(["algo-1", "algo-2"]):
+        facts = json.loads((Path(record.job_dir) / host / "output" / "data" / "facts.json").read_text())
+        assert facts["rank"] == rank and facts["samples"] == 20
+        assert facts["resourceconfig"]["network_interface_name"] == "eth1"  # the route to the master
+    assert Path(record.artifacts["model"]).is_file()
+    deadline = time.monotonic() + 15
+    while any(cluster.processes_in(n) for n in cluster.nodes) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(cluster.processes_in(n) for n in cluster.nodes)

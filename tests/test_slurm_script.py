@@ -1,0 +1,178 @@
+"""The Slurm side that needs no Slurm: the rendered sbatch script (golden), what a process
+learns from a Slurm environment, the flags that carry a run into the allocation, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from test_cli_input import assert_usage_error
+
+from conftest import SCRIPTS, cli_env, disttrain
+from disttrain.backends.slurm import SlurmOptions, parse_status, render_sbatch, spec_argv
+from disttrain.backends.slurm_env import SlurmAllocation, expand_counts, expand_hostlist, gpus_from
+from disttrain.cli import slurm_run
+from disttrain.cli.main import build_parser
+from disttrain.cli.run import spec_from_args
+from disttrain.config.launch import LaunchSpec
+from disttrain.errors import UsageError
+
+GOLDEN = "\n".join([
+    "#!/bin/bash",
+    "# Rendered by `disttrain run --backend slurm`. Inside the allocation, `disttrain run` finds",
+    "# the nodes in Slurm's environment and starts one torch elastic agent per node with srun;",
+    "# the master is the first node, at its address toward the others found on that node.",
+    "#SBATCH --job-name=train",
+    "#SBATCH --nodes=2",
+    "#SBATCH --ntasks-per-node=1",
+    "#SBATCH --exclusive",
+    "#SBATCH --chdir=/home/me/project",
+    "#SBATCH --output=/shared/runs/r1/slurm.out",
+    "#SBATCH --error=/shared/runs/r1/slurm.err",
+    "#SBATCH --open-mode=append",
+    "#SBATCH --requeue",
+    "#SBATCH --partition=gpu",
+    "#SBATCH --time=2:00:00",
+    "#SBATCH --gpus-per-node=4",
+    "#SBATCH --mem=64G",
+    '#SBATCH "--comment=two words"',
+    "exec /opt/venv/bin/python -m disttrain run --backend slurm --log-dir /shared/runs/r1 -n auto --max-restarts 2"
+    " --env NCCL_DEBUG=WARN --checkpoint-dir /shared/runs/r1/checkpoints --checkpoint-every 100 train.py"
+    """ --epochs 3 'a b' 'c'"'"'d' '$(touch x)'""",
+    "",
+])
+
+
+def golden_inputs():
+    spec = LaunchSpec(entry="train.py", script_args=("--epochs", "3", "a b", "c'd", "$(touch x)"),
+                      max_restarts=2, env={"NCCL_DEBUG": "WARN"}, checkpoint_every=100)
+    options = SlurmOptions(nodes=2, partition="gpu", time="2:00:00", gpus_per_node=4, requeue=True,
+                           sbatch_args=("--mem=64G", "--comment=two words"))
+    return spec, options
+
+
+def test_rendered_sbatch_script_is_golden():
+    spec, options = golden_inputs()
+    script = render_sbatch(spec, options, run_dir="/shared/runs/r1", python="/opt/venv/bin/python",
+                           cwd="/home/me/project")
+    assert script == GOLDEN
+
+
+def test_requeue_keeps_the_users_checkpoint_dir_and_plain_runs_get_none():
+    spec, options = golden_inputs()
+    mine = render_sbatch(dataclasses.replace(spec, checkpoint_dir="/shared/ckpt"), options,
+                         run_dir="/r", python="py", cwd="/c")
+    assert "--checkpoint-dir /shared/ckpt " in mine and "/r/checkpoints" not in mine
+    plain = render_sbatch(spec, dataclasses.replace(options, requeue=False), run_dir="/r", python="py", cwd="/c")
+    assert "--requeue" not in plain and "--checkpoint-dir" not in plain
+
+
+def test_every_launch_spec_field_reaches_the_allocation():
+    """spec → flags → the real parser → the same spec: a field added to LaunchSpec without
+    a flag in spec_argv fails here, instead of being dropped silently on Slurm."""
+    spec = LaunchSpec(
+        entry="pkg.train", is_module=True, script_args=("--lr", "0.1"), nproc_per_node=3, backend="gloo",
+        master_addr="10.0.0.1", master_port=23456, max_restarts=1, ranks=(0, 2), env={"A": "1", "B": "x y"}, rdzv_backend="c10d",
+        rdzv_timeout_s=30, stop_grace_s=5, hang_timeout_s=60, checkpoint_dir="/ck", checkpoint_every=0,
+        framework="tensorflow",
+    )
+    not_forwarded = {"nnodes", "node_rank", "log_dir"}  # the allocation decides these
+    for f in dataclasses.fields(LaunchSpec):
+        if f.name in not_forwarded or f.default is f.default_factory is dataclasses.MISSING:  # entry: required
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert getattr(spec, f.name) != default, f"give {f.name} a non-default value in this test"
+    args = build_parser().parse_args(["run", "--backend", "slurm", *spec_argv(spec)])
+    slurm_run.resolve_backends(args)
+    assert spec_from_args(args) == spec
+
+
+@pytest.mark.parametrize(("hostlist", "names"), [
+    ("node[0-1]", ("node0", "node1")),
+    ("gpu[01-03,7],login", ("gpu01", "gpu02", "gpu03", "gpu7", "login")),
+    ("r[1-2]-n[1-2]", ("r1-n1", "r1-n2", "r2-n1", "r2-n2")),
+    ("vm", ("vm",)),
+])
+def test_slurm_host_lists(hostlist, names):
+    assert expand_hostlist(hostlist) == names
+
+
+def test_slurm_counts_and_gpus():
+    assert expand_counts("2(x3),4") == (2, 2, 2, 4)
+    assert (gpus_from("a100:2"), gpus_from("4"), gpus_from(None)) == (2, 4, None)
+
+
+BATCH = {"SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_JOB_CPUS_PER_NODE": "8(x2)",
+         "SLURMD_NODENAME": "node0", "SLURM_NTASKS": "2", "SLURM_CPUS_ON_NODE": "8"}
+
+
+def test_detects_no_slurm_a_batch_script_a_salloc_shell_and_a_step():
+    assert SlurmAllocation.from_environ({"PATH": "/bin"}) is None
+    batch = SlurmAllocation.from_environ(BATCH)
+    assert batch.job_id == "12" and batch.nodes == ("node0", "node1") and batch.cpus_per_node == (8, 8)
+    assert batch.on_first_node and not batch.in_step and batch.restart_count == 0
+    salloc = SlurmAllocation.from_environ({k: v for k, v in BATCH.items() if k != "SLURMD_NODENAME"})
+    assert not salloc.on_first_node and not salloc.in_step  # a login node: the master is asked for over srun
+    step = SlurmAllocation.from_environ({**BATCH, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1",
+                                         "SLURM_CPUS_ON_NODE": "3", "SLURM_RESTART_COUNT": "2"})
+    assert step.in_step and step.cpus_on_node == 3 and step.restart_count == 2
+    assert slurm_run.step_cpus(step) == 3 and slurm_run.step_cpus(batch) is None
+    interactive = SlurmAllocation.from_environ({**BATCH, "SLURM_STEP_ID": "4294967290"})
+    assert not interactive.in_step  # LaunchParameters=use_interactive_step: a shell, not a task
+    with pytest.raises(UsageError, match="one of 4 tasks of a Slurm job step"):
+        slurm_run.step_cpus(dataclasses.replace(step, step_tasks=4))
+
+
+def test_unreadable_slurm_environment_is_named():
+    with pytest.raises(UsageError, match=r"Slurm job 12: cannot read the Slurm host list 'node\[a-b\]'"):
+        SlurmAllocation.from_environ({**BATCH, "SLURM_JOB_NODELIST": "node[a-b]"})
+    odd = SlurmAllocation.from_environ({**BATCH, "SLURM_JOB_CPUS_PER_NODE": "8"})
+    assert odd.cpus_per_node == ()  # not one count per node: each node is asked at launch
+
+
+def test_scontrol_status_lines():
+    line = ("JobId=7 JobName=train UserId=root(0) JobState=FAILED Reason=NonZeroExitCode Dependency=(null) "
+            "Requeue=1 Restarts=1 BatchFlag=1 ExitCode=3:0 NodeList=node[0-1] WorkDir=/a b/c")
+    status = parse_status(line)
+    assert (status.state, status.reason, status.restarts, status.nodes) == ("FAILED", "NonZeroExitCode", 1, "node[0-1]")
+    assert status.ended and status.shell_exit_code() == 3
+    cancelled = parse_status("JobId=7 JobState=CANCELLED Reason=None ExitCode=0:15")
+    assert cancelled.shell_exit_code() == 143
+    assert parse_status("") is None
+
+
+@pytest.mark.timeout(60)
+def test_inside_a_job_step_the_plan_uses_the_steps_cpus(tmp_path):
+    """No Slurm needed: the environment alone makes a step's run local on its CPUs."""
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path), SLURM_JOB_ID="5", SLURM_JOB_NODELIST="vm", SLURM_STEP_ID="0",
+                  SLURM_STEP_NUM_TASKS="1", SLURM_CPUS_ON_NODE="1", SLURM_JOB_CPUS_PER_NODE="1")
+    env.pop("OMP_NUM_THREADS")
+    result = disttrain("run", "--dry-run", str(SCRIPTS / "sleeper.py"), env=env)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["world_size"] == 1 and plan["nodes"][0]["env"]["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["--backend", "slurm", "--sbatch-arg", "mem=1G"], ["--sbatch-arg takes one sbatch option", "'mem=1G'"]),
+    (["--backend", "slurm", "--nodes", "0"], ["--nodes must be at least 1"]),
+    (["--backend", "slurm", "--partition", "a b"], ["--partition 'a b'"]),
+    (["--backend", "slurm", "--hosts", "a,b"], ["--backend slurm runs no ssh"]),
+    (["--partition", "gpu"], ["--partition is a Slurm flag: add --backend slurm"]),
+])
+def test_bad_slurm_input_is_one_line_and_exit_2(tmp_path, args, fragments):
+    result = disttrain("run", *args, "--dry-run", str(SCRIPTS / "sleeper.py"), env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+    assert_usage_error(result, *fragments)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_without_slurm_commands_submitting_says_so(tmp_path):
+    result = disttrain("run", "--backend", "slurm", str(SCRIPTS / "sleeper.py"),
+                       env=cli_env(DISTTRAIN_HOME=str(tmp_path), PATH=str(tmp_path)))
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("disttrain: error: sbatch not found: run on a machine with the Slurm client "
+                                     "commands (a login node), or install slurm-client")
+    assert not (tmp_path / "runs").exists()  # nothing half-made

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from slurm_rig import slurm_fixture, wait_for
 
 from conftest import SCRIPTS
+from slurm_rig import slurm_fixture, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "mnist_convnet.py"

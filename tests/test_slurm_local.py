@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from slurm_rig import slurm_fixture
 from test_cli_input import assert_usage_error
 
 from conftest import SCRIPTS
+from slurm_rig import slurm_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -98,3 +98,24 @@ def test_a_job_whose_runner_died_is_marked_failed_when_read(tmp_path):
         mine = store.create(name="alive", spec={}, job_dir="/jobs/a", runner_host=socket.gethostname(),
                             runner_pid=psutil.Process().pid, runner_started=psutil.Process().create_time())
         assert refresh(store, mine).state is JobState.PENDING  # its runner (this process) is alive
+
+
+def test_a_store_from_before_slurm_jobs_gains_the_slurm_job_id_column(tmp_path):
+    path = tmp_path / "jobs.db"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL UNIQUE, state TEXT NOT NULL,
+            created REAL NOT NULL, started REAL, ended REAL, exit_code INTEGER, spec TEXT NOT NULL,
+            hosts TEXT NOT NULL DEFAULT '[]', job_dir TEXT NOT NULL, log_dir TEXT,
+            artifacts TEXT NOT NULL DEFAULT '{}', metrics TEXT, failure TEXT, runner_host TEXT,
+            runner_pid INTEGER, runner_started REAL);
+        INSERT INTO jobs (name, state, created, spec, job_dir) VALUES ('old', 'Completed', 1.0, '{}', '/jobs/old');
+    """)
+    old.close()
+    with JobStore(path) as store:
+        assert store.get("old").slurm_job_id is None and store.get("old").state is JobState.COMPLETED
+        job = store.create(name="new", spec={}, job_dir="/jobs/new")
+        job = store.transition(store.transition(job.id, JobState.STAGING).id, JobState.RUNNING, slurm_job_id="42")
+        assert job.slurm_job_id == "42" and store.get("new").to_dict()["slurm_job_id"] == "42"
+    with JobStore(path) as again:  # opened once more: nothing to add
+        assert again.get("new").slurm_job_id == "42" and again.integrity() == "ok"

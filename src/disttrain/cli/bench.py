@@ -81,7 +81,8 @@ def _add_options(p: argparse.ArgumentParser, default) -> None:
     p.add_argument("-m", "--module", action="store_true", default=default(False),
                    help="treat SCRIPT as a Python module, like `python -m`")
     # Passed through to every `disttrain run`.
-    p.add_argument("--backend", default=default(None), help="process-group backend, as for run")
+    p.add_argument("--dist-backend", dest="backend", default=default(None),
+                   help="process-group backend (gloo, nccl), as for run")
     p.add_argument("--master-port", type=int, default=default(None), help="as for run")
     p.add_argument("--env", action="append", default=default([]), metavar="KEY=VALUE",
                    help="an environment variable for every worker (repeatable), as for run")
@@ -132,7 +133,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     for setting in args.env:
         flags += ["--env", setting]
     if args.backend:
-        flags += ["--backend", args.backend]
+        flags += ["--dist-backend", args.backend]
     if args.master_port is not None:
         flags += ["--master-port", str(args.master_port)]
     if args.sync:

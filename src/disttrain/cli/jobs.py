@@ -61,7 +61,8 @@ def _took(record) -> str:
 
 def _where(record) -> str:
     machines = list(dict.fromkeys(h["host"] for h in record.hosts))
-    return f"{len(record.hosts)} on {','.join(machines)}" if record.hosts else "-"
+    where = f"{len(record.hosts)} on {','.join(machines)}" if record.hosts else "-"
+    return f"{where} (Slurm job {record.slurm_job_id})" if record.slurm_job_id else where
 
 
 def handle_ls(args: argparse.Namespace) -> int:
@@ -94,6 +95,7 @@ def handle_show(args: argparse.Namespace) -> int:
         ("created", _when(record.created)), ("duration", _took(record)),
         ("exit code", "-" if record.exit_code is None else str(record.exit_code)),
         ("instances", ", ".join(f"{h['instance']} on {h['host']}" for h in record.hosts) or "-"),
+        *([("slurm job", record.slurm_job_id)] if record.slurm_job_id else []),
         ("job dir", record.job_dir), ("logs", f"{record.log_dir}  (disttrain jobs logs {record.id})"),
     ]
     fields += [(f"{kind} artifact", url) for kind, url in record.artifacts.items()]

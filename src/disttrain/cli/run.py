@@ -186,8 +186,9 @@ def handle(args: argparse.Namespace) -> int:
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(plan.run_dir) / "plan.json").write_text(plan.to_json())
     where = ", ".join(node.host for node in plan.nodes)
+    kind = "TensorFlow" if plan.framework == "tensorflow" else plan.backend
     print(
-        f"disttrain: {plan.world_size} worker{'s' if plan.world_size > 1 else ''} ({plan.backend}) "
+        f"disttrain: {plan.world_size} worker{'s' if plan.world_size > 1 else ''} ({kind}) "
         f"on {where}, rendezvous {plan.master_addr}:{plan.master_port}; logs: {plan.run_dir}",
         file=sys.stderr,
         flush=True,

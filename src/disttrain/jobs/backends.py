@@ -87,5 +87,8 @@ class SshBackend:
                             env=forwarded_env(os.environ), transcript=transcript)
 
 
-def make_backend(spec: JobSpec) -> Backend:
+def make_backend(spec: JobSpec) -> Backend | None:
+    """None for slurm: its instances are placed inside the allocation (:mod:`disttrain.jobs.slurm`)."""
+    if spec.backend == "slurm":
+        return None
     return SshBackend(spec) if spec.backend == "ssh" else LocalBackend()

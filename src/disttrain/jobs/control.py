@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 from ..errors import DisttrainError
 from ..store import JobRecord, JobState, JobStore, TransitionError
@@ -47,12 +48,16 @@ def refresh(store: JobStore, record: JobRecord) -> JobRecord:
 
 
 def stop_job(store: JobStore, ref: str, *, timeout_s: float = 30.0) -> JobRecord:
-    """Ask the runner to stop; after ``timeout_s`` kill it and record Stopped ourselves."""
+    """Ask the runner to stop; after ``timeout_s`` kill it and record Stopped ourselves.
+
+    A Slurm job is also cancelled here (``scancel``) when its runner cannot do it: gone, killed,
+    or on another host.
+    """
     record = store.get(ref)
     if record.state.final:
         return record
     alive = runner_alive(record)
-    if alive is None:
+    if alive is None and not record.slurm_job_id:
         raise DisttrainError(
             f"job {record.name} runs on {record.runner_host} (pid {record.runner_pid}); stop it there")
     if alive:
@@ -67,8 +72,15 @@ def stop_job(store: JobStore, ref: str, *, timeout_s: float = 30.0) -> JobRecord
         # The instances' agents see their stdin close when the runner dies and stop their workers.
         with contextlib.suppress(ProcessLookupError):
             os.kill(record.runner_pid, signal.SIGKILL)
+    record = store.get(record.id)  # the Slurm job id may have been recorded meanwhile
+    note = "" if alive else " (runner was gone)" if alive is False else f" (runner on {record.runner_host})"
+    if record.slurm_job_id:
+        from ..backends.slurm import SlurmJob
+
+        if not SlurmJob(record.slurm_job_id, Path(record.log_dir or record.job_dir)).cancel():
+            note += f"; Slurm job {record.slurm_job_id} is still in the queue (`squeue -j {record.slurm_job_id}`)"
     try:
         return store.transition(record.id, JobState.STOPPED, exit_code=137 if alive else None,
-                                failure="stopped by `disttrain jobs stop`" + ("" if alive else " (runner was gone)"))
+                                failure="stopped by `disttrain jobs stop`" + note)
     except TransitionError:
         return store.get(record.id)

@@ -21,8 +21,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
+from ..backends.ssh_launch import AgentsOutcome
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError
+from ..plan.launch import LaunchPlan
 from ..store import JobRecord, JobState, JobStore, TransitionError
 from .backends import Backend, Placement, make_backend
 from .layout import JobLayout, instance_names
@@ -76,6 +78,35 @@ def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None)
             db.close()
 
 
+def launch_spec(spec: JobSpec, layout: JobLayout, cwd: Path) -> LaunchSpec:
+    """What every instance runs: the entry point with the hyperparameters as ``--key value``."""
+    return LaunchSpec(
+        entry=spec.entry_point,
+        script_args=tuple(hyperparameter_args(spec.hyperparameters)),
+        nproc_per_node=spec.processes_per_instance,
+        max_restarts=spec.max_restarts,
+        env=dict(spec.env),
+        log_dir=str(layout.logs),
+        checkpoint_dir=str(layout.checkpoints),
+        framework=spec.framework,
+    )
+
+
+def with_sagemaker_env(spec: JobSpec, layout: JobLayout, placement: Placement, cwd: Path) -> LaunchPlan:
+    """Instance K (the plan's node K) gets SageMaker's SM_* variables and its /opt/ml config files."""
+    nodes = []
+    for node, host, ifname, gpus, cpus in zip(placement.plan.nodes, layout.hosts, placement.ifnames,
+                                              placement.gpus, placement.cpus):
+        write_config(layout.instance(host), host=host, hosts=layout.hosts, ifname=ifname,
+                     hyperparameters=spec.hyperparameters, channels=spec.inputs)
+        sagemaker = sm_env(layout=layout, host=host, hyperparameters=spec.hyperparameters,
+                           channels=spec.inputs, entry_point=spec.entry_point, source_dir=str(cwd),
+                           num_gpus=gpus, num_cpus=cpus, ifname=ifname)
+        # The spec's own env wins, as --env does for `disttrain run`.
+        nodes.append(replace(node, env={**node.env, **sagemaker, **spec.env}))
+    return replace(placement.plan, nodes=tuple(nodes))
+
+
 def _started() -> float:
     import psutil
 
@@ -84,7 +115,7 @@ def _started() -> float:
 
 class _Run:
     def __init__(self, spec: JobSpec, store: JobStore, record: JobRecord, layout: JobLayout,
-                 backend: Backend, output_path: str) -> None:
+                 backend: Backend | None, output_path: str) -> None:
         self.spec, self.store, self.record, self.layout = spec, store, record, layout
         self.backend, self.output_path = backend, output_path
         self.transcript: TextIO | None = None
@@ -122,27 +153,30 @@ class _Run:
                  f"{spec.backend} backend; job dir: {layout.root}")
         cwd = stage_source(spec, layout)
         stage_channels(spec, layout, self.say)
+        if spec.backend == "slurm":
+            from .slurm import submit_and_follow  # the instances are placed inside the allocation
+
+            outcome = submit_and_follow(self, cwd)
+        else:
+            outcome = self._place_and_launch(cwd)
+        return self._finish(outcome)
+
+    def _place_and_launch(self, cwd: Path) -> AgentsOutcome:
+        spec, layout = self.spec, self.layout
         placement = self.backend.place(
-            LaunchSpec(
-                entry=spec.entry_point,
-                script_args=tuple(hyperparameter_args(spec.hyperparameters)),
-                nproc_per_node=spec.processes_per_instance,
-                max_restarts=spec.max_restarts,
-                env=dict(spec.env),
-                log_dir=str(layout.logs),
-                checkpoint_dir=str(layout.checkpoints),
-                framework=spec.framework,
-            ),
-            instances=layout.hosts, run_id=self.record.name, run_dir=str(layout.logs),
-            paths=[str(cwd / spec.entry_point), str(layout.root)], cwd=str(cwd),
+            launch_spec(spec, layout, cwd), instances=layout.hosts, run_id=self.record.name,
+            run_dir=str(layout.logs), paths=[str(cwd / spec.entry_point), str(layout.root)], cwd=str(cwd),
         )
-        plan = self._with_sagemaker_env(placement, cwd)
+        plan = with_sagemaker_env(spec, layout, placement, cwd)
         (layout.logs / "plan.json").write_text(plan.to_json())
         hosts = [{"instance": i, "host": w} for i, w in zip(layout.hosts, placement.where)]
         self.store.transition(self.id, JobState.RUNNING, hosts=hosts)
         self.say(f"disttrain: {plan.world_size} worker(s) ({plan.backend}) on {', '.join(layout.hosts)}, "
                  f"rendezvous {plan.master_addr}:{plan.master_port}; logs: {layout.logs}")
-        outcome = self.backend.launch(plan, cwd=str(cwd), transcript=self.transcript)
+        return self.backend.launch(plan, cwd=str(cwd), transcript=self.transcript)
+
+    def _finish(self, outcome: AgentsOutcome) -> JobRecord:
+        layout = self.layout
         metrics = final_metrics(layout.logs)
         if outcome.signal:
             return self._end(JobState.STOPPED, outcome.exit_code, metrics=metrics,
@@ -153,22 +187,8 @@ class _Run:
             return self._end(JobState.FAILED, outcome.exit_code, metrics=metrics, failure=failure)
         self.store.transition(self.id, JobState.UPLOADING, metrics=metrics)
         artifacts = upload_artifacts(layout, output_path=self.output_path, job_name=self.record.name,
-                                     storage_options=spec.storage_options)
+                                     storage_options=self.spec.storage_options)
         return self._end(JobState.COMPLETED, 0, metrics=metrics, artifacts=artifacts)
-
-    def _with_sagemaker_env(self, placement: Placement, cwd: Path):
-        spec, layout = self.spec, self.layout
-        nodes = []
-        for node, host, ifname, gpus, cpus in zip(placement.plan.nodes, layout.hosts, placement.ifnames,
-                                                  placement.gpus, placement.cpus):
-            write_config(layout.instance(host), host=host, hosts=layout.hosts, ifname=ifname,
-                         hyperparameters=spec.hyperparameters, channels=spec.inputs)
-            sagemaker = sm_env(layout=layout, host=host, hyperparameters=spec.hyperparameters,
-                               channels=spec.inputs, entry_point=spec.entry_point, source_dir=str(cwd),
-                               num_gpus=gpus, num_cpus=cpus, ifname=ifname)
-            # The spec's own env wins, as --env does for `disttrain run`.
-            nodes.append(replace(node, env={**node.env, **sagemaker, **spec.env}))
-        return replace(placement.plan, nodes=tuple(nodes))
 
     def _end(self, state: JobState, exit_code: int, *, failure: str | None = None, **fields) -> JobRecord:
         if state is JobState.FAILED and failure:

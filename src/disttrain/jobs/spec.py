@@ -20,8 +20,10 @@ from ..config.hosts import parse_host
 from ..errors import UsageError
 
 FRAMEWORKS = ("pytorch", "tensorflow")
-BACKENDS = ("local", "ssh")
-LATER_BACKENDS = {"slurm": "a later release"}
+BACKENDS = ("local", "ssh", "slurm")
+# backend: slurm: what the job's sbatch script asks for besides --nodes (= instance_count).
+SLURM_KEYS = ("partition", "time", "gpus_per_node", "sbatch_args")
+_SLURM_FLAGS = {"--partition": "partition", "--time": "time", "--sbatch-arg": "sbatch_args"}
 
 # SageMaker's rule for training job names.
 NAME_RULE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
@@ -67,8 +69,9 @@ class JobSpec:
     backend: str = "local"
     hosts: tuple[str, ...] = ()  # backend: ssh; one instance per host, the first is the master
     ssh_options: tuple[str, ...] = ()
-    python: str | None = None  # on the hosts; default: this interpreter's path
+    python: str | None = None  # on the hosts (or Slurm nodes); default: this interpreter's path
     master_port: int | None = None
+    slurm: dict[str, Any] = field(default_factory=dict)  # backend: slurm; keys SLURM_KEYS
     env: dict[str, str] = field(default_factory=dict)
     max_restarts: int = 0
     # Passed to fsspec for inputs and output_path, e.g. {"anon": true} for a public bucket.
@@ -103,10 +106,12 @@ class JobSpec:
         if self.output_path is not None:
             _string("output_path", self.output_path)
         _choice("framework", self.framework, FRAMEWORKS)
-        if self.backend in LATER_BACKENDS:
-            raise UsageError(f"backend {self.backend!r} is not supported yet ({LATER_BACKENDS[self.backend]}); "
-                             f"use one of {', '.join(BACKENDS)}")
         _choice("backend", self.backend, BACKENDS)
+        _mapping("slurm", self.slurm)
+        if self.slurm and self.backend != "slurm":
+            raise UsageError("slurm is only used with backend: slurm")
+        if self.backend == "slurm":
+            self.slurm_options(job_name=self.name)  # checked now, naming the key
         for index, host in enumerate(self.hosts):
             parse_host(_string(f"hosts[{index}]", host), where=f"hosts[{index}]")
         if self.backend == "ssh":
@@ -133,6 +138,33 @@ class JobSpec:
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             raise UsageError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         _mapping("storage_options", self.storage_options)
+
+    def slurm_options(self, *, job_name: str):
+        """The sbatch request: one node per instance, and the ``slurm`` keys."""
+        from ..backends.slurm import SlurmOptions
+
+        unknown = [key for key in self.slurm if key not in SLURM_KEYS]
+        if unknown:
+            raise UsageError(f"slurm: unknown key {unknown[0]!r}; known keys: {', '.join(SLURM_KEYS)}")
+        for key in ("partition", "time"):
+            if key in self.slurm and not isinstance(self.slurm[key], str):
+                # YAML reads 1:00:00 as the number 3600 (sexagesimal) and 30 as a number.
+                raise UsageError(f"slurm.{key} must be a string, got {self.slurm[key]!r}: quote it in YAML, "
+                                 f'e.g. {key}: "{"1:00:00" if key == "time" else "gpu"}"')
+        gpus = self.slurm.get("gpus_per_node")
+        if gpus is not None and (not _is_int(gpus) or gpus < 0):
+            raise UsageError(f"slurm.gpus_per_node must be an integer >= 0, got {gpus!r}")
+        args = self.slurm.get("sbatch_args", ())
+        if not isinstance(args, (list, tuple)):
+            raise UsageError(f"slurm.sbatch_args must be a list like [--mem=8G], got {args!r}")
+        try:
+            return SlurmOptions(nodes=self.instance_count, partition=self.slurm.get("partition"),
+                                time=self.slurm.get("time"), gpus_per_node=gpus,
+                                sbatch_args=tuple(_string(f"slurm.sbatch_args[{i}]", a) for i, a in enumerate(args)),
+                                job_name=job_name)
+        except UsageError as err:  # SlurmOptions names `disttrain run`'s flag; the spec's key is meant
+            flag = str(err).split(" ", 1)[0]
+            raise UsageError(f"slurm.{_SLURM_FLAGS.get(flag, '')}: {err}".replace("slurm.: ", "")) from None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

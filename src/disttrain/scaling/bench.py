@@ -33,7 +33,7 @@ class BenchSpec:
     steps: int
     warmup: int
     timeout_s: float
-    run_flags: tuple[str, ...]  # for every `disttrain run`: host flags, --env, --backend...
+    run_flags: tuple[str, ...]  # for every `disttrain run`: host flags, --env, --dist-backend...
     env: tuple[str, ...] = ()  # the --env settings among them
 
     def __post_init__(self) -> None:

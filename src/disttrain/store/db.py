@@ -43,7 +43,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     failure TEXT,
     runner_host TEXT,
     runner_pid INTEGER,
-    runner_started REAL
+    runner_started REAL,
+    slurm_job_id TEXT
 );
 CREATE TABLE IF NOT EXISTS events (
     job_id INTEGER NOT NULL REFERENCES jobs(id),
@@ -52,11 +53,13 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
 """
+# Columns added since the first release: a store written by an older disttrain gains them.
+_ADDED = {"slurm_job_id": "TEXT"}
 
 # Columns a transition or update may set, and whether they hold JSON.
 _JSON = {"spec", "hosts", "artifacts", "metrics"}
 _SETTABLE = {"exit_code", "hosts", "log_dir", "artifacts", "metrics", "failure",
-             "runner_host", "runner_pid", "runner_started"}
+             "runner_host", "runner_pid", "runner_started", "slurm_job_id"}
 
 
 class TransitionError(DisttrainError):
@@ -82,6 +85,7 @@ class JobRecord:
     runner_host: str | None
     runner_pid: int | None
     runner_started: float | None
+    slurm_job_id: str | None = None  # backend: slurm, once submitted
     events: tuple[tuple[str, float], ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,8 +115,19 @@ class JobStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")  # durable at each checkpoint; WAL stays consistent
             self._db.executescript(_SCHEMA)  # each statement commits on its own; all are idempotent
+            self._add_columns()
         except (OSError, sqlite3.Error) as err:
             raise UsageError(f"cannot open the job store {self.path}: {err} (set --store or {STORE_ENV})") from None
+
+    def _add_columns(self) -> None:
+        def missing() -> list[str]:
+            have = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            return [column for column in _ADDED if column not in have]
+
+        if missing():
+            with self._write() as db:  # checked again under the lock: two processes opening an old store
+                for column in missing():
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {_ADDED[column]}")
 
     def close(self) -> None:
         self._db.close()

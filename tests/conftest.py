@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,11 @@ def disttrain(*args: str, timeout: float = 90, cwd: Path | None = None, env: dic
         cwd=cwd,
         env=env or cli_env(),
     )
+
+
+def read_ranks(out: Path, prefix: str = "rank") -> dict[int, dict]:
+    """``{rank: report}`` from the ``<prefix><N>.json`` files test scripts write into ``out``."""
+    return {int(p.stem[len(prefix):]): json.loads(p.read_text()) for p in out.glob(f"{prefix}*.json")}
 
 
 def descendants(pid: int) -> list[psutil.Process]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, read_ranks
 from disttrain.placement import auto_nproc, usable_cpus
 from rig import Cluster, cluster_fixture, skip_reason
 
@@ -61,7 +61,7 @@ def test_torchrun_script_across_two_hosts(cluster, tmp_path):
     out.mkdir()
     result = run_on_node0(cluster, str(SCRIPTS / "ranks_report.py"), str(out), *HOSTILE, nproc=2)
     assert result.returncode == 0, result.stderr
-    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    ranks = read_ranks(out)
     assert set(ranks) == {0, 1, 2, 3}
     for rec in ranks.values():
         assert rec["world_size"] == 4 and rec["sum"] == 10.0  # 1+2+3+4 over both hosts
@@ -335,7 +335,7 @@ def test_hostfile_slots_and_c10d_rendezvous(cluster, tmp_path):
             str(SCRIPTS / "ranks_report.py"), str(out)]
     result = cluster.run_in("node0", argv, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    ranks = read_ranks(out)
     assert {r: rec["world_size"] for r, rec in ranks.items()} == {0: 3, 1: 3, 2: 3}
     assert f"[{node1.ip} rank2] hello from rank 2" in result.stdout
     for p in out.glob("rank*.json"):
@@ -344,7 +344,7 @@ def test_hostfile_slots_and_c10d_rendezvous(cluster, tmp_path):
     c10d = run_on_node0(cluster, "--rdzv-backend", "c10d", str(SCRIPTS / "ranks_report.py"), str(out), nproc="auto")
     assert c10d.returncode == 0, c10d.stderr
     world = 2 * auto_nproc(cuda_devices=0, cpus=usable_cpus())
-    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    ranks = read_ranks(out)
     assert set(ranks) == set(range(world))
     assert all(rec["sum"] == world * (world + 1) / 2 for rec in ranks.values())
     assert_nothing_left(cluster)

@@ -12,13 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import SCRIPTS, assert_all_gone, cli_env, descendants, disttrain
+from conftest import SCRIPTS, assert_all_gone, cli_env, descendants, disttrain, read_ranks
 
 HOSTILE = ["a b", "c'd", 'e"f', "g;h", "$(touch /tmp/pwned)", "--flag=x y", "", "*"]
-
-
-def read_ranks(out: Path) -> dict[int, dict]:
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
 
 @pytest.mark.timeout(90)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, read_ranks
 from slurm_rig import slurm_fixture, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +155,7 @@ def test_inside_salloc_disttrain_run_uses_the_allocation(slurm, tmp_path):
         "-n", "auto", str(SCRIPTS / "ranks_report.py"), str(out))], timeout=150, cwd=ROOT,
         env=slurm.env(DISTTRAIN_HOME=str(tmp_path)))
     assert result.returncode == 0, result.stderr
-    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    ranks = read_ranks(out)
     assert set(ranks) == {0, 1}
     assert all(r["world_size"] == 2 and r["sum"] == 3.0 and r["ifname"] == "eth1" for r in ranks.values())
     assert "[node1 rank1] hello from rank 1" in result.stdout

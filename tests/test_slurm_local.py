@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_cli_input import assert_usage_error
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, read_ranks
 from slurm_rig import slurm_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def test_two_ranks_on_one_slurm_node_over_loopback(slurm1, tmp_path):
     out.mkdir()
     result = run_on_slurm(slurm1, "-n", "2", str(SCRIPTS / "ranks_report.py"), str(out), "a b", home=tmp_path)
     assert result.returncode == 0, result.stderr
-    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    ranks = read_ranks(out)
     assert set(ranks) == {0, 1}
     assert all(r["world_size"] == 2 and r["sum"] == 3.0 and r["argv"] == ["a b"] for r in ranks.values())
     assert all(r["ifname"] is None for r in ranks.values())  # one node: loopback, no interface to pin

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, cli_env, disttrain
+from conftest import SCRIPTS, cli_env, disttrain, read_ranks
 from rig import cluster_fixture
 
 pytestmark = pytest.mark.skipif(
@@ -33,10 +33,6 @@ cluster = cluster_fixture(2)
 
 def tf_env(**extra: str) -> dict[str, str]:
     return cli_env(**QUIET, **extra)
-
-
-def read_workers(out: Path) -> dict[int, dict]:
-    return {int(p.stem[6:]): json.loads(p.read_text()) for p in out.glob("worker*.json")}
 
 
 def assert_trained_together(workers: dict[int, dict], addresses: list[str]) -> None:
@@ -66,7 +62,7 @@ def test_model_fit_and_a_strategy_run_loop_across_two_workers(tmp_path):
     result = disttrain("run", "--framework", "tensorflow", "-n", "2", str(WORKERS), str(out),
                        env=tf_env(), timeout=200)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_trained_together(read_workers(out), ["127.0.0.1", "127.0.0.1"])
+    assert_trained_together(read_ranks(out, "worker"), ["127.0.0.1", "127.0.0.1"])
     assert "[rank1] worker 1: 2 replicas" in result.stdout
 
 
@@ -123,6 +119,6 @@ def test_two_hosts_over_ssh(cluster, tmp_path):
     result = run_on_node0(cluster, "--framework", "tensorflow", "--env", "TF_CPP_MIN_LOG_LEVEL=2",
                           str(WORKERS), str(out), nproc=1, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_trained_together(read_workers(out), [node.ip for node in cluster.nodes])
+    assert_trained_together(read_ranks(out, "worker"), [node.ip for node in cluster.nodes])
     assert f"[{cluster.nodes[1].ip} rank1] worker 1: 2 replicas" in result.stdout
     assert_nothing_left(cluster)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import socket
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, cli_env, disttrain
+from conftest import SCRIPTS, cli_env, disttrain, read_ranks
 from disttrain import tfconfig
 from disttrain.config.launch import LaunchSpec
 from disttrain.errors import UsageError
@@ -113,17 +112,13 @@ def test_keras_hint_is_one_line_naming_the_host_when_tf_keras_is_missing(monkeyp
     assert capsys.readouterr().err == ""  # one process: MirroredStrategy, Keras 3's fit works
 
 
-def read_workers(out: Path) -> dict[int, dict]:
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
-
-
 @pytest.mark.timeout(120)
 def test_each_worker_gets_its_tf_config_in_the_process_the_agent_started(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     result = disttrain("run", "--framework", "tensorflow", "-n", "2", str(REPORT), str(out), "a b", "c'd")
     assert result.returncode == 0, result.stderr
-    workers = read_workers(out)
+    workers = read_ranks(out)
     assert set(workers) == {0, 1}
     lists = {tuple(w["tf_config"]["cluster"]["worker"]) for w in workers.values()}
     assert len(lists) == 1 and len(next(iter(lists))) == 2  # one cluster of two, seen the same by both
@@ -141,13 +136,13 @@ def test_each_worker_gets_its_tf_config_in_the_process_the_agent_started(tmp_pat
     result = disttrain("run", "--framework", "tensorflow", "-n", "2", "--env", "TF_USE_LEGACY_KERAS=0",
                        str(REPORT), str(out), env=cli_env(TF_CONFIG=mine))
     assert result.returncode == 0, result.stderr
-    assert [(w["tf_config"], w["legacy_keras"]) for w in read_workers(out).values()] == [
+    assert [(w["tf_config"], w["legacy_keras"]) for w in read_ranks(out).values()] == [
         (json.loads(mine), "0")] * 2
     for path in out.iterdir():
         path.unlink()
     result = disttrain("run", "--framework", "tensorflow", "-n", "1", str(REPORT), str(out))
     assert result.returncode == 0, result.stderr
-    assert read_workers(out)[0]["tf_config"] is None
+    assert read_ranks(out)[0]["tf_config"] is None
 
 
 def busy_pair() -> tuple[socket.socket, int]:

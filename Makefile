@@ -1,35 +1,46 @@
 # The two commands of the README: `make demo` and `make test`. Both build .venv first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build, pinned: a bare `torch` requirement would pull the multi-GB CUDA wheels.
+# Every pip call is held to constraints.txt: the pinned CPU build of torch (a bare or ranged `torch`
+# requirement, or a resolver backtrack, would otherwise pull the multi-GB CUDA wheels).
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+PIP := $(PY) -m pip install --progress-bar off --disable-pip-version-check
 TORCH ?= torch==2.13.0
-# The TensorFlow path's tests run everywhere (CI included): the CPU build (~1.45 GB), and
-# tf-keras (Keras 2, whose model.fit works under MultiWorkerMirroredStrategy) with --no-deps,
-# because its requirement on the full `tensorflow` would install that next to tensorflow-cpu.
-TF ?= tensorflow-cpu==2.21.0
-TF_KERAS ?= tf-keras==2.21.0
 DEMO_ARGS ?=
 
-.PHONY: setup demo test bench clean
+.PHONY: setup setup-demo demo test bench clean
 
-setup: $(VENV)/.installed
+# The demo needs torch and the package alone (~1 min); the test suite adds the extras it exercises.
+setup-demo: $(VENV)/.demo
+setup: $(VENV)/.test
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.demo: pyproject.toml constraints.txt
+	@echo "== creating $(VENV) and installing $(TORCH) (CPU build, ~200 MB) and disttrain"
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[test,plot,tensorflow]' "$(TF)"
-	$(PY) -m pip install -q --no-deps "$(TF_KERAS)"
+	$(PIP) -q --upgrade pip
+	$(PIP) -q "$(TORCH)"
+	$(PIP) -q -e .
+	$(PY) tests/install_check.py
 	touch $@
 
-demo: setup
+# tf-keras (Keras 2, whose model.fit works under MultiWorkerMirroredStrategy) goes in with --no-deps:
+# its requirement on the full `tensorflow` would install that beside tensorflow-cpu.
+$(VENV)/.test: $(VENV)/.demo
+	@echo "== installing the test extras: pytest, hypothesis, moto + s3fs, matplotlib, tensorflow-cpu (~1.5 GB, 1-3 min)"
+	$(PIP) -q -e '.[test,plot,tensorflow]'
+	$(PIP) -q --no-deps tf-keras
+	$(PY) tests/install_check.py
+	touch $@
+
+demo: setup-demo
 	$(VENV)/bin/disttrain run -n 2 examples/mnist_convnet.py $(DEMO_ARGS)
 
 test: setup
-	-bash tests/rig_setup.sh  # openssh/iproute2/iptables for the multi-node rig (needs root; else those tests skip)
+	@echo "== the multi-node rig's system packages (openssh, iproute2, iptables, Slurm; needs root, else those tests skip)"
+	-bash tests/rig_setup.sh
 	$(PY) -m pytest
 
-bench: setup
+bench: setup-demo
 	$(PY) bench/overhead.py
 
 clean:

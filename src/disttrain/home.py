@@ -18,3 +18,9 @@ def new_run_id(entry: str) -> str:
     stem = Path(entry).stem if not entry.startswith(".") else entry
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in stem.split(".")[-1] or stem)
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
+
+
+def run_folder(entry: str, log_dir: str | None) -> tuple[str, str]:
+    """A run's id and its folder (absolute): ``--log-dir``, else a new one under ``runs/``."""
+    run_id = new_run_id(entry)
+    return run_id, os.path.abspath(log_dir or str(disttrain_home() / "runs" / run_id))

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .atomic import atomic_path
 from .errors import UsageError
 from .runtime import checkpoint
 from .runtime.context import context
@@ -192,9 +193,8 @@ class Trainer:
         if self.checkpoint_dir is not None and context().is_main:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             path = self.checkpoint_dir / BEST_MODEL
-            temp = path.with_name(f".{BEST_MODEL}.{os.getpid()}.tmp")
-            torch.save(self.model.state_dict(), temp)
-            os.replace(temp, path)  # whole or not at all
+            with atomic_path(path) as temp:  # whole or not at all
+                torch.save(self.model.state_dict(), temp)
         return True
 
     def _checkpoint(self, epoch: int) -> None:

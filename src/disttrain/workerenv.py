@@ -34,20 +34,36 @@ DEFAULT_PG_TIMEOUT_S = 300
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
-FORWARDED_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "LOGLEVEL")
+# The environment rule, the same for every launcher: what the launching shell exports
+# reaches every rank, as under Slurm (--export=ALL) and horovodrun, except what describes the
+# launching host, session or account rather than the job (another host has its own).
+NOT_FORWARDED_NAMES = frozenset({
+    "HOSTNAME", "HOST", "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "HOME", "USER", "LOGNAME", "MAIL",
+    "SHELL", "TERM", "TERMCAP", "COLUMNS", "LINES", "TMPDIR", "PS1", "PS2", "PROMPT_COMMAND", "TMUX",
+    "TMUX_PANE", "STY", "WINDOW", "DBUS_SESSION_BUS_ADDRESS", "KRB5CCNAME", "MOTD_SHOWN", "LS_COLORS",
+    "WSL_DISTRO_NAME", "WAYLAND_DISPLAY",
+})
+NOT_FORWARDED_PREFIXES = ("SSH_", "XDG_", "BASH_FUNC_", "SLURM_", "SLURMD_", "SRUN_", "TORCHELASTIC_")
+# With the rule turned off (--no-forward-env): only what the job's communication needs.
+ESSENTIAL_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
+ESSENTIAL_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "LOGLEVEL")
+# Needed before the agent on another host can read its plan (its own import path): these
+# go on the remote command line; every other value travels with the plan on the agent's stdin.
+BOOTSTRAP_NAMES = ("PYTHONPATH",)
 
 
-def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The launcher's variables that must reach workers on other hosts too.
+def forwarded_env(environ: Mapping[str, str], *, everything: bool = True) -> dict[str, str]:
+    """The launching shell's variables that follow the job to every host.
 
-    ssh starts a fresh login environment on each host; these are the settings users
-    expect to follow the job there (library search path, communication tuning).
+    ``everything``: all of them but the host-, session- and account-specific ones (the
+    rule); False (``--no-forward-env``): the communication settings and PYTHONPATH only.
     """
+    if not everything:
+        return {k: v for k, v in environ.items() if k in ESSENTIAL_NAMES or k.startswith(ESSENTIAL_PREFIXES)}
     return {
         key: value
         for key, value in environ.items()
-        if key in FORWARDED_NAMES or key.startswith(FORWARDED_PREFIXES)
+        if key not in NOT_FORWARDED_NAMES and not key.startswith(NOT_FORWARDED_PREFIXES)
     }
 
 
@@ -64,12 +80,12 @@ def launcher_env(
     hang_timeout_s: int = 0,
     tf_workers: Sequence[str] = (),
     tf_first_task: int = 0,
-    extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Variables a node's agent exports to its workers, on top of torch elastic's own.
 
     User settings win: an ``OMP_NUM_THREADS`` or socket interface already in ``inherited``
-    is kept, and ``extra`` (``--env KEY=VALUE``) overrides everything.
+    is kept. The user's own variables (forwarded, ``--env``) are not
+    here: they are the plan's ``env_forwarded``/``env_set``, whose values are never printed.
     """
     env = {BACKEND: backend, RUN_DIR: run_dir}
     if checkpoint_dir:
@@ -90,7 +106,6 @@ def launcher_env(
         for name in SOCKET_IFNAME_VARS:
             if name not in inherited:
                 env[name] = socket_ifname
-    env.update(extra or {})
     return env
 
 

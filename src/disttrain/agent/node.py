@@ -120,7 +120,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
-    env = dict(node.env)
+    env = plan.worker_env(node)
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(prepare_node(node.env, host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))

@@ -1,4 +1,4 @@
-"""Hidden subcommands a launcher runs on each host over ssh: ``agent``, ``probe``, ``receive``."""
+"""Hidden subcommands a launcher runs on each node: ``agent``, ``probe``, ``receive``, ``launch-step``."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ import sys
 import threading
 from pathlib import Path
 
+from ..config.launch import LaunchSpec
 from ..errors import UsageError
+from ..launch import Context
+from ..plan.launch import plan_from_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     agent = sub.add_parser("agent")
-    source = agent.add_mutually_exclusive_group(required=True)
-    source.add_argument("--plan", help="the launch plan as JSON")
-    # A file on the shared filesystem (Slurm): one argv word holds at most 128 KiB.
-    source.add_argument("--plan-file", help="a file holding the launch plan as JSON")
-    agent.add_argument("--node-rank", type=int, required=True)
-    agent.add_argument("--watch-stdin", action="store_true",
-                       help="stop the workers when stdin closes (the launcher went away)")
+    # The plan holds the user's variables: it comes on stdin, never on the command line
+    # (which `ps` shows to every user of the host). stdin closing then stops the workers.
+    agent.add_argument("--plan-stdin", action="store_true", required=True,
+                       help="read {node_rank, plan} as one JSON line on stdin; stop when stdin closes")
     agent.set_defaults(handler=handle_agent)
 
     probe = sub.add_parser("probe")
@@ -37,14 +37,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     receive.add_argument("dir", help="where the launcher's working directory is copied to")
     receive.set_defaults(handler=handle_receive)
 
+    # The one command of a Slurm batch script (disttrain.launch.slurm): runs in the allocation.
+    step = sub.add_parser("launch-step")
+    step.add_argument("step_file")
+    step.set_defaults(handler=handle_launch_step)
 
-def _stop_when_stdin_closes() -> None:
-    # ssh gives the remote command the launcher's pipe as stdin: EOF means the launcher
-    # is gone or wants us to stop. SIGTERM lets torch's agent stop the workers cleanly.
+
+def _read_first_line(fd: int) -> bytes:
+    """One line from ``fd``, read byte-wise in chunks without a buffered reader (see below)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise UsageError("disttrain agent: stdin closed before the plan arrived (the launcher went away)")
+        data += chunk
+    return data
+
+
+def _stop_when_stdin_closes(fd: int) -> None:
+    # ssh/srun give the agent the launcher's pipe as stdin: EOF means the launcher is gone
+    # or wants us to stop. SIGTERM lets torch's agent stop the workers cleanly.
     # A raw os.read, not sys.stdin: a daemon thread blocked inside a buffered reader
     # aborts the interpreter at exit ("could not acquire lock ... at interpreter shutdown").
     def watch() -> None:
-        fd = sys.stdin.fileno()
         while os.read(fd, 4096):
             pass
         os.kill(os.getpid(), signal.SIGTERM)
@@ -53,17 +68,40 @@ def _stop_when_stdin_closes() -> None:
 
 
 def handle_agent(args: argparse.Namespace) -> int:
-    from ..agent.node import run_node
-    from ..plan.launch import plan_from_json
+    from ..agent.node import run_node  # torch's elastic agent: not for every disttrain command
 
-    plan = plan_from_json(args.plan if args.plan is not None else Path(args.plan_file).read_text())
-    nodes = [n for n in plan.nodes if n.node_rank == args.node_rank]
+    fd = sys.stdin.fileno()
+    message = json.loads(_read_first_line(fd))  # the launcher writes exactly one line first
+    plan = plan_from_json(json.dumps(message["plan"]))
+    nodes = [n for n in plan.nodes if n.node_rank == message["node_rank"]]
     if not nodes:
-        raise UsageError(f"the plan has no node rank {args.node_rank}")
+        raise UsageError(f"the plan has no node rank {message['node_rank']}")
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
-    if args.watch_stdin:
-        _stop_when_stdin_closes()
+    _stop_when_stdin_closes(fd)
     return run_node(plan, nodes[0])
+
+
+def handle_launch_step(args: argparse.Namespace) -> int:
+    """Inside a Slurm batch job: the spec the submitting side shipped, launched on the allocation."""
+    from ..launch.slurm import SlurmAllocationLauncher, record_outcome
+    from ..launch.slurm_env import SlurmAllocation
+    from .steps import events_for_step
+
+    alloc = SlurmAllocation.from_environ(os.environ)
+    if alloc is None:
+        raise UsageError("disttrain launch-step runs inside the Slurm job that `disttrain run --launcher slurm` "
+                         "or `disttrain job run` submits")
+    step = json.loads(Path(args.step_file).read_text())
+    spec = LaunchSpec.from_json(json.dumps(step["spec"]))
+    run_dir = step["run_dir"]
+    if alloc.restart_count:  # a requeued job: the first run's logs stay as they were
+        run_dir = str(Path(run_dir) / f"requeue_{alloc.restart_count}")
+    ctx = Context(run_id=step["run_id"], run_dir=run_dir, cwd=step["cwd"], python=step["python"],
+                  paths=tuple(step["paths"]), environ=dict(os.environ))
+    launcher = SlurmAllocationLauncher(alloc, nodes=step["nodes"])
+    outcome = launcher.run(spec, ctx, events_for_step(step["client"]))
+    record_outcome(step["run_dir"], outcome)
+    return outcome.exit_code
 
 
 def handle_probe(args: argparse.Namespace) -> int:
@@ -81,6 +119,6 @@ def handle_probe(args: argparse.Namespace) -> int:
 
 
 def handle_receive(args: argparse.Namespace) -> int:
-    from ..backends.sync import receive
+    from ..launch.sync import receive
 
     return receive(args.dir, sys.stdin.buffer, sys.stdout)

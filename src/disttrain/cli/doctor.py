@@ -6,10 +6,10 @@ import argparse
 import json
 import os
 
-from ..backends.ssh import parse_ssh_options
-from ..backends.ssh_launch import master_address, probe_all
+from ..launch.ssh import master_address, probe_all
 from ..errors import UsageError
 from ..preflight.checks import CheckResult, fact_checks, reach_checks
+from ..ssh import parse_ssh_options
 from .common import DEFAULT_MULTIHOST_PORT, add_host_args, hosts_from_args
 
 MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}

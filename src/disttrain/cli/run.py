@@ -1,26 +1,28 @@
-"""``disttrain run``: torchrun's flags, disttrain's defaults; this machine or ``--hosts`` over ssh."""
+"""``disttrain run``: torchrun's flags, disttrain's defaults; a thin client of :mod:`disttrain.launch`.
+
+Parse the flags into a LaunchSpec, pick the launcher (``cli/launchers.py``), then the same
+three lines for every launcher: ``--dry-run`` prints what it would start, else run it.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
+import signal
 import sys
-from pathlib import Path
 
-from ..backends.ssh import parse_ssh_options
-from ..backends.ssh_launch import plan_hosts, run_hosts
-from ..backends.sync import sync_all
-from ..config.hosts import Host
-from ..config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
-from ..errors import UsageError
-from ..home import disttrain_home, new_run_id
-from ..net import free_port, port_in_use
-from ..plan.launch import LaunchPlan, make_plan
-from ..preflight.facts import local_facts
-from ..workerenv import forwarded_env
-from . import slurm_run
-from .common import add_host_args, hosts_from_args
+from ..config.launch import (
+    DEFAULT_RDZV_TIMEOUT_S,
+    DEFAULT_STOP_GRACE_S,
+    LaunchSpec,
+    parse_env,
+    parse_nproc,
+    parse_ranks,
+)
+from ..home import run_folder
+from ..launch import Context, RunFolderEvents
+from . import launchers
+from .common import add_host_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="processes per node: a number or 'auto' (one per GPU; on CPU one per two cores)")
     p.add_argument("-m", "--module", action="store_true",
                    help="treat SCRIPT as a Python module, like `python -m`")
-    slurm_run.add_args(p)  # --backend (local, ssh, slurm), --dist-backend and the Slurm flags
+    launchers.add_args(p)  # --launcher (local, ssh, slurm), --dist-backend and the Slurm flags
     p.add_argument("--framework", default="pytorch", metavar="pytorch|tensorflow",
                    help="tensorflow: give each worker its TF_CONFIG (MultiWorkerMirroredStrategy) and "
                    "tf.keras = tf-keras when installed (default: pytorch)")
@@ -56,11 +58,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="folder for this run's per-rank logs (default: a new run folder under "
                    "$DISTTRAIN_HOME/runs, printed at start)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="set an environment variable for every worker (repeatable)")
+                   help="set an environment variable for every worker (repeatable); its value is never "
+                   "printed or written to the run folder")
+    p.add_argument("--no-forward-env", dest="forward_env", action="store_false",
+                   help="with --hosts: do not send this shell's exported variables to the other hosts "
+                   "(only NCCL_*, GLOO_*, TORCH_*, PYTHONPATH, OMP_NUM_THREADS, LOGLEVEL and --env)")
     p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static",
                    help="static (default: node ranks in host order) or c10d (torch's dynamic rendezvous)")
-    p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=int, default=120,
-                   help="seconds to wait for all nodes to join before failing (default 120)")
+    p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=int, default=DEFAULT_RDZV_TIMEOUT_S,
+                   help=f"seconds to wait for all nodes to join before failing (default {DEFAULT_RDZV_TIMEOUT_S})")
     p.add_argument("--hang-timeout", dest="hang_timeout", type=int, default=0, metavar="S",
                    help="stop the job, with every rank's stack, when no rank made progress for S "
                    "seconds (ranks using disttrain's runtime; default 0: off)")
@@ -68,8 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where disttrain.resume() saves and finds checkpoints (DISTTRAIN_CHECKPOINT_DIR)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="steps between checkpoints for disttrain.resume() (0: at each epoch's end)")
-    p.add_argument("--stop-grace", dest="stop_grace", type=int, default=15,
-                   help="seconds workers get to exit after SIGTERM before SIGKILL (default 15)")
+    p.add_argument("--stop-grace", dest="stop_grace", type=int, default=DEFAULT_STOP_GRACE_S,
+                   help=f"seconds workers get to exit after SIGTERM before SIGKILL (default {DEFAULT_STOP_GRACE_S})")
     add_host_args(p)
     p.add_argument("--sync", action="store_true",
                    help="with --hosts: first copy the working directory to the same path on every "
@@ -105,99 +111,36 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_every=args.checkpoint_every,
         framework=args.framework,
+        forward_env=args.forward_env,
     )
 
 
-def check_entry(spec: LaunchSpec) -> None:
-    """A missing script or module is reported before any process starts."""
-    if spec.is_module:
-        sys.path.insert(0, os.getcwd())
-        try:
-            found = importlib.util.find_spec(spec.entry) is not None
-        except (ImportError, ValueError):
-            found = False
-        finally:
-            sys.path.pop(0)
-        if not found:
-            raise UsageError(f"module {spec.entry!r} not found (is it on PYTHONPATH or in {os.getcwd()}?)")
-    elif not Path(spec.entry).is_file():
-        raise UsageError(f"script not found: {spec.entry}")
+class RunEvents(RunFolderEvents):
+    """What ``disttrain run`` tells its user besides the agents' output."""
 
+    def __init__(self, *, no_wait: bool = False) -> None:
+        self.no_wait = no_wait
 
-def choose_port(spec: LaunchSpec) -> int:
-    host = spec.master_addr or "127.0.0.1"
-    if spec.master_port is None:
-        return free_port(host)
-    # Only the node that hosts the rendezvous store binds the port.
-    if spec.node_rank == 0 and port_in_use(host, spec.master_port):
-        raise UsageError(
-            f"--master-port {spec.master_port} is already in use on {host}: "
-            "pick another port or omit --master-port to use a free one"
-        )
-    return spec.master_port
-
-
-def multihost_plan(args: argparse.Namespace, hosts: tuple[Host, ...]) -> LaunchPlan:
-    """Ask every host for its facts over ssh, check them, and plan one node per host."""
-    options = parse_ssh_options(args.ssh_option)
-    spec = spec_from_args(args)
-    if args.sync and not args.dry_run:
-        sync_all(hosts, os.getcwd(), python=args.python, options=options)
-    run_id = new_run_id(spec.entry)
-    plan, _ = plan_hosts(
-        spec, hosts, python=args.python, options=options, cwd=os.getcwd(),
-        paths=[] if spec.is_module else [spec.entry], run_id=run_id,
-        run_dir=os.path.abspath(spec.log_dir or str(disttrain_home() / "runs" / run_id)),
-        preflight=not args.no_preflight and not args.dry_run,
-    )
-    return plan
-
-
-def plan_from_args(args: argparse.Namespace, hosts: tuple[Host, ...] | None) -> LaunchPlan:
-    if hosts:
-        return multihost_plan(args, hosts)
-    if args.sync:
-        raise UsageError("--sync copies the working directory to --hosts; without hosts there is nothing to copy to")
-    spec = spec_from_args(args)
-    check_entry(spec)
-    run_id = new_run_id(spec.entry)
-    run_dir = spec.log_dir or str(disttrain_home() / "runs" / run_id)
-    return make_plan(
-        spec,
-        local_facts(slurm_run.step_cpus(slurm_run.allocation_for(args))),
-        python=sys.executable,
-        master_port=choose_port(spec),
-        run_id=run_id,
-        run_dir=os.path.abspath(run_dir),
-        inherited_env=os.environ,
-    )
+    def submitted(self, job_id: str, run_dir: str) -> None:
+        if self.no_wait:
+            print(job_id, flush=True)
+            self.say(f"disttrain: submitted Slurm job {job_id}; output: {run_dir}/slurm.out, {run_dir}/slurm.err; "
+                     f"stop it with scancel {job_id}")
+        else:
+            self.say(f"disttrain: submitted Slurm job {job_id}; logs: {run_dir}; Ctrl-C cancels it")
 
 
 def handle(args: argparse.Namespace) -> int:
-    slurm_run.resolve_backends(args)
-    alloc = slurm_run.allocation_for(args)
-    if (alloc is not None and not alloc.in_step) or (alloc is None and args.launch_backend == "slurm"):
-        return slurm_run.handle(args, alloc)
-    hosts = hosts_from_args(args)
-    plan = plan_from_args(args, hosts)
+    launcher = launchers.launcher_from_args(args)
+    spec = spec_from_args(args)
+    run_id, run_dir = run_folder(spec.entry, spec.log_dir)
+    ctx = Context(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=args.python,
+                  paths=() if spec.is_module else (spec.entry,),
+                  preflight=not args.no_preflight and not args.dry_run, environ=dict(os.environ))
     if args.dry_run:
-        print(plan.to_json())
+        print(launcher.dry_run(spec, ctx), end="")
         return 0
-    Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(plan.run_dir) / "plan.json").write_text(plan.to_json())
-    where = ", ".join(node.host for node in plan.nodes)
-    kind = "TensorFlow" if plan.framework == "tensorflow" else plan.backend
-    print(
-        f"disttrain: {plan.world_size} worker{'s' if plan.world_size > 1 else ''} ({kind}) "
-        f"on {where}, rendezvous {plan.master_addr}:{plan.master_port}; logs: {plan.run_dir}",
-        file=sys.stderr,
-        flush=True,
-    )
-    if hosts:
-        return run_hosts(
-            plan, hosts, python=args.python, options=parse_ssh_options(args.ssh_option),
-            cwd=os.getcwd(), env=forwarded_env(os.environ),
-        )
-    from ..agent.node import run_node  # imports torch's elastic agent
-
-    return run_node(plan, plan.nodes[0])
+    outcome = launcher.run(spec, ctx, RunEvents(no_wait=getattr(args, "no_wait", False)))
+    if outcome.signal:
+        print(f"disttrain: got {signal.Signals(outcome.signal).name}, stopped all nodes", file=sys.stderr, flush=True)
+    return outcome.exit_code

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -13,6 +15,10 @@ from ..placement import BACKENDS
 RDZV_BACKENDS = ("static", "c10d")
 # pytorch: the script is started as is; tensorflow: each worker also gets its TF_CONFIG.
 FRAMEWORKS = ("pytorch", "tensorflow")
+
+# Each default once: the CLI's flags, the job runner and the sbatch step read them from here.
+DEFAULT_RDZV_TIMEOUT_S = 120
+DEFAULT_STOP_GRACE_S = 15
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -80,12 +86,35 @@ class LaunchSpec:
     log_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     rdzv_backend: str = "static"
-    rdzv_timeout_s: int = 120
-    stop_grace_s: int = 15
+    rdzv_timeout_s: int = DEFAULT_RDZV_TIMEOUT_S
+    stop_grace_s: int = DEFAULT_STOP_GRACE_S
     hang_timeout_s: int = 0  # 0: no watchdog; the process group's timeout still bounds collectives
     checkpoint_dir: str | None = None  # absolute: workers on other hosts start elsewhere
     checkpoint_every: int | None = None
     framework: str = "pytorch"
+    # The launching shell's environment goes to every rank (minus host- and session-specific
+    # variables, see workerenv.forwarded_env); False: only the communication settings.
+    forward_env: bool = True
+
+    def to_json(self) -> str:
+        """The one serialised form of a spec: how it travels (the sbatch step, a job's step file).
+
+        It holds ``env`` values: written only to private (0600) files, never printed.
+        """
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> LaunchSpec:
+        """The inverse of :meth:`to_json`; unknown keys are refused by name, values validated again."""
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UsageError(f"launch spec: unknown key {unknown[0]!r} (written by another disttrain version?)")
+        for name in ("script_args", "ranks"):
+            if data.get(name) is not None:
+                data[name] = tuple(data[name])
+        return cls(**data)
 
     def __post_init__(self) -> None:
         if not self.entry:

@@ -75,7 +75,7 @@ def stop_job(store: JobStore, ref: str, *, timeout_s: float = 30.0) -> JobRecord
     record = store.get(record.id)  # the Slurm job id may have been recorded meanwhile
     note = "" if alive else " (runner was gone)" if alive is False else f" (runner on {record.runner_host})"
     if record.slurm_job_id:
-        from ..backends.slurm import SlurmJob
+        from ..launch.slurm import SlurmJob
 
         if not SlurmJob(record.slurm_job_id, Path(record.log_dir or record.job_dir)).cancel():
             note += f"; Slurm job {record.slurm_job_id} is still in the queue (`squeue -j {record.slurm_job_id}`)"

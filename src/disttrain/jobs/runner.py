@@ -21,16 +21,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from ..backends.ssh_launch import AgentsOutcome
+from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError
+from ..home import disttrain_home
+from ..launch import Context, Events, Facts, Launcher, Outcome
 from ..plan.launch import LaunchPlan
 from ..store import JobRecord, JobState, JobStore, TransitionError
-from .backends import Backend, Placement, make_backend
+from .launchers import launcher_for
 from .layout import JobLayout, instance_names
 from .results import final_metrics, upload_artifacts
 from .sagemaker import hyperparameter_args, sm_env, write_config
-from .spec import JobSpec
+from .spec import JobSpec, spec_from_mapping
 from .staging import check_inputs, stage_channels, stage_source
 
 
@@ -47,8 +49,6 @@ def new_job_name(base: str) -> str:
 
 
 def jobs_home() -> Path:
-    from ..home import disttrain_home
-
     return disttrain_home()
 
 
@@ -60,7 +60,7 @@ def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None)
     failure and raised.
     """
     check_inputs(spec)
-    backend = make_backend(spec)
+    launcher_for(spec)  # a bad launcher setting is refused before anything is recorded
     owned = not isinstance(store, JobStore)
     db = JobStore(store) if owned else store
     try:
@@ -72,7 +72,7 @@ def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None)
             runner_host=socket.gethostname(), runner_pid=os.getpid(), runner_started=_started(),
         )
         output_path = spec.output_path or str(home / "artifacts")
-        return _Run(spec, db, record, layout, backend, output_path).run()
+        return JobRun(spec, db, record, layout, launcher_for(spec, job_name=name), output_path).run()
     finally:
         if owned:
             db.close()
@@ -86,25 +86,56 @@ def launch_spec(spec: JobSpec, layout: JobLayout, cwd: Path) -> LaunchSpec:
         nproc_per_node=spec.processes_per_instance,
         max_restarts=spec.max_restarts,
         env=dict(spec.env),
+        master_port=spec.master_port,
         log_dir=str(layout.logs),
         checkpoint_dir=str(layout.checkpoints),
         framework=spec.framework,
     )
 
 
-def with_sagemaker_env(spec: JobSpec, layout: JobLayout, placement: Placement, cwd: Path) -> LaunchPlan:
+def with_sagemaker_env(spec: JobSpec, layout: JobLayout, plan: LaunchPlan, facts: Facts, cwd: Path) -> LaunchPlan:
     """Instance K (the plan's node K) gets SageMaker's SM_* variables and its /opt/ml config files."""
     nodes = []
-    for node, host, ifname, gpus, cpus in zip(placement.plan.nodes, layout.hosts, placement.ifnames,
-                                              placement.gpus, placement.cpus):
+    node_facts = facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,)
+    for node, host, fact in zip(plan.nodes, layout.hosts, node_facts):
+        ifname = fact.socket_ifname or "lo"
         write_config(layout.instance(host), host=host, hosts=layout.hosts, ifname=ifname,
                      hyperparameters=spec.hyperparameters, channels=spec.inputs)
         sagemaker = sm_env(layout=layout, host=host, hyperparameters=spec.hyperparameters,
                            channels=spec.inputs, entry_point=spec.entry_point, source_dir=str(cwd),
-                           num_gpus=gpus, num_cpus=cpus, ifname=ifname)
-        # The spec's own env wins, as --env does for `disttrain run`.
-        nodes.append(replace(node, env={**node.env, **sagemaker, **spec.env}))
-    return replace(placement.plan, nodes=tuple(nodes))
+                           num_gpus=fact.cuda_devices, num_cpus=fact.cpus, ifname=ifname)
+        # The spec's own env wins, as --env does for `disttrain run`: it is the plan's env_set.
+        nodes.append(replace(node, env={**node.env, **sagemaker}))
+    return replace(plan, nodes=tuple(nodes))
+
+
+def job_context(spec: JobSpec, layout: JobLayout, name: str, cwd: Path) -> Context:
+    return Context(run_id=name, run_dir=str(layout.logs), cwd=str(cwd), python=spec.python or sys.executable,
+                   paths=(str(cwd / spec.entry_point), str(layout.root)), environ=dict(os.environ))
+
+
+class JobStepEvents(Events):
+    """A job's sink where the instances are placed: their SageMaker variables and files, the plan kept."""
+
+    def __init__(self, spec: JobSpec, layout: JobLayout, name: str, cwd: Path) -> None:
+        self.spec, self.layout, self.name, self.cwd = spec, layout, name, cwd
+
+    @classmethod
+    def from_step(cls, client: dict) -> JobStepEvents:
+        """Inside a Slurm allocation, from what :meth:`JobRun.step` shipped."""
+        cwd = Path(client["cwd"])
+        spec = spec_from_mapping(client["spec"], base_dir=cwd, source="the launch step")
+        return cls(spec, JobLayout(Path(client["job_dir"]), instance_names(spec.instance_count)), client["name"], cwd)
+
+    def placed(self, plan: LaunchPlan, facts: Facts) -> LaunchPlan:
+        return with_sagemaker_env(self.spec, self.layout, plan, facts, self.cwd)
+
+    def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
+        write_atomic(self.layout.logs / "plan.json", plan.to_json())
+        where = ", ".join(f"{i} on {w}" if i != w else i for i, w in zip(self.layout.hosts, facts.where))
+        self.say(f"disttrain: {plan.world_size} worker(s) ({plan.backend}) on {where}"
+                 f"{f' ({note})' if note else ''}, rendezvous {plan.master_addr}:{plan.master_port}; "
+                 f"logs: {self.layout.logs}")
 
 
 def _started() -> float:
@@ -113,22 +144,19 @@ def _started() -> float:
     return psutil.Process().create_time()
 
 
-class _Run:
+class JobRun(JobStepEvents):
+    """One job from staging to its record; the launch's event sink on this side."""
+
     def __init__(self, spec: JobSpec, store: JobStore, record: JobRecord, layout: JobLayout,
-                 backend: Backend | None, output_path: str) -> None:
-        self.spec, self.store, self.record, self.layout = spec, store, record, layout
-        self.backend, self.output_path = backend, output_path
+                 launcher: Launcher, output_path: str) -> None:
+        super().__init__(spec, layout, record.name, layout.root)
+        self.store, self.record = store, record
+        self.launcher, self.output_path = launcher, output_path
         self.transcript: TextIO | None = None
 
     @property
     def id(self) -> int:
         return self.record.id
-
-    def say(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-        if self.transcript is not None:
-            self.transcript.write(message + "\n")
-            self.transcript.flush()
 
     def run(self) -> JobRecord:
         self.layout.create()
@@ -151,31 +179,31 @@ class _Run:
         self.store.transition(self.id, JobState.STAGING)
         self.say(f"disttrain: job {self.record.name} (id {self.id}), {spec.instance_count} instance(s), "
                  f"{spec.backend} backend; job dir: {layout.root}")
-        cwd = stage_source(spec, layout)
+        self.cwd = stage_source(spec, layout)
         stage_channels(spec, layout, self.say)
-        if spec.backend == "slurm":
-            from .slurm import submit_and_follow  # the instances are placed inside the allocation
-
-            outcome = submit_and_follow(self, cwd)
-        else:
-            outcome = self._place_and_launch(cwd)
+        launch = launch_spec(spec, layout, self.cwd)
+        outcome = self.launcher.run(launch, job_context(spec, layout, self.record.name, self.cwd), self)
         return self._finish(outcome)
 
-    def _place_and_launch(self, cwd: Path) -> AgentsOutcome:
-        spec, layout = self.spec, self.layout
-        placement = self.backend.place(
-            launch_spec(spec, layout, cwd), instances=layout.hosts, run_id=self.record.name,
-            run_dir=str(layout.logs), paths=[str(cwd / spec.entry_point), str(layout.root)], cwd=str(cwd),
-        )
-        plan = with_sagemaker_env(spec, layout, placement, cwd)
-        (layout.logs / "plan.json").write_text(plan.to_json())
-        hosts = [{"instance": i, "host": w} for i, w in zip(layout.hosts, placement.where)]
-        self.store.transition(self.id, JobState.RUNNING, hosts=hosts)
-        self.say(f"disttrain: {plan.world_size} worker(s) ({plan.backend}) on {', '.join(layout.hosts)}, "
-                 f"rendezvous {plan.master_addr}:{plan.master_port}; logs: {layout.logs}")
-        return self.backend.launch(plan, cwd=str(cwd), transcript=self.transcript)
+    # -- the launch's events: the record follows the launch --------------------------------
 
-    def _finish(self, outcome: AgentsOutcome) -> JobRecord:
+    def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
+        hosts = [{"instance": i, "host": w} for i, w in zip(self.layout.hosts, facts.where)]
+        self.store.transition(self.id, JobState.RUNNING, hosts=hosts)
+        super().starting(plan, facts, note)
+
+    def submitted(self, job_id: str, run_dir: str) -> None:
+        self.store.transition(self.id, JobState.RUNNING, slurm_job_id=job_id)
+        self.say(f"disttrain: submitted Slurm job {job_id} ({self.spec.instance_count} node(s)); logs: {run_dir}")
+
+    def ran_on(self, where: tuple[str, ...]) -> None:
+        self.store.update(self.id, hosts=[{"instance": i, "host": w} for i, w in zip(self.layout.hosts, where)])
+
+    def step(self) -> dict:
+        return {"kind": "job", "name": self.record.name, "job_dir": str(self.layout.root), "cwd": str(self.cwd),
+                "spec": self.spec.to_record()}
+
+    def _finish(self, outcome: Outcome) -> JobRecord:
         layout = self.layout
         metrics = final_metrics(layout.logs)
         if outcome.signal:

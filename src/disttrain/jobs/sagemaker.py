@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_atomic
 from .layout import InstancePaths, JobLayout
 
 
@@ -93,13 +94,4 @@ def write_config(inst: InstancePaths, *, host: str, hosts: tuple[str, ...], ifna
 
 def write_json(path: Path, data: Any) -> None:
     """Whole or not at all: a temporary file renamed over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(data, indent=2) + "\n")

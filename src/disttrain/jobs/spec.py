@@ -18,6 +18,7 @@ from typing import Any
 
 from ..config.hosts import parse_host
 from ..errors import UsageError
+from ..launch.slurm import SlurmOptions
 
 FRAMEWORKS = ("pytorch", "tensorflow")
 BACKENDS = ("local", "ssh", "slurm")
@@ -141,8 +142,6 @@ class JobSpec:
 
     def slurm_options(self, *, job_name: str):
         """The sbatch request: one node per instance, and the ``slurm`` keys."""
-        from ..backends.slurm import SlurmOptions
-
         unknown = [key for key in self.slurm if key not in SLURM_KEYS]
         if unknown:
             raise UsageError(f"slurm: unknown key {unknown[0]!r}; known keys: {', '.join(SLURM_KEYS)}")

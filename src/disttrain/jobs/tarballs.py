@@ -13,6 +13,7 @@ import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
 
+from ..atomic import atomic_path
 from ..errors import UsageError
 
 
@@ -23,15 +24,9 @@ def pack_dir(src: str | os.PathLike, dest: str | os.PathLike) -> Path:
     """
     src, dest = Path(src), Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
-    try:
-        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
-            for path in sorted(src.rglob("*")) if src.is_dir() else ():
-                tar.add(path, arcname=path.relative_to(src).as_posix(), recursive=False)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(dest) as tmp, tarfile.open(tmp, mode="w:gz") as tar:
+        for path in sorted(src.rglob("*")) if src.is_dir() else ():
+            tar.add(path, arcname=path.relative_to(src).as_posix(), recursive=False)
     return dest
 
 

@@ -76,9 +76,27 @@ class LaunchPlan:
     shown_ranks: tuple[int, ...] | None
     nodes: tuple[NodePlan, ...]
     framework: str = "pytorch"
+    # The user's variables, applied by each node's agent over its own environment, in this
+    # order: the launching shell's exports (remote launchers only: local workers inherit
+    # them), node.env (disttrain's), then ``--env KEY=VALUE``. Their values may be secrets:
+    # they reach agents over a private channel only (:meth:`to_private_json`).
+    env_forwarded: dict[str, str] = dataclasses.field(default_factory=dict)
+    env_set: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=indent)
+        """What may be shown and kept (``--dry-run``, ``plan.json``): the user's variables by name only."""
+        data = dataclasses.asdict(self)
+        for key in ("env_forwarded", "env_set"):
+            data[key] = sorted(data[key])
+        return json.dumps(data, indent=indent)
+
+    def to_private_json(self) -> str:
+        """Everything, values included: only for an agent's stdin or a 0600 file."""
+        return json.dumps(dataclasses.asdict(self))
+
+    def worker_env(self, node: NodePlan) -> dict[str, str]:
+        """What node ``node``'s agent exports to its workers, in the documented order."""
+        return {**self.env_forwarded, **node.env, **self.env_set}
 
 
 def _nproc(spec: LaunchSpec, facts: NodeFacts) -> int:
@@ -108,12 +126,14 @@ def make_plan(
     run_id: str,
     run_dir: str,
     inherited_env: Mapping[str, str],
+    forwarded_env: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
     """Plan a launch.
 
     With one ``NodeFacts`` this plans this machine's part (``spec.node_rank`` of
     ``spec.nnodes``, torchrun-style); with a tuple, one node per host, in host order, the
-    first being the master.
+    first being the master. ``forwarded_env``: the launching shell's variables that a
+    remote launcher carries to the hosts (local workers inherit them instead).
     """
     if isinstance(facts, NodeFacts):
         # torchrun-style: this node's part only; every node runs the same -n.
@@ -162,7 +182,6 @@ def make_plan(
                 hang_timeout_s=spec.hang_timeout_s,
                 tf_workers=tf_workers,
                 tf_first_task=first,
-                extra=spec.env,
             ),
             workers=tuple(
                 WorkerPlan(
@@ -203,11 +222,13 @@ def make_plan(
         shown_ranks=spec.ranks,
         nodes=nodes,
         framework=spec.framework,
+        env_forwarded=dict(forwarded_env or {}),
+        env_set=dict(spec.env),
     )
 
 
 def plan_from_json(text: str) -> LaunchPlan:
-    """The inverse of :meth:`LaunchPlan.to_json`: how a remote node's agent gets its plan."""
+    """The inverse of :meth:`LaunchPlan.to_private_json`: how a node's agent gets its plan."""
     data = json.loads(text)
     nodes = tuple(
         NodePlan(

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from ..backends.ssh import ssh_argv
+from ..ssh import ssh_argv
 from ..config.hosts import Host
 from ..errors import DisttrainError, UsageError
 

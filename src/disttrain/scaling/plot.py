@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..atomic import atomic_path
 from ..errors import UsageError
 from .report import Row
 
@@ -49,10 +50,8 @@ def write_plot(path: str | os.PathLike[str], rows: Sequence[Row], *, title: str)
         ax.legend()
         fig.tight_layout()
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fig.savefig(temp, format="png")
-        os.replace(temp, path)
+        with atomic_path(path) as temp:
+            fig.savefig(temp, format="png")
     finally:
         plt.close(fig)
     return path

@@ -13,8 +13,8 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 
-from ..config.hosts import Host
-from ..errors import UsageError
+from .config.hosts import Host
+from .errors import UsageError
 
 DEFAULT_OPTIONS = ("BatchMode=yes", "ConnectTimeout=10", "ServerAliveInterval=5", "ServerAliveCountMax=3")
 

@@ -28,7 +28,7 @@ from typing import BinaryIO
 
 from ..config.hosts import Host
 from ..errors import DisttrainError
-from .ssh import ssh_argv
+from ..ssh import ssh_argv
 
 SKIPPED_DIRS = frozenset({
     ".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".nox", ".mypy_cache",

@@ -1,18 +1,28 @@
-"""``disttrain run --backend slurm``: render an sbatch script, submit it, follow it, cancel it.
+"""``--launcher slurm``: Slurm, all in one module.
 
-The script is the one a user would write by hand: ``#SBATCH`` lines, then
-``disttrain run --backend slurm`` inside the allocation, which finds the nodes in Slurm's
-environment and starts one torch elastic agent per node with ``srun``
-(:mod:`disttrain.backends.slurm_alloc`). So a submitted job and a user's own sbatch script or
-``salloc`` session take the same path, and ``--dry-run`` shows all there is to it.
+Two launchers share it:
 
-For callers other than the CLI (the job runner) the API is: :func:`render_sbatch` → text,
-:func:`submit` → a :class:`SlurmJob` (its id), :meth:`SlurmJob.follow` → the exit code while
-streaming the output, :meth:`SlurmJob.cancel`.
+- :class:`SlurmBatchLauncher` (outside an allocation): render an sbatch script, submit it,
+  follow it, cancel it. The script is what a user would write by hand -- ``#SBATCH`` lines,
+  then one command, ``disttrain launch-step STEP.json``, which runs on the allocation's
+  first node. The step file (0600, in the run folder on the filesystem the nodes share)
+  holds the launch spec as :meth:`LaunchSpec.to_json` wrote it -- not re-rendered flags --
+  and how to rebuild the client's event sink there (a job's runner adds its variables).
+- :class:`SlurmAllocationLauncher` (inside one: the batch script, a ``salloc`` shell): one
+  torch elastic agent per allocated node, each started by its own ``srun`` so that the first
+  node to fail is known and the others are stopped through the shared flow.
+
+The master is the first node, at the address that node uses toward the second node's
+``NodeAddr``, found on the first node itself (a node's own hostname often resolves to
+127.0.x.1). Each node reports its facts (``disttrain probe`` in one srun step) and is
+planned for as ``--hosts`` are. ``srun`` carries the launching environment to every node
+itself (Slurm's ``--export=ALL``), so no values travel with the plan here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import shlex
@@ -26,8 +36,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
+from ..atomic import write_atomic
+from ..config.hosts import Host
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError, UsageError
+from ..plan.launch import LaunchPlan, NodeFacts
+from ..preflight.checks import fact_checks, first_failure
+from ..preflight.facts import route_to
+from .base import Context, Events, Facts, Launcher, Outcome
+from .flow import agent_argv, run_agents
+from .local import check_entry
+from .slurm_env import SlurmAllocation
 
 SLURM_TIMEOUT_S = 60  # any one sbatch/scontrol/scancel call
 POLL_S = 0.5  # the output files
@@ -100,6 +119,16 @@ class SlurmPaths:
     def checkpoints(self) -> Path:
         return self.run_dir / "checkpoints"
 
+    @property
+    def step(self) -> Path:
+        """The launch spec and its context, for the command inside the allocation (0600)."""
+        return self.run_dir / "launch_step.json"
+
+    @property
+    def outcome(self) -> Path:
+        """How the launch inside the allocation ended (an :class:`Outcome` as JSON)."""
+        return self.run_dir / "outcome.json"
+
 
 def with_requeue_checkpoints(spec: LaunchSpec, options: SlurmOptions, run_dir: str) -> LaunchSpec:
     """A requeued job must find the checkpoints of its first run: without ``--checkpoint-dir``
@@ -109,54 +138,16 @@ def with_requeue_checkpoints(spec: LaunchSpec, options: SlurmOptions, run_dir: s
     return spec
 
 
-def spec_argv(spec: LaunchSpec) -> list[str]:
-    """The ``disttrain run`` flags that reproduce ``spec`` inside the allocation.
-
-    The node count and ranks come from the allocation there, so they are not passed;
-    ``test_slurm_script`` checks that every other LaunchSpec field is.
-    """
-    argv = ["-n", str(spec.nproc_per_node)]
-    if spec.master_addr:
-        argv += ["--master-addr", spec.master_addr]
-    if spec.backend:
-        argv += ["--dist-backend", spec.backend]
-    if spec.framework != "pytorch":
-        argv += ["--framework", spec.framework]
-    if spec.master_port is not None:
-        argv += ["--master-port", str(spec.master_port)]
-    if spec.max_restarts:
-        argv += ["--max-restarts", str(spec.max_restarts)]
-    if spec.ranks is not None:
-        argv += ["--ranks", ",".join(map(str, spec.ranks))]
-    for key, value in spec.env.items():
-        argv += ["--env", f"{key}={value}"]
-    if spec.rdzv_backend != "static":
-        argv += ["--rdzv-backend", spec.rdzv_backend]
-    if spec.rdzv_timeout_s != 120:
-        argv += ["--rdzv-timeout", str(spec.rdzv_timeout_s)]
-    if spec.stop_grace_s != 15:
-        argv += ["--stop-grace", str(spec.stop_grace_s)]
-    if spec.hang_timeout_s:
-        argv += ["--hang-timeout", str(spec.hang_timeout_s)]
-    if spec.checkpoint_dir:
-        argv += ["--checkpoint-dir", spec.checkpoint_dir]
-    if spec.checkpoint_every is not None:
-        argv += ["--checkpoint-every", str(spec.checkpoint_every)]
-    if spec.is_module:
-        argv.append("-m")
-    return [*argv, spec.entry, *spec.script_args]
-
-
 def _directive(option: str) -> str:
     # sbatch reads #SBATCH lines itself: words split on blanks, double quotes group them.
     return f'#SBATCH "{option}"' if re.search(r"\s", option) else f"#SBATCH {option}"
 
 
-def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, python: str, cwd: str,
-                  command: Sequence[str] | None = None) -> str:
+def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, python: str, cwd: str) -> str:
     """The batch script for ``spec``; pure, so ``--dry-run`` prints exactly what is submitted.
 
-    ``command`` replaces the ``disttrain run`` line (a job runner's own per-allocation step).
+    Its one command reads the spec from the step file (:attr:`SlurmPaths.step`), which
+    :func:`submit` writes next to it.
     """
     paths = SlurmPaths(Path(run_dir))
     name = re.sub(r"[^\w.-]", "_", options.job_name or Path(spec.entry).stem or "disttrain")
@@ -179,15 +170,13 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
     if options.gpus_per_node:
         directives.append(f"--gpus-per-node={options.gpus_per_node}")
     directives.extend(options.sbatch_args)  # last: the user's own word wins
-    if command is None:
-        spec = with_requeue_checkpoints(spec, options, run_dir)
-        command = [python, "-m", "disttrain", "run", "--backend", "slurm", "--log-dir", run_dir,
-                   *spec_argv(spec)]
+    command = [python, "-m", "disttrain", "launch-step", str(paths.step)]
     lines = [
         "#!/bin/bash",
-        "# Rendered by `disttrain run --backend slurm`. Inside the allocation, `disttrain run` finds",
-        "# the nodes in Slurm's environment and starts one torch elastic agent per node with srun;",
+        "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the step finds the",
+        "# nodes in Slurm's environment and starts one torch elastic agent per node with srun;",
         "# the master is the first node, at its address toward the others found on that node.",
+        f"# The launch spec is in {paths.step} (private: it may hold --env values).",
         *map(_directive, directives),
         f"exec {shlex.join(command)}",
         "",
@@ -212,14 +201,8 @@ def _last_line(text: str) -> str:
     return (text.strip().splitlines() or [""])[-1]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def submit(script: str, run_dir: str | os.PathLike, *, env: Mapping[str, str] | None = None) -> SlurmJob:
-    """``sbatch`` the script; keep it and the job id in the run folder.
+def submit(script: str, run_dir: str | os.PathLike, *, step: str, env: Mapping[str, str] | None = None) -> SlurmJob:
+    """``sbatch`` the script; keep it, its step file (0600) and the job id in the run folder.
 
     The folder must exist before the job starts (Slurm opens the output files there, and does
     not create folders); a refused job leaves no folder behind. sbatch's refusal (a partition
@@ -230,6 +213,7 @@ def submit(script: str, run_dir: str | os.PathLike, *, env: Mapping[str, str] | 
     created = next((p for p in reversed((paths.run_dir, *paths.run_dir.parents)) if not p.exists()), None)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     try:
+        write_atomic(paths.step, step, mode=0o600)  # before sbatch: the job may start at once
         result = _slurm(["sbatch", "--parsable"], env=env, input=script)  # the script on stdin
         if result.returncode != 0:
             raise UsageError(f"sbatch refused the job: {_last_line(result.stderr)}")
@@ -240,8 +224,8 @@ def submit(script: str, run_dir: str | os.PathLike, *, env: Mapping[str, str] | 
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         raise
-    _write_atomic(paths.script, script)
-    _write_atomic(paths.job_id, job_id + "\n")
+    write_atomic(paths.script, script)
+    write_atomic(paths.job_id, job_id + "\n")
     return SlurmJob(job_id, paths.run_dir, env)
 
 
@@ -424,3 +408,200 @@ class SlurmJob:
                   f"in {followers[0].path} or {followers[1].path}: see `scontrol show job {self.job_id}` "
                   f"and the slurmd log of {status.nodes or 'its node'}", file=err, flush=True)
         return code
+
+
+# --- inside an allocation ------------------------------------------------------------------
+
+PROBE_TIMEOUT_S = 180  # an srun step that imports torch on every node
+_LABELLED = re.compile(r"^\s*(\d+): (.*)$")
+
+
+def job_port(job_id: str) -> int:
+    """The rendezvous port when none is given: fixed per job, so two jobs sharing a node
+    are unlikely to meet; checked free on the master before the launch."""
+    return 29500 + int(job_id) % 1000 if job_id.isdigit() else 29500
+
+
+def node_address(name: str) -> str:
+    """The address slurm.conf gives node ``name`` (NodeAddr; the name itself by default)."""
+    result = _slurm(["scontrol", "show", "node", "-o", name])
+    match = re.search(r"(?:^|\s)NodeAddr=(\S+)", result.stdout)
+    return match[1] if result.returncode == 0 and match else name
+
+
+def _probe(nodes: tuple[str, ...], *, python: str, master: str, port: int | None, paths: Sequence[str],
+           cwd: str) -> list[dict]:
+    """``disttrain probe`` on each of ``nodes`` in one srun step; their facts in node order."""
+    n = len(nodes)
+    argv = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
+            "--label", python, "-m", "disttrain", "probe", "--master", master, "--cwd", cwd]
+    if port is not None:
+        argv += ["--port", str(port)]
+    for path in paths:
+        argv += ["--path", path]
+    result = _slurm(argv, timeout=PROBE_TIMEOUT_S)
+    if result.returncode != 0:
+        raise DisttrainError(f"asking the nodes {','.join(nodes)} for their facts (srun ... disttrain probe) "
+                             f"failed with exit {result.returncode}: {_last_line(result.stderr)}; is disttrain "
+                             f"installed on every node at {python}?")
+    facts: dict[int, dict] = {}
+    for line in result.stdout.splitlines():
+        match = _LABELLED.match(line)
+        if match and match[2].startswith("{"):
+            facts[int(match[1])] = json.loads(match[2])  # tasks 0..n-1 are the nodes in order
+    missing = [nodes[i] for i in range(n) if i not in facts]
+    if missing:
+        raise DisttrainError(f"no facts from {', '.join(missing)} (srun ... disttrain probe): "
+                             f"{_last_line(result.stderr) or 'no output'}")
+    return [facts[i] for i in range(n)]
+
+
+def find_master(alloc: SlurmAllocation, nodes: tuple[str, ...], *, python: str, cwd: str) -> str:
+    """The first node's address toward the second, found on the first node."""
+    if len(nodes) == 1:
+        return "127.0.0.1"
+    peer = node_address(nodes[1])
+    if alloc.this_node == nodes[0]:  # the batch script runs on the first node
+        try:
+            return route_to(peer)[0]
+        except OSError as err:
+            raise DisttrainError(f"{nodes[0]}: no route to {nodes[1]} at {peer}: {err}") from None
+    return _probe(nodes[:1], python=python, master=peer, port=None, paths=[], cwd=cwd)[0]["address"]
+
+
+def agent_srun_argv(node: str, *, python: str, cpus: int | None) -> list[str]:
+    """One node's agent as a one-task job step on that node, with the node's CPUs; its plan
+    comes on stdin (srun hands its stdin to the one task)."""
+    argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--unbuffered"]
+    if cpus:
+        argv.append(f"--cpus-per-task={cpus}")
+    return [*argv, *agent_argv(python)]
+
+
+class SlurmAllocationLauncher(Launcher):
+    """The first ``nodes`` nodes of the allocation this process runs in, one agent each."""
+
+    name = "slurm"
+
+    def __init__(self, alloc: SlurmAllocation, *, nodes: int | None = None) -> None:
+        if nodes is not None and nodes > len(alloc.nodes):
+            raise UsageError(f"--nodes {nodes}: Slurm job {alloc.job_id} has only {len(alloc.nodes)} node(s)")
+        self.alloc = alloc
+        self.names = alloc.nodes[: nodes or len(alloc.nodes)]
+        self.note = f"Slurm job {alloc.job_id}"
+
+    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+        check_entry(spec, ctx.cwd)  # a shared filesystem is Slurm's norm: the nodes see it where we do
+        alloc, names = self.alloc, self.names
+        master = spec.master_addr or find_master(alloc, names, python=ctx.python, cwd=ctx.cwd)
+        port = spec.master_port or job_port(alloc.job_id)
+        facts = _probe(names, python=ctx.python, master=master, port=port, paths=ctx.paths, cwd=ctx.cwd)
+        failed = first_failure(fact_checks([Host(name=name) for name in names], facts, master_port=port))
+        if failed:
+            raise UsageError(f"{failed.host}: {failed.detail}; fix: {failed.fix}")
+        multi = len(names) > 1
+        cpus = alloc.cpus_per_node[: len(names)] or tuple(f["cpus"] for f in facts)
+        nodes = tuple(
+            NodeFacts(
+                hostname=name,
+                cpus=cpu,
+                cuda_devices=alloc.gpus_per_node if alloc.gpus_per_node is not None else f["cuda_devices"],
+                # One node talks over loopback; several over the route each found to the master.
+                socket_ifname=f["ifname"] if multi else None,
+                address=f["address"] if multi else None,
+            )
+            for name, cpu, f in zip(names, cpus, facts)
+        )
+        return Facts(nodes=nodes, master_addr=master, master_port=port, where=names)
+
+    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
+        cpus = self.alloc.cpus_per_node or (None,) * len(plan.nodes)
+        commands = [agent_srun_argv(node.host, python=ctx.python, cpus=cpus[i]) for i, node in enumerate(plan.nodes)]
+        outcome = run_agents(plan, commands, cwd=ctx.cwd, transcript=events.transcript)
+        if outcome.failed is not None and not outcome.report and not outcome.signal:
+            host = plan.nodes[outcome.failed].host
+            events.say(f"disttrain: the agent on {host} (srun) exited with code {outcome.exit_code}; "
+                       "the other nodes were stopped")
+        return outcome
+
+
+# --- submitting a batch job ----------------------------------------------------------------
+
+
+class SlurmBatchLauncher(Launcher):
+    """sbatch, then follow. Placing happens inside the allocation (the nodes are not known
+    before), so this launcher ships the spec there instead of a plan: :meth:`run` is its own."""
+
+    name = "slurm"
+
+    def __init__(self, options: SlurmOptions, *, no_wait: bool = False, pending_timeout_s: float | None = None,
+                 stop_on_signals: bool = True, env: Mapping[str, str] | None = None) -> None:
+        self.options = options
+        self.no_wait = no_wait
+        self.pending_timeout_s = pending_timeout_s
+        self.stop_on_signals = stop_on_signals  # False: the client handles SIGTERM/SIGINT itself
+        self.env = env  # for the Slurm commands (a test's cluster)
+
+    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+        raise UsageError("a Slurm batch job is placed inside its allocation: nothing to plan before submitting")
+
+    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
+        raise UsageError("a Slurm batch job is launched inside its allocation")
+
+    def script(self, spec: LaunchSpec, ctx: Context) -> str:
+        check_entry(spec, ctx.cwd)  # a shared filesystem is Slurm's norm: the nodes see it where we do
+        return render_sbatch(spec, self.options, run_dir=ctx.run_dir, python=ctx.python, cwd=ctx.cwd)
+
+    def dry_run(self, spec: LaunchSpec, ctx: Context) -> str:
+        return self.script(spec, ctx)
+
+    def run(self, spec: LaunchSpec, ctx: Context, events: Events) -> Outcome:
+        spec = with_requeue_checkpoints(spec, self.options, ctx.run_dir)
+        step = json.dumps({"spec": json.loads(spec.to_json()), "run_id": ctx.run_id, "run_dir": ctx.run_dir,
+                           "cwd": ctx.cwd, "python": ctx.python, "paths": list(ctx.paths),
+                           "nodes": self.options.nodes, "client": events.step()})
+        job = submit(self.script(spec, ctx), ctx.run_dir, step=step, env=self.env)
+        events.submitted(job.job_id, ctx.run_dir)
+        if self.no_wait:
+            return Outcome(exit_code=0)
+        try:
+            code = job.follow(out=_Tee(sys.stdout, events.transcript), err=_Tee(sys.stderr, events.transcript),
+                              pending_timeout_s=self.pending_timeout_s, stop_on_signals=self.stop_on_signals)
+        except BaseException:
+            gone = job.cancel()
+            events.say(f"disttrain: cancelled Slurm job {job.job_id}"
+                       + ("" if gone else f" (still in the queue: check `squeue -j {job.job_id}`)"))
+            raise
+        paths = SlurmPaths(Path(ctx.run_dir))
+        plan_file = paths.run_dir / "plan.json"
+        if plan_file.exists():  # the nodes the step placed the job on
+            events.ran_on(tuple(n["host"] for n in json.loads(plan_file.read_text())["nodes"]))
+        if paths.outcome.exists():
+            return Outcome(**json.loads(paths.outcome.read_text()))
+        if not code:
+            return Outcome(exit_code=0)
+        # The step ended before its launch did (a bad node, no disttrain there): its own words are last.
+        lines = paths.stderr.read_text(errors="replace").strip().splitlines() if paths.stderr.exists() else []
+        report = (f"Slurm job {job.job_id} exited with code {code} before its nodes ended: "
+                  f"{lines[-1] if lines else 'no output'} (see {paths.stderr})")
+        return Outcome(exit_code=code, report=report)
+
+
+def record_outcome(run_dir: str, outcome: Outcome) -> None:
+    """Inside the allocation: how the launch ended, for the submitting side to read."""
+    write_atomic(SlurmPaths(Path(run_dir)).outcome, json.dumps(dataclasses.asdict(outcome)))
+
+
+class _Tee:
+    """The job's output to the terminal and to the client's transcript (``jobs logs``)."""
+
+    def __init__(self, stream: TextIO, transcript: TextIO | None) -> None:
+        self.streams = (stream,) if transcript is None else (stream, transcript)
+
+    def write(self, text: str) -> None:
+        for stream in self.streams:
+            stream.write(text if text.endswith("\n") else text + "\n")
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()

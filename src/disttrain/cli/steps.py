@@ -1,0 +1,21 @@
+"""Inside a batch allocation, the client's event sink rebuilt from what it shipped (``Events.step``).
+
+The batch launcher cannot carry a Python object into the allocation; each client names
+itself in the step file and is rebuilt here, at the top of the layers, where every client
+is importable (the launch package imports none of them).
+"""
+
+from __future__ import annotations
+
+from ..errors import UsageError
+from ..jobs.runner import JobStepEvents
+from ..launch import Events
+from .run import RunEvents
+
+
+def events_for_step(client: dict | None) -> Events:
+    if client is None or client.get("kind") == "run":
+        return RunEvents()
+    if client.get("kind") == "job":
+        return JobStepEvents.from_step(client)
+    raise UsageError(f"launch step: unknown client {client.get('kind')!r} (written by another disttrain version?)")

@@ -1,0 +1,27 @@
+"""Where a job's instances run: the job spec's ``launcher`` picks one of :mod:`disttrain.launch`.
+
+``local`` runs every instance on this machine (each its own agent and process group, on
+127.0.0.1, the machine's cores and GPUs split between them); ``ssh`` runs instance K on the
+K-th host, like ``disttrain run --hosts`` (the job directory must be on a filesystem the
+hosts share, at the same path, like the script); ``slurm`` submits one batch job whose nodes
+are the instances. The runner uses all three the same way.
+"""
+
+from __future__ import annotations
+
+from ..config.hosts import parse_hosts
+from ..launch import Launcher
+from ..launch.local import LocalLauncher
+from ..launch.slurm import SlurmBatchLauncher
+from ..launch.ssh import SshLauncher
+from .layout import instance_names
+from .spec import JobSpec
+
+
+def launcher_for(spec: JobSpec, *, job_name: str | None = None) -> Launcher:
+    if spec.backend == "slurm":
+        # The runner handles SIGTERM/SIGINT itself (the record says Stopped), then cancels.
+        return SlurmBatchLauncher(spec.slurm_options(job_name=job_name), stop_on_signals=False)
+    if spec.backend == "ssh":
+        return SshLauncher(parse_hosts(",".join(spec.hosts)), options=tuple(spec.ssh_options))
+    return LocalLauncher(instances=instance_names(spec.instance_count))

@@ -1,0 +1,171 @@
+"""The flow every agent-per-node launcher shares: start, relay, first failure, stop all.
+
+Each node's agent (``disttrain agent --plan-stdin``) is one local process: ``ssh host ...``,
+``srun ...`` or the agent itself. Its plan, values of the user's variables included, is the
+first line it reads on stdin -- never on a command line, which every user of a host can read
+with ``ps``. stdin then stays open: closing it asks the agent to stop its workers (see
+``cli/agent.py``), which is how every node is stopped at the first failure or on Ctrl-C;
+agents that do not exit within the grace period are killed.
+
+The agents' output is already prefixed ``[host rankN]``; it is relayed to the terminal, to a
+per-rank log in the run folder and to an optional transcript, and each agent's own lines are
+kept for its root-cause block.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from ..plan.launch import LaunchPlan
+from .base import Outcome
+
+AGENT_LINES_KEPT = 200
+_PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
+
+
+def agent_argv(python: str) -> list[str]:
+    """The hidden per-node command; which node it runs and the plan come on its stdin."""
+    return [python, "-m", "disttrain", "agent", "--plan-stdin"]
+
+
+def plan_message(plan: LaunchPlan, node_rank: int) -> str:
+    """The first line an agent reads: its node rank and the whole plan, values included."""
+    return f'{{"node_rank": {node_rank}, "plan": {plan.to_private_json()}}}\n'
+
+
+class Relay:
+    """Copies one stream of one agent to the terminal, to per-rank log files and to an
+    optional transcript; keeps the agent's own lines (its root-cause block)."""
+
+    def __init__(self, run_dir: Path, lock: threading.Lock, transcript: TextIO | None = None,
+                 on_agent_line=None) -> None:
+        self._run_dir = run_dir
+        self._lock = lock
+        self._transcript = transcript
+        self._files: dict[int, TextIO] = {}
+        self._on_agent_line = on_agent_line
+        # Per agent: its own (unprefixed) stderr lines; the root-cause block is at the end.
+        self.agent_lines: dict[int, deque[str]] = {}
+
+    def pump(self, stream, out: TextIO, agent: int | None = None) -> None:
+        for line in iter(stream.readline, ""):
+            match = _PREFIX.match(line)
+            if not match and agent is not None and self._on_agent_line is not None:
+                if self._on_agent_line(agent, line):  # the launcher consumed it (a heartbeat)
+                    continue
+            with self._lock:
+                out.write(line)
+                out.flush()
+                if self._transcript is not None:
+                    self._transcript.write(line)
+                    self._transcript.flush()
+                if match:
+                    rank = int(match["rank"])
+                    if rank not in self._files:
+                        self._files[rank] = open(self._run_dir / f"rank{rank}.log", "a")
+                    self._files[rank].write(line[match.end():])
+                    self._files[rank].flush()
+                elif agent is not None:
+                    self.agent_lines.setdefault(agent, deque(maxlen=AGENT_LINES_KEPT)).append(line.rstrip("\n"))
+
+    def report(self, agent: int) -> str:
+        """The agent's own message about the failure: from its first ``disttrain:`` line on."""
+        lines = list(self.agent_lines.get(agent, ()))
+        start = next((i for i, line in enumerate(lines) if line.startswith("disttrain:")), len(lines))
+        return "\n".join(lines[start:])
+
+    def close(self) -> None:
+        for fh in self._files.values():
+            fh.close()
+
+
+def run_agents(
+    plan: LaunchPlan,
+    commands: Sequence[Sequence[str]],
+    *,
+    cwd: str | None = None,
+    transcript: TextIO | None = None,
+    on_agent_line=None,
+) -> Outcome:
+    """Start one agent per node (``commands[i]`` runs node ``i``), hand each its plan on
+    stdin, relay their output, stop every node at the first failure or on SIGINT/SIGTERM,
+    and say how it ended."""
+    Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
+    relay = Relay(Path(plan.run_dir), threading.Lock(), transcript, on_agent_line)
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    interrupted: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        interrupted.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for index, argv in enumerate(commands):
+            proc = subprocess.Popen(
+                list(argv), cwd=cwd,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, start_new_session=True,  # a Ctrl-C reaches us only; we stop the nodes
+            )
+            procs.append(proc)
+            try:
+                proc.stdin.write(plan_message(plan, plan.nodes[index].node_rank))
+                proc.stdin.flush()
+            except OSError:  # it died at once; its exit code and stderr tell why
+                pass
+            for stream, out, agent in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, index)):
+                pump = threading.Thread(target=relay.pump, args=(stream, out, agent), daemon=True)
+                pump.start()
+                pumps.append(pump)
+        first_failure = _wait_for_first_failure(procs, interrupted)
+        stop(procs, grace_s=plan.stop_grace_s + 5)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for pump in pumps:
+            pump.join(timeout=5)
+        relay.close()
+    if interrupted:
+        return Outcome(exit_code=128 + interrupted[0], signal=interrupted[0])
+    if first_failure is None:
+        return Outcome(exit_code=0)
+    index, code = first_failure
+    return Outcome(exit_code=code, failed=index, report=relay.report(index))
+
+
+def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int]) -> tuple[int, int] | None:
+    while not interrupted:
+        codes = [p.poll() for p in procs]
+        for index, code in enumerate(codes):
+            if code:  # a node failed: the job cannot go on
+                return index, code
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.1)
+    return None
+
+
+def stop(procs: list[subprocess.Popen], *, grace_s: float) -> None:
+    """Close every agent's stdin (it stops its workers), then kill what outlives the grace."""
+    for proc in procs:
+        if proc.poll() is None and proc.stdin:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -9,7 +9,7 @@ killed, the namespaces deleted) whatever happens.
 - ``SlurmCluster(n=2)``: two nodes on the rig's veth pair (NodeAddr 10.77.k.1 / 10.77.k.2).
 
 slurmctld and munged run in node0, which is also the "login node": run client commands
-(sbatch, srun, squeue, ``disttrain run --backend slurm``) there with ``run_in``/``popen_in``
+(sbatch, srun, squeue, ``disttrain run --launcher slurm``) there with ``run_in``/``popen_in``
 and ``env()``, which points ``SLURM_CONF`` at this cluster's config. The daemons are started
 with ``nsenter --net`` (``ip netns exec`` would remount /sys and hide the cgroup tree from
 slurmd), the config uses no cgroups (proctrack/linuxproc, task/none) and no accounting.

@@ -29,11 +29,12 @@ def assert_usage_error(result, *fragments: str) -> None:
         (["run", "-n", "0", GOOD], ["-n/--nproc-per-node must be at least 1"]),
         (["run", "-n", "abc", GOOD], ["positive integer or 'auto'", "'abc'"]),
         (["run", "--master-port", "70000", GOOD], ["1..65535"]),
-        (["run", "--backend", "nope", GOOD], ["unknown backend 'nope'", "--backend takes local, ssh, slurm"]),
+        (["run", "--backend", "nope", GOOD], ["unknown backend 'nope'", "--launcher local|ssh|slurm"]),
+        (["run", "--launcher", "nope", GOOD], ["unknown launcher 'nope'", "--launcher takes local, ssh, slurm"]),
         (["run", "--dist-backend", "nope", GOOD], ["unknown backend 'nope'"]),
         (["run", "--backend", "gloo", "--dist-backend", "nccl", GOOD], ["disagree"]),
-        (["run", "--backend", "ssh", GOOD], ["--backend ssh needs --hosts"]),
-        (["run", "--nodes", "2", GOOD], ["--nodes is a Slurm flag: add --backend slurm"]),
+        (["run", "--launcher", "ssh", GOOD], ["--launcher ssh needs --hosts"]),
+        (["run", "--nodes", "2", GOOD], ["--nodes is a Slurm flag: add --launcher slurm"]),
         (["run", "-m", "no_such_module_xyz"], ["module 'no_such_module_xyz' not found"]),
         (["run", "--ranks", "7", "-n", "2", GOOD], ["rank 7"]),
         (["run", "--env", "oops", GOOD], ["KEY=VALUE"]),
@@ -66,7 +67,10 @@ def test_backend_gloo_still_works_with_one_line_of_warning(tmp_path):
     assert result.stderr == ("disttrain: warning: --backend gloo is deprecated for the process-group backend; "
                              "use --dist-backend gloo\n")
     assert json.loads(result.stdout)["backend"] == "gloo"
-    new = disttrain("run", "--dist-backend", "gloo", "--backend", "local", "--dry-run", GOOD,
+    new = disttrain("run", "--dist-backend", "gloo", "--launcher", "local", "--dry-run", GOOD,
                     env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
     assert new.returncode == 0 and new.stderr == "", new.stderr
     assert json.loads(new.stdout)["backend"] == "gloo"
+    old = disttrain("run", "--backend", "local", "--dry-run", GOOD, env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+    assert old.returncode == 0, old.stderr
+    assert old.stderr == "disttrain: warning: --backend local is deprecated for the launcher; use --launcher local\n"

@@ -49,8 +49,8 @@ def test_user_settings_win_over_defaults():
         LaunchSpec(entry="t.py", nproc_per_node=2, env={"OMP_NUM_THREADS": "3", "FOO": "1"}),
         env={"OMP_NUM_THREADS": "2"},
     )
-    assert p.nodes[0].env["OMP_NUM_THREADS"] == "3"
-    assert p.nodes[0].env["FOO"] == "1"
+    assert p.worker_env(p.nodes[0])["OMP_NUM_THREADS"] == "3"  # --env wins over disttrain's own
+    assert p.worker_env(p.nodes[0])["FOO"] == "1"
     p = plan(LaunchSpec(entry="t.py", nproc_per_node=2), env={"OMP_NUM_THREADS": "2"})
     assert "OMP_NUM_THREADS" not in p.nodes[0].env  # inherited as the user set it
 
@@ -147,7 +147,7 @@ def test_plan_for_several_hosts_numbers_ranks_by_host_order():
     assert "NCCL_SOCKET_IFNAME" not in p.nodes[0].env  # the user's own setting is kept
     from disttrain.plan.launch import plan_from_json
 
-    assert plan_from_json(p.to_json()) == p
+    assert plan_from_json(p.to_private_json()) == p
 
 
 def test_hosts_may_run_different_counts_from_slots_or_auto():
@@ -179,3 +179,31 @@ def test_c10d_rendezvous_is_hosted_by_the_first_node_at_its_own_address():
     assert rdzv_configs(static, static.nodes[0]) == {"rank": 0, "timeout": 120}
     with pytest.raises(UsageError, match="--rdzv-backend must be one of static, c10d"):
         LaunchSpec(entry="t.py", rdzv_backend="etcd")
+
+
+def test_user_variables_are_listed_by_name_only_in_the_shown_plan():
+    """--env and forwarded values may be secrets: --dry-run and plan.json name them, the agent gets them."""
+    from disttrain.plan.launch import plan_from_json
+
+    spec = LaunchSpec(entry="t.py", nproc_per_node=1, env={"API_TOKEN": "s3cr3t-value"})
+    p = make_plan(spec, NodeFacts(hostname="n", cpus=2), python="/py", master_port=29500, run_id="r",
+                  run_dir="/runs/r", inherited_env={}, forwarded_env={"OUT_DIR": "/shared/x", "DB_PASS": "hunter2"})
+    shown = p.to_json()
+    assert "s3cr3t-value" not in shown and "hunter2" not in shown and "/shared/x" not in shown
+    data = json.loads(shown)
+    assert data["env_set"] == ["API_TOKEN"] and data["env_forwarded"] == ["DB_PASS", "OUT_DIR"]
+    back = plan_from_json(p.to_private_json())
+    assert back == p
+    env = back.worker_env(back.nodes[0])
+    assert env["API_TOKEN"] == "s3cr3t-value" and env["OUT_DIR"] == "/shared/x"
+
+
+def test_the_environment_rule():
+    from disttrain.workerenv import forwarded_env
+
+    shell = {"OUT_DIR": "/shared/x", "PATH": "/bin", "HOSTNAME": "a", "PWD": "/home/me", "OLDPWD": "/",
+             "SHLVL": "2", "_": "/usr/bin/disttrain", "SSH_AUTH_SOCK": "/tmp/s", "XDG_RUNTIME_DIR": "/run/u",
+             "DISPLAY": ":0", "BASH_FUNC_foo%%": "() { :; }", "NCCL_DEBUG": "INFO", "PYTHONPATH": "/src",
+             "SLURM_JOB_ID": "3"}
+    assert forwarded_env(shell) == {"OUT_DIR": "/shared/x", "PATH": "/bin", "NCCL_DEBUG": "INFO", "PYTHONPATH": "/src"}
+    assert forwarded_env(shell, everything=False) == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src"}

@@ -1,4 +1,4 @@
-"""``disttrain run --backend slurm`` on a real Slurm: two nodes in network namespaces.
+"""``disttrain run --launcher slurm`` on a real Slurm: two nodes in network namespaces.
 
 slurmctld, munged and node0's slurmd run in node0, node1's slurmd in node1; the launcher
 runs in node0 (the "login node"), as a user would run it there. One daemon set per module.
@@ -33,7 +33,7 @@ def disttrain_argv(*args: str) -> list[str]:
 
 
 def slurm_run(slurm, *args: str, timeout: float = 150, home: Path):
-    return slurm.run_in("node0", disttrain_argv("--backend", "slurm", *args), timeout=timeout, cwd=ROOT,
+    return slurm.run_in("node0", disttrain_argv("--launcher", "slurm", *args), timeout=timeout, cwd=ROOT,
                         env=slurm.env(DISTTRAIN_HOME=str(home)))
 
 
@@ -102,7 +102,7 @@ def test_a_failing_rank_fails_the_slurm_job_with_the_root_cause(slurm, tmp_path)
 
 @pytest.mark.timeout(200)
 def test_ctrl_c_cancels_the_slurm_job(slurm, tmp_path):
-    launcher = slurm.popen_in("node0", disttrain_argv("--backend", "slurm", "--nodes", "2", str(SCRIPTS / "sleeper.py")),
+    launcher = slurm.popen_in("node0", disttrain_argv("--launcher", "slurm", "--nodes", "2", str(SCRIPTS / "sleeper.py")),
                               cwd=ROOT, env=slurm.env(DISTTRAIN_HOME=str(tmp_path)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready = 0
@@ -127,7 +127,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint(slurm, reference, tmp_path):
     out = tmp_path / "out"
     launcher = slurm.popen_in(
         "node0",
-        disttrain_argv("--backend", "slurm", "--nodes", "2", "--requeue", "--ranks", "0", "--checkpoint-every", "10",
+        disttrain_argv("--launcher", "slurm", "--nodes", "2", "--requeue", "--ranks", "0", "--checkpoint-every", "10",
                        "--env", "OMP_NUM_THREADS=1", str(EXAMPLE), *MNIST_ARGS, "--output-dir", str(out)),
         cwd=ROOT, env=slurm.env(DISTTRAIN_HOME=str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     runs = tmp_path / "runs"

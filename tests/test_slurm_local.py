@@ -1,4 +1,4 @@
-"""``disttrain run --backend slurm`` on a one-node Slurm that talks over loopback only."""
+"""``disttrain run --launcher slurm`` on a one-node Slurm that talks over loopback only."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ slurm1 = slurm_fixture(1, name="slurm1")
 
 
 def run_on_slurm(slurm, *args: str, home: Path, timeout: float = 120):
-    argv = [sys.executable, "-m", "disttrain", "run", "--backend", "slurm", *args]
+    argv = [sys.executable, "-m", "disttrain", "run", "--launcher", "slurm", *args]
     return slurm.run_in("node0", argv, timeout=timeout, cwd=ROOT, env=slurm.env(DISTTRAIN_HOME=str(home)))
 
 

@@ -10,19 +10,18 @@ import pytest
 from test_cli_input import assert_usage_error
 
 from conftest import SCRIPTS, cli_env, disttrain
-from disttrain.backends.slurm import SlurmOptions, parse_status, render_sbatch, spec_argv
-from disttrain.backends.slurm_env import SlurmAllocation, expand_counts, expand_hostlist, gpus_from
-from disttrain.cli import slurm_run
-from disttrain.cli.main import build_parser
-from disttrain.cli.run import spec_from_args
+from disttrain.cli import launchers as slurm_run
 from disttrain.config.launch import LaunchSpec
+from disttrain.launch.slurm import SlurmOptions, parse_status, render_sbatch, with_requeue_checkpoints
+from disttrain.launch.slurm_env import SlurmAllocation, expand_counts, expand_hostlist, gpus_from
 from disttrain.errors import UsageError
 
 GOLDEN = "\n".join([
     "#!/bin/bash",
-    "# Rendered by `disttrain run --backend slurm`. Inside the allocation, `disttrain run` finds",
-    "# the nodes in Slurm's environment and starts one torch elastic agent per node with srun;",
+    "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the step finds the",
+    "# nodes in Slurm's environment and starts one torch elastic agent per node with srun;",
     "# the master is the first node, at its address toward the others found on that node.",
+    "# The launch spec is in /shared/runs/r1/launch_step.json (private: it may hold --env values).",
     "#SBATCH --job-name=train",
     "#SBATCH --nodes=2",
     "#SBATCH --ntasks-per-node=1",
@@ -37,9 +36,7 @@ GOLDEN = "\n".join([
     "#SBATCH --gpus-per-node=4",
     "#SBATCH --mem=64G",
     '#SBATCH "--comment=two words"',
-    "exec /opt/venv/bin/python -m disttrain run --backend slurm --log-dir /shared/runs/r1 -n auto --max-restarts 2"
-    " --env NCCL_DEBUG=WARN --checkpoint-dir /shared/runs/r1/checkpoints --checkpoint-every 100 train.py"
-    """ --epochs 3 'a b' 'c'"'"'d' '$(touch x)'""",
+    "exec /opt/venv/bin/python -m disttrain launch-step /shared/runs/r1/launch_step.json",
     "",
 ])
 
@@ -61,31 +58,32 @@ def test_rendered_sbatch_script_is_golden():
 
 def test_requeue_keeps_the_users_checkpoint_dir_and_plain_runs_get_none():
     spec, options = golden_inputs()
-    mine = render_sbatch(dataclasses.replace(spec, checkpoint_dir="/shared/ckpt"), options,
-                         run_dir="/r", python="py", cwd="/c")
-    assert "--checkpoint-dir /shared/ckpt " in mine and "/r/checkpoints" not in mine
-    plain = render_sbatch(spec, dataclasses.replace(options, requeue=False), run_dir="/r", python="py", cwd="/c")
-    assert "--requeue" not in plain and "--checkpoint-dir" not in plain
+    mine = with_requeue_checkpoints(dataclasses.replace(spec, checkpoint_dir="/shared/ckpt"), options, "/r")
+    assert mine.checkpoint_dir == "/shared/ckpt"
+    assert with_requeue_checkpoints(spec, options, "/r").checkpoint_dir == "/r/checkpoints"
+    plain = dataclasses.replace(options, requeue=False)
+    assert with_requeue_checkpoints(spec, plain, "/r").checkpoint_dir is None
+    assert "--requeue" not in render_sbatch(spec, plain, run_dir="/r", python="py", cwd="/c")
 
 
-def test_every_launch_spec_field_reaches_the_allocation():
-    """spec → flags → the real parser → the same spec: a field added to LaunchSpec without
-    a flag in spec_argv fails here, instead of being dropped silently on Slurm."""
+def test_every_launch_spec_field_survives_json():
+    """The spec travels to the allocation as JSON (one serialiser, no re-rendered flags): a
+    field added to LaunchSpec arrives there without anyone writing a flag for it."""
     spec = LaunchSpec(
-        entry="pkg.train", is_module=True, script_args=("--lr", "0.1"), nproc_per_node=3, backend="gloo",
-        master_addr="10.0.0.1", master_port=23456, max_restarts=1, ranks=(0, 2), env={"A": "1", "B": "x y"}, rdzv_backend="c10d",
-        rdzv_timeout_s=30, stop_grace_s=5, hang_timeout_s=60, checkpoint_dir="/ck", checkpoint_every=0,
-        framework="tensorflow",
+        entry="pkg.train", is_module=True, script_args=("--lr", "0.1", "a b", "$(x)"), nproc_per_node=3,
+        backend="gloo", nnodes=2, node_rank=1, log_dir="/l",
+        master_addr="10.0.0.1", master_port=23456, max_restarts=1, ranks=(0, 2), env={"A": "1", "B": "x y"},
+        rdzv_backend="c10d", rdzv_timeout_s=30, stop_grace_s=5, hang_timeout_s=60, checkpoint_dir="/ck",
+        checkpoint_every=0, framework="tensorflow", forward_env=False,
     )
-    not_forwarded = {"nnodes", "node_rank", "log_dir"}  # the allocation decides these
     for f in dataclasses.fields(LaunchSpec):
-        if f.name in not_forwarded or f.default is f.default_factory is dataclasses.MISSING:  # entry: required
+        if f.default is f.default_factory is dataclasses.MISSING:  # entry: required
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         assert getattr(spec, f.name) != default, f"give {f.name} a non-default value in this test"
-    args = build_parser().parse_args(["run", "--backend", "slurm", *spec_argv(spec)])
-    slurm_run.resolve_backends(args)
-    assert spec_from_args(args) == spec
+    assert LaunchSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(UsageError, match="unknown key 'bogus'"):
+        LaunchSpec.from_json(json.dumps({**json.loads(spec.to_json()), "bogus": 1}))
 
 
 @pytest.mark.parametrize(("hostlist", "names"), [
@@ -156,11 +154,11 @@ def test_inside_a_job_step_the_plan_uses_the_steps_cpus(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "fragments"), [
-    (["--backend", "slurm", "--sbatch-arg", "mem=1G"], ["--sbatch-arg takes one sbatch option", "'mem=1G'"]),
-    (["--backend", "slurm", "--nodes", "0"], ["--nodes must be at least 1"]),
-    (["--backend", "slurm", "--partition", "a b"], ["--partition 'a b'"]),
-    (["--backend", "slurm", "--hosts", "a,b"], ["--backend slurm runs no ssh"]),
-    (["--partition", "gpu"], ["--partition is a Slurm flag: add --backend slurm"]),
+    (["--launcher", "slurm", "--sbatch-arg", "mem=1G"], ["--sbatch-arg takes one sbatch option", "'mem=1G'"]),
+    (["--launcher", "slurm", "--nodes", "0"], ["--nodes must be at least 1"]),
+    (["--launcher", "slurm", "--partition", "a b"], ["--partition 'a b'"]),
+    (["--launcher", "slurm", "--hosts", "a,b"], ["--launcher slurm runs no ssh"]),
+    (["--partition", "gpu"], ["--partition is a Slurm flag: add --launcher slurm"]),
 ])
 def test_bad_slurm_input_is_one_line_and_exit_2(tmp_path, args, fragments):
     result = disttrain("run", *args, "--dry-run", str(SCRIPTS / "sleeper.py"), env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
@@ -170,7 +168,7 @@ def test_bad_slurm_input_is_one_line_and_exit_2(tmp_path, args, fragments):
 
 @pytest.mark.timeout(60)
 def test_without_slurm_commands_submitting_says_so(tmp_path):
-    result = disttrain("run", "--backend", "slurm", str(SCRIPTS / "sleeper.py"),
+    result = disttrain("run", "--launcher", "slurm", str(SCRIPTS / "sleeper.py"),
                        env=cli_env(DISTTRAIN_HOME=str(tmp_path), PATH=str(tmp_path)))
     assert result.returncode == 1
     assert result.stderr.strip() == ("disttrain: error: sbatch not found: run on a machine with the Slurm client "

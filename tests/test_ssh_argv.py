@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from disttrain.backends.ssh import parse_ssh_options, remote_command, ssh_argv
+from disttrain.ssh import parse_ssh_options, remote_command, ssh_argv
 from disttrain.config.hosts import Host
 from disttrain.errors import UsageError
 

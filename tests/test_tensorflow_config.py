@@ -69,7 +69,7 @@ def test_tensorflow_plan_runs_the_script_through_the_shim_with_each_workers_tf_c
     assert node.env[TF_WORKERS] == "127.0.0.1:29501,127.0.0.1:29502" and node.env[TF_FIRST_TASK] == "0"
     shown = [json.loads(w.env["TF_CONFIG"]) for w in node.workers]  # what --dry-run prints
     assert [c["task"]["index"] for c in shown] == [0, 1]
-    assert plan_from_json(p.to_json()) == p
+    assert plan_from_json(p.to_private_json()) == p
 
     module = plan(LaunchSpec(entry="pkg.train", is_module=True, nproc_per_node=1, framework="tensorflow"))
     assert module.argv == ("/py", "-u", "-m", "disttrain.tfconfig", "-m", "pkg.train")

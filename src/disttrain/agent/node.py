@@ -122,7 +122,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             stream.reconfigure(line_buffering=True)
     env = plan.worker_env(node)
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
-        env.update(prepare_node(node.env, host=node.host, nproc=node.nproc, world_size=plan.world_size,
+        env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
     with _exported(env), _watchdog(plan, node) as dog:
         try:

@@ -50,8 +50,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(default: wait, printing the reason)")
 
 
-def _warn(old: str, new: str) -> None:
-    print(f"disttrain: warning: {old} is deprecated; use {new}", file=sys.stderr, flush=True)
+def _warn(old: str, new: str, what: str) -> None:
+    print(f"disttrain: warning: {old} is deprecated {what}; use {new}", file=sys.stderr, flush=True)
 
 
 def resolve_names(args: argparse.Namespace) -> None:
@@ -63,12 +63,12 @@ def resolve_names(args: argparse.Namespace) -> None:
         if args.dist_backend and args.dist_backend != old:
             raise UsageError(f"--backend {old} and --dist-backend {args.dist_backend} disagree: "
                              "give only --dist-backend")
-        _warn(f"--backend {old}", f"--dist-backend {old}")
+        _warn(f"--backend {old}", f"--dist-backend {old}", "for the process-group backend")
         args.dist_backend = old
     elif old in LAUNCHERS:
         if launch and launch != old:
             raise UsageError(f"--backend {old} and --launcher {launch} disagree: give only --launcher")
-        _warn(f"--backend {old}", f"--launcher {old}")
+        _warn(f"--backend {old}", f"--launcher {old}", "for the launcher")
         launch = old
     elif old is not None:
         raise UsageError(f"unknown backend {old!r}: the launcher is --launcher {'|'.join(LAUNCHERS)}, "

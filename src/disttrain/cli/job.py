@@ -21,10 +21,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("spec", metavar="JOB.yaml")
     add_store_arg(run)
     run.set_defaults(handler=handle_run)
-    # backend: slurm: the batch script's one command, on the allocation's first node.
-    step = actions.add_parser("_in-allocation", help=argparse.SUPPRESS)
-    step.add_argument("step_file")
-    step.set_defaults(handler=handle_in_allocation)
 
 
 def handle_run(args: argparse.Namespace) -> int:
@@ -34,9 +30,3 @@ def handle_run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)  # every key checked before anything runs or is recorded
     record = run_job(spec, store=args.store)
     return record.exit_code if record.exit_code is not None else 1
-
-
-def handle_in_allocation(args: argparse.Namespace) -> int:
-    from ..jobs.slurm import run_step
-
-    return run_step(args.step_file)

@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from ..config.launch import (
     DEFAULT_RDZV_TIMEOUT_S,
@@ -19,6 +20,7 @@ from ..config.launch import (
     parse_nproc,
     parse_ranks,
 )
+from ..errors import UsageError
 from ..home import run_folder
 from ..launch import Context, RunFolderEvents
 from . import launchers
@@ -115,11 +117,29 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     )
 
 
+def make_run_dir(run_dir: str, *, given: str | None) -> None:
+    """Create the run folder, or say in one line why it cannot be and what to change."""
+    fix = "pass a writable --log-dir" if given else "set DISTTRAIN_HOME to a writable folder (or pass --log-dir)"
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        probe = Path(run_dir) / ".write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        why = "a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError)) else err.strerror
+        raise UsageError(f"cannot write the run folder {run_dir}: {why or err}; {fix}") from None
+
+
 class RunEvents(RunFolderEvents):
     """What ``disttrain run`` tells its user besides the agents' output."""
 
-    def __init__(self, *, no_wait: bool = False) -> None:
+    def __init__(self, *, no_wait: bool = False, log_dir: str | None = None) -> None:
         self.no_wait = no_wait
+        self.log_dir = log_dir  # as given (--log-dir), for the fix in the error line
+
+    def starting(self, plan, facts, note: str = "") -> None:
+        make_run_dir(plan.run_dir, given=self.log_dir)
+        super().starting(plan, facts, note)
 
     def submitted(self, job_id: str, run_dir: str) -> None:
         if self.no_wait:
@@ -133,14 +153,14 @@ class RunEvents(RunFolderEvents):
 def handle(args: argparse.Namespace) -> int:
     launcher = launchers.launcher_from_args(args)
     spec = spec_from_args(args)
-    run_id, run_dir = run_folder(spec.entry, spec.log_dir)
+    run_id, run_dir = run_folder(spec.entry, spec.log_dir, is_module=spec.is_module)
     ctx = Context(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=args.python,
                   paths=() if spec.is_module else (spec.entry,),
                   preflight=not args.no_preflight and not args.dry_run, environ=dict(os.environ))
     if args.dry_run:
         print(launcher.dry_run(spec, ctx), end="")
         return 0
-    outcome = launcher.run(spec, ctx, RunEvents(no_wait=getattr(args, "no_wait", False)))
+    outcome = launcher.run(spec, ctx, RunEvents(no_wait=args.no_wait, log_dir=args.log_dir))
     if outcome.signal:
         print(f"disttrain: got {signal.Signals(outcome.signal).name}, stopped all nodes", file=sys.stderr, flush=True)
     return outcome.exit_code

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..config.launch import LaunchSpec
 from ..errors import UsageError
 from ..net import free_port, port_in_use
+from ..placement import oversubscription_hint
 from ..plan.launch import LaunchPlan, NodeFacts
 from ..preflight.facts import local_facts
 from .base import Context, Events, Facts, Launcher, Outcome
@@ -84,6 +85,15 @@ class LocalLauncher(Launcher):
                                    **node.env})
                 for k, node in enumerate(plan.nodes)))
         return plan
+
+    def plan(self, spec: LaunchSpec, ctx: Context) -> tuple[LaunchPlan, Facts]:
+        plan, facts = super().plan(spec, ctx)
+        here = facts.nodes
+        if isinstance(here, NodeFacts) and not here.cuda_devices:
+            hint = oversubscription_hint(nproc=plan.nodes[0].nproc, cpus=here.cpus, host=here.hostname)
+            if hint:  # said at planning time, so --dry-run says it too
+                print(f"disttrain: note: {hint}", file=sys.stderr, flush=True)
+        return plan, facts
 
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
         if self.instances is None:

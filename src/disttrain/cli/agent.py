@@ -31,6 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     probe.add_argument("--cwd", default=None, help="the folder --path is relative to (the launcher's)")
     probe.add_argument("--listen", default=None, help="comma-separated ports to listen on (0: any)")
     probe.add_argument("--connect", default=None, help="comma-separated addr:port to connect to")
+    # A launch's one remote round per host: facts and listeners, the connects, then the agent.
+    probe.add_argument("--session", action="store_true",
+                       help="print facts (+ --listen ports) as one JSON line, then read the targets to "
+                       "connect to, then the plan, and run this node's agent (all on stdin/stdout)")
     probe.set_defaults(handler=handle_probe)
 
     receive = sub.add_parser("receive")
@@ -43,15 +47,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     step.set_defaults(handler=handle_launch_step)
 
 
-def _read_first_line(fd: int) -> bytes:
-    """One line from ``fd``, read byte-wise in chunks without a buffered reader (see below)."""
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            raise UsageError("disttrain agent: stdin closed before the plan arrived (the launcher went away)")
-        data += chunk
-    return data
+class _Lines:
+    """Lines from a raw descriptor, without a buffered reader (see _stop_when_stdin_closes)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.buffer = fd, b""
+
+    def next(self) -> bytes | None:
+        """The next line; None when the launcher closed the stream first (it went away or is done)."""
+        while b"\n" not in self.buffer:
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
 
 
 def _stop_when_stdin_closes(fd: int) -> None:
@@ -68,11 +78,22 @@ def _stop_when_stdin_closes(fd: int) -> None:
 
 
 def handle_agent(args: argparse.Namespace) -> int:
+    fd = sys.stdin.fileno()
+    line = _Lines(fd).next()  # the launcher writes exactly one line first
+    if line is None:
+        raise UsageError("disttrain agent: stdin closed before the plan arrived (the launcher went away)")
+    return _run_agent(json.loads(line), fd)
+
+
+def _run_agent(message: dict, fd: int) -> int:
     from ..agent.node import run_node  # torch's elastic agent: not for every disttrain command
 
-    fd = sys.stdin.fileno()
-    message = json.loads(_read_first_line(fd))  # the launcher writes exactly one line first
     plan = plan_from_json(json.dumps(message["plan"]))
+    if message.get("cwd"):
+        try:
+            os.chdir(message["cwd"])
+        except OSError as err:
+            raise UsageError(f"cannot work in {message['cwd']}: {err.strerror}") from None
     nodes = [n for n in plan.nodes if n.node_rank == message["node_rank"]]
     if not nodes:
         raise UsageError(f"the plan has no node rank {message['node_rank']}")
@@ -108,6 +129,8 @@ def handle_probe(args: argparse.Namespace) -> int:
     from ..preflight import reach
     from ..preflight.facts import node_facts
 
+    if args.session:
+        return _session(args)
     if args.listen is not None:
         return reach.listen([int(p) for p in args.listen.split(",")])
     if args.connect is not None:
@@ -116,6 +139,31 @@ def handle_probe(args: argparse.Namespace) -> int:
 
     print(json.dumps(node_facts(master=args.master, port=args.port, paths=args.path, cwd=args.cwd)), flush=True)
     return 0
+
+
+def _session(args: argparse.Namespace) -> int:
+    """One process per host for a whole launch: one ssh connection, one Python start, torch
+    imported once (for the facts, then by the agent). EOF at any step ends it quietly."""
+    from ..preflight import reach
+    from ..preflight.facts import node_facts
+
+    fact = node_facts(master=args.master, port=args.port, paths=args.path, cwd=args.cwd)
+    ports = [int(p) for p in args.listen.split(",")] if args.listen else []
+    socks, answer = reach.open_listeners(ports) if ports else ([], {"ports": []})
+    print(json.dumps({"facts": fact, "listen": answer}), flush=True)
+    lines = _Lines(sys.stdin.fileno())
+    try:
+        line = lines.next()
+        if line is None:
+            return 0
+        targets = json.loads(line)["connect"]
+        print(json.dumps(reach.connect(targets) if targets else {}), flush=True)
+        line = lines.next()
+    finally:
+        reach.close_listeners(socks)  # the master port is the rendezvous' next
+    if line is None:
+        return 0
+    return _run_agent(json.loads(line), lines.fd)
 
 
 def handle_receive(args: argparse.Namespace) -> int:

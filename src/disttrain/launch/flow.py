@@ -14,6 +14,7 @@ kept for its root-cause block.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -37,9 +38,11 @@ def agent_argv(python: str) -> list[str]:
     return [python, "-m", "disttrain", "agent", "--plan-stdin"]
 
 
-def plan_message(plan: LaunchPlan, node_rank: int) -> str:
-    """The first line an agent reads: its node rank and the whole plan, values included."""
-    return f'{{"node_rank": {node_rank}, "plan": {plan.to_private_json()}}}\n'
+def plan_message(plan: LaunchPlan, node_rank: int, cwd: str | None = None) -> str:
+    """The line an agent reads: its node rank, the whole plan (values included), and the folder
+    to work in when its command did not start there (a probe session turning agent)."""
+    where = f', "cwd": {json.dumps(cwd)}' if cwd else ""
+    return f'{{"node_rank": {node_rank}{where}, "plan": {plan.to_private_json()}}}\n'
 
 
 class Relay:
@@ -88,17 +91,26 @@ class Relay:
             fh.close()
 
 
+def start(argv: Sequence[str], *, cwd: str | None = None) -> subprocess.Popen:
+    """One agent (or probe session) process, talking over pipes, out of our terminal's
+    process group: a Ctrl-C reaches the launcher only, which then stops the nodes."""
+    return subprocess.Popen(list(argv), cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
 def run_agents(
     plan: LaunchPlan,
-    commands: Sequence[Sequence[str]],
+    commands: Sequence[Sequence[str]] = (),
     *,
+    started: Sequence[subprocess.Popen] = (),
     cwd: str | None = None,
+    agent_cwd: str | None = None,
     transcript: TextIO | None = None,
     on_agent_line=None,
 ) -> Outcome:
-    """Start one agent per node (``commands[i]`` runs node ``i``), hand each its plan on
-    stdin, relay their output, stop every node at the first failure or on SIGINT/SIGTERM,
-    and say how it ended."""
+    """Start one agent per node (``commands[i]`` runs node ``i``; or take the ``started``
+    processes, waiting for their plan), hand each its plan on stdin, relay their output, stop
+    every node at the first failure or on SIGINT/SIGTERM, and say how it ended."""
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     relay = Relay(Path(plan.run_dir), threading.Lock(), transcript, on_agent_line)
     procs: list[subprocess.Popen] = []
@@ -110,15 +122,11 @@ def run_agents(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for index, argv in enumerate(commands):
-            proc = subprocess.Popen(
-                list(argv), cwd=cwd,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, start_new_session=True,  # a Ctrl-C reaches us only; we stop the nodes
-            )
+        for index, argv_or_proc in enumerate([*started, *commands]):
+            proc = argv_or_proc if isinstance(argv_or_proc, subprocess.Popen) else start(argv_or_proc, cwd=cwd)
             procs.append(proc)
             try:
-                proc.stdin.write(plan_message(plan, plan.nodes[index].node_rank))
+                proc.stdin.write(plan_message(plan, plan.nodes[index].node_rank, agent_cwd))
                 proc.stdin.flush()
             except OSError:  # it died at once; its exit code and stderr tell why
                 pass

@@ -295,6 +295,7 @@ class SlurmJob:
     job_id: str
     run_dir: Path
     env: Mapping[str, str] | None = field(default=None, repr=False)  # for the Slurm commands
+    interrupted: int | None = None  # the signal on which `follow` cancelled the job
 
     def status(self) -> JobStatus | None:
         """The job's state now; None once slurmctld has forgotten it (MinJobAge after its end)."""
@@ -339,6 +340,7 @@ class SlurmJob:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if caught:
+            self.interrupted = caught[0]
             gone = self.cancel()
             for follower in followers:
                 follower.pump(final=True)
@@ -572,6 +574,8 @@ class SlurmBatchLauncher(Launcher):
             events.say(f"disttrain: cancelled Slurm job {job.job_id}"
                        + ("" if gone else f" (still in the queue: check `squeue -j {job.job_id}`)"))
             raise
+        if job.interrupted:  # follow cancelled the job and said so; the step's own end is moot
+            return Outcome(exit_code=code)
         paths = SlurmPaths(Path(ctx.run_dir))
         plan_file = paths.run_dir / "plan.json"
         if plan_file.exists():  # the nodes the step placed the job on

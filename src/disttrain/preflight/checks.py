@@ -100,31 +100,75 @@ def _start_listener(host: Host, ports: list[int], *, python: str, options: Seque
     return proc, answer
 
 
+def reach_targets(facts: Sequence[dict], answers: Sequence[dict]) -> dict[str, tuple[int, str]]:
+    """``{"addr:port": (host index, "rendezvous" | "mesh")}``: every host's listeners."""
+    targets: dict[str, tuple[int, str]] = {}
+    for j, answer in enumerate(answers):
+        if "error" in answer:
+            continue
+        addr = facts[j]["address"]
+        if j == 0:
+            targets[f"{addr}:{answer['ports'][0]}"] = (0, "rendezvous")
+        targets[f"{addr}:{answer['ports'][-1]}"] = (j, "mesh")
+    return targets
+
+
+def targets_for(targets: dict[str, tuple[int, str]], i: int) -> list[str]:
+    """What host ``i`` connects to: every other host's listeners."""
+    return [t for t, (j, _) in targets.items() if j != i]
+
+
+def listen_ports(i: int, master_port: int) -> list[int]:
+    """The master also listens on the master port; everyone on a free one (the mesh)."""
+    return [master_port, 0] if i == 0 else [0]
+
+
+def reach_results(hosts: Sequence[Host], answers: Sequence[dict], targets: dict[str, tuple[int, str]],
+                  seen: Sequence[dict[str, str]]) -> list[CheckResult]:
+    """What the listeners and the connects say, as checks naming each pair."""
+    out: list[CheckResult] = []
+    for j, answer in enumerate(answers):
+        if "error" in answer:
+            out.append(CheckResult(check="listen", host=hosts[j].name, status="fail",
+                                   detail=answer["error"], fix="free the port or pick another --master-port"))
+    for i, results in enumerate(seen):
+        for target, why in results.items():
+            j, kind = targets[target]
+            port = target.rpartition(":")[2]
+            if kind == "rendezvous":
+                out.append(CheckResult(
+                    check="rendezvous port", host=hosts[i].name, status="ok" if why == "ok" else "fail",
+                    detail=f"{hosts[i].name} -> {hosts[j].name}:{port}: {why}",
+                    fix="" if why == "ok" else f"open TCP port {port} on {hosts[j].name} to the other hosts "
+                                              "(firewall / security group)",
+                ))
+            else:
+                out.append(CheckResult(
+                    check="host to host", host=hosts[i].name, status="ok" if why == "ok" else "fail",
+                    detail=f"{hosts[i].name} -> {hosts[j].name} on port {port} (not the master port): {why}",
+                    fix="" if why == "ok" else "gloo/NCCL connect every pair of ranks on random ports: allow "
+                                               "all TCP between the hosts (AWS: a security-group rule allowing "
+                                               "all traffic from the group itself)",
+                ))
+    return out
+
+
 def reach_checks(hosts: Sequence[Host], facts: Sequence[dict], *, master_port: int, python: str,
                  options: Sequence[str]) -> list[CheckResult]:
-    """Real TCP connects from every host to the master port and to every other host."""
+    """Real TCP connects from every host to the master port and to every other host
+    (``doctor``; a launch does the same inside its one probe session per host)."""
     listeners = []
     try:
         with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
             listeners = list(pool.map(
-                lambda i: _start_listener(hosts[i], [master_port, 0] if i == 0 else [0],
-                                          python=python, options=options),
+                lambda i: _start_listener(hosts[i], listen_ports(i, master_port), python=python, options=options),
                 range(len(hosts)),
             ))
-        out: list[CheckResult] = []
-        targets: dict[str, tuple[int, str]] = {}  # "addr:port" -> (host index, kind)
-        for j, (_, answer) in enumerate(listeners):
-            if "error" in answer:
-                out.append(CheckResult(check="listen", host=hosts[j].name, status="fail",
-                                       detail=answer["error"], fix="free the port or pick another --master-port"))
-                continue
-            addr = facts[j]["address"]
-            if j == 0:
-                targets[f"{addr}:{answer['ports'][0]}"] = (0, "rendezvous")
-            targets[f"{addr}:{answer['ports'][-1]}"] = (j, "mesh")
+        answers = [answer for _, answer in listeners]
+        targets = reach_targets(facts, answers)
 
         def connect_from(i: int) -> dict[str, str]:
-            mine = [t for t, (j, _) in targets.items() if j != i]
+            mine = targets_for(targets, i)
             if not mine:
                 return {}
             argv = [python, "-m", "disttrain", "probe", "--connect", ",".join(mine)]
@@ -137,26 +181,7 @@ def reach_checks(hosts: Sequence[Host], facts: Sequence[dict], *, master_port: i
 
         with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
             seen = list(pool.map(connect_from, range(len(hosts))))
-        for i, results in enumerate(seen):
-            for target, why in results.items():
-                j, kind = targets[target]
-                port = target.rpartition(":")[2]
-                if kind == "rendezvous":
-                    out.append(CheckResult(
-                        check="rendezvous port", host=hosts[i].name, status="ok" if why == "ok" else "fail",
-                        detail=f"{hosts[i].name} -> {hosts[j].name}:{port}: {why}",
-                        fix="" if why == "ok" else f"open TCP port {port} on {hosts[j].name} to the other hosts "
-                                                  "(firewall / security group)",
-                    ))
-                else:
-                    out.append(CheckResult(
-                        check="host to host", host=hosts[i].name, status="ok" if why == "ok" else "fail",
-                        detail=f"{hosts[i].name} -> {hosts[j].name} on port {port} (not the master port): {why}",
-                        fix="" if why == "ok" else "gloo/NCCL connect every pair of ranks on random ports: allow "
-                                                   "all TCP between the hosts (AWS: a security-group rule allowing "
-                                                   "all traffic from the group itself)",
-                    ))
-        return out
+        return reach_results(hosts, answers, targets, seen)
     finally:
         for proc, _ in listeners:
             if proc.stdin:

@@ -20,8 +20,9 @@ import threading
 CONNECT_TIMEOUT_S = 3.0
 
 
-def listen(ports: list[int]) -> int:
-    """Listen on ``ports`` (0: a free one), print them as JSON, accept until stdin closes."""
+def open_listeners(ports: list[int]) -> tuple[list[socket.socket], dict]:
+    """Listen on ``ports`` (0: a free one), accepting in the background; the sockets and
+    ``{"ports": [...]}`` or ``{"error": why}``."""
     socks = []
     for port in ports:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -29,8 +30,10 @@ def listen(ports: list[int]) -> int:
         try:
             sock.bind(("0.0.0.0", port))
         except OSError as err:
-            print(json.dumps({"error": f"cannot listen on port {port}: {err.strerror}"}), flush=True)
-            return 1
+            sock.close()
+            for other in socks:
+                other.close()
+            return [], {"error": f"cannot listen on port {port}: {err.strerror}"}
         sock.listen(64)
         socks.append(sock)
 
@@ -44,7 +47,26 @@ def listen(ports: list[int]) -> int:
 
     for sock in socks:
         threading.Thread(target=accept, args=(sock,), daemon=True).start()
-    print(json.dumps({"ports": [s.getsockname()[1] for s in socks]}), flush=True)
+    return socks, {"ports": [s.getsockname()[1] for s in socks]}
+
+
+def close_listeners(socks: list[socket.socket]) -> None:
+    """Free the ports now (the master port is the rendezvous' next): shutdown wakes the
+    accepting thread, whose pending accept() would otherwise keep the port listening."""
+    for sock in socks:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+
+
+def listen(ports: list[int]) -> int:
+    """Listen on ``ports``, print them as JSON, accept until stdin closes."""
+    socks, answer = open_listeners(ports)
+    print(json.dumps(answer), flush=True)
+    if not socks:
+        return 1
     fd = sys.stdin.fileno()
     while os.read(fd, 4096):  # held open by the checker for as long as it needs us
         pass

@@ -96,18 +96,37 @@ def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailur
     return failures
 
 
+class LauncherLink:
+    """An agent started by a launcher (``disttrain agent``): heartbeats go up on stderr, and the
+    launcher's one request, ``dump`` (no progress on any host), comes down on stdin."""
+
+    def __init__(self) -> None:
+        self.dog: Watchdog | None = None
+
+    def send(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def request(self, word: str, plan: LaunchPlan) -> None:
+        if word == "dump" and self.dog is not None:
+            self.dog.dump_and_stop(plan.hang_timeout_s)
+
+
 @contextlib.contextmanager
-def _watchdog(plan: LaunchPlan, node: NodePlan) -> Iterator[Watchdog | None]:
-    if not plan.hang_timeout_s:
+def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> Iterator[Watchdog | None]:
+    if link is None and not plan.hang_timeout_s:
         yield None
         return
     # SIGTERM to ourselves: torch's agent then stops the workers as on any stop request.
     with Watchdog(node.env[HEARTBEAT_DIR], plan.hang_timeout_s, node.host,
-                  on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM)) as dog:
+                  on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM),
+                  report_to_launcher=None if link is None else link.send) as dog:
+        if link is not None:
+            link.dog = dog
         yield dog
 
 
-def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr) -> int:
+def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr,
+             link: LauncherLink | None = None) -> int:
     """Start, watch and stop this node's workers; return the exit code for the launcher."""
     config = LaunchConfig(
         min_nodes=plan.nnodes,
@@ -136,7 +155,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
-    with _exported(env), _watchdog(plan, node) as dog, RendezvousWait(
+    with _exported(env), _watchdog(plan, node, link) as dog, RendezvousWait(
             awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
         try:

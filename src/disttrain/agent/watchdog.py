@@ -35,6 +35,7 @@ class Beat:
     pid: int
     stacks: Path
     mtime: float
+    steps: int = 0
 
 
 def live_beats(folder: Path) -> list[Beat]:
@@ -49,7 +50,7 @@ def live_beats(folder: Path) -> list[Beat]:
         except (OSError, ValueError):
             continue
         if psutil.pid_exists(info["pid"]):
-            beats.append(Beat(info["rank"], info["pid"], Path(info["stacks"]), mtime))
+            beats.append(Beat(info["rank"], info["pid"], Path(info["stacks"]), mtime, int(info.get("steps", 0))))
     return beats
 
 
@@ -135,9 +136,9 @@ def _size(path: Path) -> int:
         return 0
 
 
-def report(host: str, timeout_s: float, stacks: dict[int, str], beats: list[Beat]) -> str:
-    lines = [f"disttrain: no progress on {host} for {timeout_s:.0f} s (--hang-timeout); "
-             f"where each rank is (innermost call first):"]
+def report(host: str, timeout_s: float, stacks: dict[int, str], beats: list[Beat], *, anywhere: bool = False) -> str:
+    lines = [f"disttrain: no progress on {'any host' if anywhere else host} for {timeout_s:.0f} s (--hang-timeout); "
+             f"where each rank on {host} is (innermost call first):"]
     paths = {b.rank: b.stacks for b in beats}
     for rank in sorted(stacks):
         # The others wait inside torch for it: the rank stopped in its own code is the culprit.
@@ -153,15 +154,32 @@ def _in_own_code(stack_text: str) -> bool:
     return bool(frames) and not _is_library(frames[0]["file"])
 
 
-class Watchdog:
-    """Polls the node's heartbeat folder in a daemon thread; ``fired`` holds the report."""
+BEATS_LINE = "disttrain-beats "  # an agent's heartbeat summary on stderr, consumed by the launcher
 
-    def __init__(self, folder: str, timeout_s: float, host: str, on_hang) -> None:
+
+def beats_line(host: str, beats: list[Beat], now: float) -> str:
+    """What the launcher needs from this node each second: every live rank's steps and the
+    age of its last progress (ages, not times: the hosts' clocks need not agree)."""
+    ranks = {b.rank: [b.steps, round(now - b.mtime, 2)] for b in beats}
+    return BEATS_LINE + json.dumps({"host": host, "ranks": ranks})
+
+
+class Watchdog:
+    """Polls the node's heartbeat folder in a daemon thread; ``fired`` holds the report.
+
+    ``report_to_launcher``: the node is one of several; instead of judging alone, it sends
+    its heartbeats to the launcher (:func:`beats_line` on stderr) and dumps its ranks' stacks
+    when the launcher, which sees every host, asks (:meth:`dump_and_stop`).
+    """
+
+    def __init__(self, folder: str, timeout_s: float, host: str, on_hang, *,
+                 report_to_launcher=None) -> None:
         self.folder = Path(folder)
         self.timeout_s = timeout_s
         self.host = host
         self.fired: str | None = None
         self._on_hang = on_hang
+        self._report = report_to_launcher
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disttrain-hang-watchdog", daemon=True)
 
@@ -172,9 +190,21 @@ class Watchdog:
     def __exit__(self, *exc) -> None:
         self._stop.set()
 
+    def dump_and_stop(self, timeout_s: float) -> None:
+        """The launcher saw no progress anywhere: this node's part of the report, then stop."""
+        if self.fired is not None:
+            return
+        beats = live_beats(self.folder)
+        self.fired = report(self.host, timeout_s, dump_stacks(beats), beats, anywhere=True)
+        self._on_hang()
+
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             beats = live_beats(self.folder)
+            if self._report is not None:
+                if beats:
+                    self._report(beats_line(self.host, beats, time.time()))
+                continue
             if stalled_for(beats, time.time()) < self.timeout_s:
                 continue
             self.fired = report(self.host, self.timeout_s, dump_stacks(beats), beats)

@@ -64,14 +64,14 @@ class _Lines:
         return line
 
 
-def _stop_when_stdin_closes(fd: int) -> None:
-    # ssh/srun give the agent the launcher's pipe as stdin: EOF means the launcher is gone
-    # or wants us to stop. SIGTERM lets torch's agent stop the workers cleanly.
-    # A raw os.read, not sys.stdin: a daemon thread blocked inside a buffered reader
-    # aborts the interpreter at exit ("could not acquire lock ... at interpreter shutdown").
+def _watch_stdin(lines: _Lines, on_request) -> None:
+    # ssh/srun give the agent the launcher's pipe as stdin: a line is a request (``dump``),
+    # EOF means the launcher is gone or wants us to stop. SIGTERM lets torch's agent stop the
+    # workers cleanly. Raw reads, not sys.stdin: a daemon thread blocked inside a buffered
+    # reader aborts the interpreter at exit ("could not acquire lock ... at interpreter shutdown").
     def watch() -> None:
-        while os.read(fd, 4096):
-            pass
+        while (line := lines.next()) is not None:
+            on_request(line.decode(errors="replace").strip())
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
@@ -79,14 +79,15 @@ def _stop_when_stdin_closes(fd: int) -> None:
 
 def handle_agent(args: argparse.Namespace) -> int:
     fd = sys.stdin.fileno()
-    line = _Lines(fd).next()  # the launcher writes exactly one line first
+    lines = _Lines(fd)
+    line = lines.next()  # the launcher writes the plan first
     if line is None:
         raise UsageError("disttrain agent: stdin closed before the plan arrived (the launcher went away)")
-    return _run_agent(json.loads(line), fd)
+    return _run_agent(json.loads(line), lines)
 
 
-def _run_agent(message: dict, fd: int) -> int:
-    from ..agent.node import run_node  # torch's elastic agent: not for every disttrain command
+def _run_agent(message: dict, lines: _Lines) -> int:
+    from ..agent.node import LauncherLink, run_node  # torch's elastic agent: not for every command
 
     plan = plan_from_json(json.dumps(message["plan"]))
     if message.get("cwd"):
@@ -98,8 +99,9 @@ def _run_agent(message: dict, fd: int) -> int:
     if not nodes:
         raise UsageError(f"the plan has no node rank {message['node_rank']}")
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
-    _stop_when_stdin_closes(fd)
-    return run_node(plan, nodes[0])
+    link = LauncherLink()
+    _watch_stdin(lines, lambda word: link.request(word, plan))
+    return run_node(plan, nodes[0], link=link)
 
 
 def handle_launch_step(args: argparse.Namespace) -> int:
@@ -163,7 +165,7 @@ def _session(args: argparse.Namespace) -> int:
         reach.close_listeners(socks)  # the master port is the rendezvous' next
     if line is None:
         return 0
-    return _run_agent(json.loads(line), lines.fd)
+    return _run_agent(json.loads(line), lines)
 
 
 def handle_receive(args: argparse.Namespace) -> int:

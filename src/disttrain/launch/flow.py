@@ -26,8 +26,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
 from .base import Outcome
+from .diagnostics import Diagnostics
 
 AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
@@ -106,13 +108,21 @@ def run_agents(
     cwd: str | None = None,
     agent_cwd: str | None = None,
     transcript: TextIO | None = None,
-    on_agent_line=None,
 ) -> Outcome:
     """Start one agent per node (``commands[i]`` runs node ``i``; or take the ``started``
     processes, waiting for their plan), hand each its plan on stdin, relay their output, stop
     every node at the first failure or on SIGINT/SIGTERM, and say how it ended."""
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
-    relay = Relay(Path(plan.run_dir), threading.Lock(), transcript, on_agent_line)
+    lock = threading.Lock()
+
+    def say(message: str) -> None:
+        with lock:
+            for out in filter(None, (sys.stderr, transcript)):
+                out.write(message + "\n")
+                out.flush()
+
+    diag = Diagnostics(hang_timeout_s=plan.hang_timeout_s, say=say)
+    relay = Relay(Path(plan.run_dir), lock, transcript, lambda _agent, line: diag.consume(line))
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     interrupted: list[int] = []
@@ -134,7 +144,9 @@ def run_agents(
                 pump = threading.Thread(target=relay.pump, args=(stream, out, agent), daemon=True)
                 pump.start()
                 pumps.append(pump)
-        first_failure = _wait_for_first_failure(procs, interrupted)
+        first_failure = _wait_for_first_failure(procs, interrupted, diag)
+        if diag.hung:
+            _collect_hang_reports(procs, grace_s=plan.stop_grace_s + 15)
         stop(procs, grace_s=plan.stop_grace_s + 5)
     finally:
         for sig, handler in previous.items():
@@ -142,6 +154,14 @@ def run_agents(
         for pump in pumps:
             pump.join(timeout=5)
         relay.close()
+    summary = diag.summary()
+    if summary:
+        say(summary)
+    if diag.hung:
+        blocks = [relay.report(i) for i in range(len(procs))]
+        say(f"disttrain: no rank on any of the {len(procs)} hosts made progress for {plan.hang_timeout_s} s "
+            "(--hang-timeout): every host's stacks are above; stopped the job (exit 124)")
+        return Outcome(exit_code=HANG_EXIT, failed=None, report="\n".join(filter(None, blocks)))
     if interrupted:
         return Outcome(exit_code=128 + interrupted[0], signal=interrupted[0])
     if first_failure is None:
@@ -150,8 +170,14 @@ def run_agents(
     return Outcome(exit_code=code, failed=index, report=relay.report(index))
 
 
-def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int]) -> tuple[int, int] | None:
+def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int],
+                            diag: Diagnostics) -> tuple[int, int] | None:
     while not interrupted:
+        if diag.stalled():  # no rank anywhere moved: every agent dumps its ranks' stacks, then stops
+            diag.hung = True
+            for proc in procs:
+                _send(proc, "dump\n")
+            return None
         codes = [p.poll() for p in procs]
         for index, code in enumerate(codes):
             if code:  # a node failed: the job cannot go on
@@ -160,6 +186,24 @@ def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int
             return None
         time.sleep(0.1)
     return None
+
+
+def _send(proc: subprocess.Popen, text: str) -> None:
+    try:
+        proc.stdin.write(text)
+        proc.stdin.flush()
+    except (OSError, ValueError):
+        pass  # it ended already
+
+
+def _collect_hang_reports(procs: list[subprocess.Popen], *, grace_s: float) -> None:
+    """Every agent prints its part of the hang report and stops its workers: wait for all."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def stop(procs: list[subprocess.Popen], *, grace_s: float) -> None:

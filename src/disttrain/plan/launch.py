@@ -182,7 +182,8 @@ def make_plan(
                 socket_ifname=node_facts.socket_ifname,
                 checkpoint_dir=spec.checkpoint_dir,
                 checkpoint_every=spec.checkpoint_every,
-                heartbeat_dir=f"{run_dir}/heartbeat/node{node_rank}" if spec.hang_timeout_s else None,
+                # Always: the launcher's straggler warning and steps/s summary read the heartbeats too.
+                heartbeat_dir=f"{run_dir}/heartbeat/node{node_rank}",
                 hang_timeout_s=spec.hang_timeout_s,
                 tf_workers=tf_workers,
                 tf_first_task=first,

@@ -25,6 +25,7 @@ _file: Path | None = None
 _last = 0.0
 _stacks: TextIO | None = None
 _info = ""
+_steps = 0
 
 
 def stacks_path(run_dir: str | os.PathLike, rank: int, attempt: int) -> Path:
@@ -45,25 +46,25 @@ def start(env: WorkerEnv) -> None:
     _stacks = open(stacks, "w")  # kept open: faulthandler writes to its descriptor from a signal
     faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
     _file = Path(env.heartbeat_dir) / f"rank{env.rank}"
-    _info = json.dumps({"pid": os.getpid(), "rank": env.rank, "stacks": str(stacks)})
+    _info = json.dumps({"pid": os.getpid(), "rank": env.rank, "stacks": str(stacks)})[:-1]  # + steps, per beat
 
 
 def beat() -> None:
-    """Record progress; cheap enough to call every step (one clock read, rarely a utime)."""
-    global _last
+    """Record progress; cheap enough to call every step (one clock read, at most one small
+    write a second). The file holds the step count: the launcher compares ranks' rates."""
+    global _last, _steps
     if _file is None:
         return
+    _steps += 1
     now = time.monotonic()
     if now - _last < MIN_INTERVAL_S:
         return
     try:
         if _last == 0.0:
             _file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = _file.with_suffix(".tmp")
-            tmp.write_text(_info)
-            os.replace(tmp, _file)
-        else:
-            os.utime(_file)
+        tmp = _file.with_suffix(".tmp")
+        tmp.write_text(f'{_info}, "steps": {_steps}}}')
+        os.replace(tmp, _file)
     except OSError:  # the run folder was removed under us: nothing left to watch
         pass
     _last = now

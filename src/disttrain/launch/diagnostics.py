@@ -1,0 +1,104 @@
+"""Diagnostics across hosts, at the launcher: one hang watchdog, stragglers, steps/s per host.
+
+Each node's agent sends its ranks' heartbeats (step count, age of the last progress) once a
+second on stderr (:func:`disttrain.agent.watchdog.beats_line`); only the launcher sees every
+host, so only it can tell that *no rank anywhere* moved for ``--hang-timeout`` seconds (a rank
+on host b stuck in its own code, the others waiting for it in a collective), or that one rank
+is slower than the rest. Ages, not timestamps, travel: the hosts' clocks need not agree.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import deque
+
+from ..agent.watchdog import BEATS_LINE
+
+STRAGGLER_FACTOR = 1.3  # a rank this much slower than the median step time is named
+WINDOW_S = 20.0  # step rates are measured over this much recent time
+MIN_WINDOW_S = 6.0  # and judged only once this much is seen
+
+
+class Diagnostics:
+    def __init__(self, *, hang_timeout_s: float, say) -> None:
+        self.hang_timeout_s = hang_timeout_s
+        self.say = say
+        self.last_progress: float | None = None  # launcher clock: the freshest progress of any rank
+        self.hosts: dict[int, str] = {}  # rank -> host
+        self.history: dict[int, deque[tuple[float, int]]] = {}  # rank -> (time, steps)
+        self.first: dict[int, tuple[float, int]] = {}
+        self.named: set[int] = set()  # stragglers already reported: once each, not every step
+        self.hung = False
+
+    def consume(self, line: str) -> bool:
+        """True when ``line`` was an agent's heartbeat summary (not shown to the user)."""
+        if not line.startswith(BEATS_LINE):
+            return False
+        try:
+            data = json.loads(line[len(BEATS_LINE):])
+        except ValueError:
+            return False
+        now = time.monotonic()
+        for rank, (steps, age) in data["ranks"].items():
+            rank = int(rank)
+            self.hosts[rank] = data["host"]
+            progress = now - float(age)
+            if self.last_progress is None or progress > self.last_progress:
+                self.last_progress = progress
+            hist = self.history.setdefault(rank, deque())
+            hist.append((now, int(steps)))
+            while hist and now - hist[0][0] > WINDOW_S:
+                hist.popleft()
+            self.first.setdefault(rank, (now, int(steps)))
+        self._stragglers()
+        return True
+
+    def stalled(self, now: float | None = None) -> bool:
+        """No rank on any host progressed for the hang timeout (ranks that never beat do not count)."""
+        if not self.hang_timeout_s or self.last_progress is None or self.hung:
+            return False
+        return (now or time.monotonic()) - self.last_progress >= self.hang_timeout_s
+
+    def _rates(self) -> dict[int, float]:
+        rates = {}
+        for rank, hist in self.history.items():
+            (t0, s0), (t1, s1) = hist[0], hist[-1]
+            if t1 - t0 >= MIN_WINDOW_S:
+                rates[rank] = (s1 - s0) / (t1 - t0)
+        return rates
+
+    def _stragglers(self) -> None:
+        rates = self._rates()
+        if len(rates) < 2:
+            return
+        median = statistics.median(rates.values())
+        if median <= 0:
+            return
+        for rank, rate in sorted(rates.items()):
+            if rank in self.named:
+                continue
+            slower = median / rate if rate > 0 else float("inf")
+            if slower >= STRAGGLER_FACTOR:
+                self.named.add(rank)
+                times = "no steps" if rate <= 0 else f"{slower:.1f}x the median step time ({1 / rate:.3f} s vs {1 / median:.3f} s)"
+                self.say(f"disttrain: warning: straggler: rank {rank} on {self.hosts[rank]} is slower than the others: "
+                         f"{times} over the last {WINDOW_S:.0f} s")
+
+    def summary(self) -> str | None:
+        """``steps/s per host: a 3.91 (ranks 0-1), b 3.88 (ranks 2-3)``; None without heartbeats."""
+        per_host: dict[str, list[float]] = {}
+        ranks_of: dict[str, list[int]] = {}
+        for rank, (t0, s0) in sorted(self.first.items()):
+            t1, s1 = self.history[rank][-1]
+            if t1 - t0 <= 0:
+                continue
+            host = self.hosts[rank]
+            per_host.setdefault(host, []).append((s1 - s0) / (t1 - t0))
+            ranks_of.setdefault(host, []).append(rank)
+        if not per_host:
+            return None
+        parts = [f"{host} {statistics.mean(rates):.2f} (rank{'s' if len(ranks_of[host]) > 1 else ''} "
+                 f"{','.join(map(str, ranks_of[host]))})" for host, rates in per_host.items()]
+        return "disttrain: steps/s per host (each rank's mean): " + ", ".join(parts)

@@ -1,0 +1,44 @@
+"""Diagnostics across hosts, at the launcher (real sshd in network namespaces): a hang on the
+second host is reported with both hosts' stacks and exit 124; a slowed rank is named as a
+straggler once; every run ends with steps/s per host."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import SCRIPTS
+from rig import cluster_fixture
+from test_multinode import ROOT, assert_nothing_left, run_on_node0
+
+cluster = cluster_fixture(2)
+SLEEP_LINE = next(i for i, line in enumerate((SCRIPTS / "hang_rank1.py").read_text().splitlines(), 1)
+                  if "time.sleep(600)" in line)
+
+
+@pytest.mark.timeout(200)
+def test_a_hang_on_the_second_host_is_reported_at_the_launcher_with_every_hosts_stacks(cluster, tmp_path):
+    result = run_on_node0(cluster, "--hang-timeout", "5", "--env", f"DISTTRAIN_HOME={tmp_path}",
+                          str(SCRIPTS / "hang_rank1.py"), timeout=180)
+    err = result.stderr
+    assert result.returncode == 124, err[-3000:]
+    a, b = (node.ip for node in cluster.nodes)
+    assert f"where each rank on {a} is" in err and f"where each rank on {b} is" in err
+    assert "rank 0:" in err  # waiting in the all-reduce on host a
+    assert f"rank 1: hang_rank1.py:{SLEEP_LINE} in <module>" in err  # stuck in its own code on host b
+    assert "no rank on any of the 2 hosts made progress for 5 s" in err
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(200)
+def test_a_slow_rank_is_named_once_and_steps_per_second_are_summed_up(cluster):
+    result = run_on_node0(cluster, str(SCRIPTS / "slow_rank1.py"), "14", timeout=180)
+    err = result.stderr
+    assert result.returncode == 0, err[-3000:]
+    b = cluster.nodes[1].ip
+    warnings = [line for line in err.splitlines() if "straggler" in line]
+    assert len(warnings) == 1, err[-3000:]
+    assert f"rank 1 on {b} is slower than the others" in warnings[0]
+    summary = [line for line in err.splitlines() if line.startswith("disttrain: steps/s per host")]
+    assert len(summary) == 1 and cluster.nodes[0].ip in summary[0] and b in summary[0]
+    assert "disttrain-beats" not in err + result.stdout  # the agents' heartbeats are for the launcher only
+    assert_nothing_left(cluster)

@@ -28,6 +28,8 @@ class RankLogs(LogsSpecs):
         self._shown = shown_local_ranks
         # Called when the agent is about to start workers (the rendezvous is over).
         self.on_start: Callable[[], None] | None = None
+        # Called with each attempt's worker environments, which it may change (a fresh store).
+        self.on_envs: Callable[[dict[int, dict[str, str]], int], None] | None = None
 
     @property
     def root_log_dir(self) -> str:
@@ -36,6 +38,8 @@ class RankLogs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         if self.on_start is not None:
             self.on_start()
+        if self.on_envs is not None and envs:
+            self.on_envs(envs, int(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0")))
         dest = LogsDest()
         for local_rank, env in envs.items():
             rank = int(env["RANK"])

@@ -23,6 +23,7 @@ from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
 from ..workerenv import HEARTBEAT_DIR
+from .attempt_store import AttemptStores
 from .logs import RankLogs
 from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
@@ -158,6 +159,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     with _exported(env), _watchdog(plan, node, link) as dog, RendezvousWait(
             awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
+        config.logs_specs.on_envs = AttemptStores(plan, node)
         try:
             elastic_launch(config, plan.argv[0])(*plan.argv[1:])
         except ChildFailedError as err:

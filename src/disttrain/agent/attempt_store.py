@@ -1,0 +1,52 @@
+"""A clean store for every attempt of the worker group (``--max-restarts``).
+
+torch's elastic agent keeps one store for the whole job and tells the workers to use it
+(``TORCHELASTIC_USE_AGENT_STORE``), and ``init_process_group(env://)`` adds no per-attempt
+prefix: a restarted group reads the keys its predecessor wrote -- gloo's addresses of ranks
+that are gone ("Connection refused"), or a script's own notes. So each attempt's workers get
+a store of their own instead: worker rank 0 hosts it (``env://``'s default without an agent
+store) on a port its agent picks, and the other nodes' agents learn ``addr:port`` through the
+agent store, under a key of the run and the attempt. The store ends with the attempt.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+from ..net import free_port
+from ..plan.launch import LaunchPlan, NodePlan
+
+
+class AttemptStores:
+    """Called with each attempt's worker environments (``RankLogs.reify``), before they start."""
+
+    def __init__(self, plan: LaunchPlan, node: NodePlan) -> None:
+        self.plan, self.node = plan, node
+        self._agent_store: TCPStore | None = None
+
+    def __call__(self, envs: dict[int, dict[str, str]], attempt: int) -> None:
+        endpoint = self._endpoint(envs, attempt)
+        addr, _, port = endpoint.rpartition(":")
+        for env in envs.values():
+            env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+            env["MASTER_ADDR"], env["MASTER_PORT"] = addr, port
+
+    def _endpoint(self, envs: dict[int, dict[str, str]], attempt: int) -> str:
+        hosts_rank0 = any(env.get("RANK") == "0" for env in envs.values())
+        if self.plan.nnodes == 1:  # one node: nobody else to tell
+            return f"127.0.0.1:{free_port('0.0.0.0')}"
+        key = f"/disttrain/{self.plan.run_id}/attempt_{attempt}/store"
+        store = self._store()
+        if hosts_rank0:
+            endpoint = f"{self.node.address or self.plan.master_addr}:{free_port('0.0.0.0')}"
+            store.set(key, endpoint)
+            return endpoint
+        return store.get(key).decode()  # waits (up to the rendezvous timeout) for rank 0's node
+
+    def _store(self) -> TCPStore:
+        if self._agent_store is None:
+            self._agent_store = TCPStore(self.plan.master_addr, self.plan.master_port, is_master=False,
+                                         timeout=timedelta(seconds=self.plan.rdzv_timeout_s))
+        return self._agent_store

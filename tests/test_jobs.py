@@ -110,7 +110,7 @@ def test_sagemaker_script_on_two_instances_end_to_end(tmp_path, env, data):
     assert re.search(r"^state: +Completed$", human, re.M)
     assert re.search(rf"^model artifact: +{re.escape(str(model_tar))}$", human, re.M)
     logs = disttrain("jobs", "logs", "1", env=env).stdout
-    assert f"disttrain: job {name} (id 1), 2 instance(s), local backend" in logs
+    assert f"disttrain: job {name} (id 1), 2 instance(s), local launcher" in logs
     assert "[algo-1 rank0] {\"loss\"" in logs and "Completed in" in logs
     assert '"world": 2' in disttrain("jobs", "logs", "1", "--rank", "0", env=env).stdout
 

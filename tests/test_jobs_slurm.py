@@ -1,4 +1,4 @@
-"""``backend: slurm`` jobs on a real Slurm (two nodes in network namespaces).
+"""``launcher: slurm`` jobs on a real Slurm (two nodes in network namespaces).
 
 The runner runs in node0 (the "login node"), as a user would run ``disttrain job run`` there;
 its instances are the Slurm job's nodes, algo-1 on node0 and algo-2 on node1.
@@ -35,7 +35,7 @@ def job_run(slurm, spec: Path, env: dict, **kwargs):
 
 @pytest.mark.timeout(240)
 def test_sagemaker_job_on_two_slurm_nodes_end_to_end(slurm, tmp_path, env, data):  # noqa: F811
-    spec = spec_file(tmp_path, "slurmjob", backend="slurm", instance_count=2, inputs={"training": str(data)},
+    spec = spec_file(tmp_path, "slurmjob", launcher="slurm", instance_count=2, inputs={"training": str(data)},
                      output_path=str(tmp_path / "artifacts"), hyperparameters={"epochs": 4, "lr": 0.5},
                      slurm={"time": "10", "sbatch_args": ["--comment=disttrain job"]})
     runner = job_run(slurm, spec, env)
@@ -79,7 +79,7 @@ def test_sagemaker_job_on_two_slurm_nodes_end_to_end(slurm, tmp_path, env, data)
 
 @pytest.mark.timeout(200)
 def test_jobs_stop_cancels_a_running_slurm_job(slurm, tmp_path, env, data):  # noqa: F811
-    spec = spec_file(tmp_path, "sleepy", backend="slurm", instance_count=2, inputs={"training": str(data)},
+    spec = spec_file(tmp_path, "sleepy", launcher="slurm", instance_count=2, inputs={"training": str(data)},
                      hyperparameters={"sleep": 300})
     runner = job_run(slurm, spec, env)
     try:

@@ -39,18 +39,18 @@ def write_spec(path: Path, data: dict) -> Path:
     ({"name": "bad_name!"}, "name must be 1-63 letters, digits and hyphens"),
     ({"name": "x" * 43}, "name may have at most 42 characters"),
     ({"framework": "jax"}, "framework must be one of pytorch, tensorflow, got 'jax'"),
-    ({"backend": "kubernetes"}, "backend must be one of local, ssh, slurm, got 'kubernetes'"),
-    ({"backend": "slurm", "slurm": {"partitions": "gpu"}}, "slurm: unknown key 'partitions'; known keys: partition"),
-    ({"backend": "slurm", "slurm": {"time": 3600}}, 'slurm.time must be a string, got 3600: quote it in YAML'),
-    ({"backend": "slurm", "slurm": {"partition": "a b"}}, "slurm.partition: --partition 'a b': use a Slurm"),
-    ({"backend": "slurm", "slurm": {"sbatch_args": "--mem=8G"}}, "slurm.sbatch_args must be a list like"),
-    ({"backend": "slurm", "slurm": {"sbatch_args": ["mem=8G"]}}, "slurm.sbatch_args: --sbatch-arg takes one"),
-    ({"backend": "slurm", "slurm": {"gpus_per_node": -1}}, "slurm.gpus_per_node must be an integer >= 0"),
-    ({"backend": "slurm", "slurm": ["gpu"]}, "slurm must be a mapping"),
-    ({"slurm": {"partition": "gpu"}}, "slurm is only used with backend: slurm"),
-    ({"backend": "slurm", "hosts": ["a"]}, "hosts is only used with backend: ssh"),
-    ({"backend": "ssh"}, "backend ssh needs hosts"),
-    ({"backend": "ssh", "hosts": ["a", "b"], "instance_count": 3}, "instance_count is 3 but hosts lists 2"),
+    ({"launcher": "kubernetes"}, "launcher must be one of local, ssh, slurm, got 'kubernetes'"),
+    ({"launcher": "slurm", "slurm": {"partitions": "gpu"}}, "slurm: unknown key 'partitions'; known keys: partition"),
+    ({"launcher": "slurm", "slurm": {"time": 3600}}, 'slurm.time must be a string, got 3600: quote it in YAML'),
+    ({"launcher": "slurm", "slurm": {"partition": "a b"}}, "slurm.partition: --partition 'a b': use a Slurm"),
+    ({"launcher": "slurm", "slurm": {"sbatch_args": "--mem=8G"}}, "slurm.sbatch_args must be a list like"),
+    ({"launcher": "slurm", "slurm": {"sbatch_args": ["mem=8G"]}}, "slurm.sbatch_args: --sbatch-arg takes one"),
+    ({"launcher": "slurm", "slurm": {"gpus_per_node": -1}}, "slurm.gpus_per_node must be an integer >= 0"),
+    ({"launcher": "slurm", "slurm": ["gpu"]}, "slurm must be a mapping"),
+    ({"slurm": {"partition": "gpu"}}, "slurm is only used with launcher: slurm"),
+    ({"launcher": "slurm", "hosts": ["a"]}, "hosts is only used with launcher: ssh"),
+    ({"launcher": "ssh"}, "launcher ssh needs hosts"),
+    ({"launcher": "ssh", "hosts": ["a", "b"], "instance_count": 3}, "instance_count is 3 but hosts lists 2"),
     ({"inputs": {"train data": "/tmp"}}, "channel name 'train data'"),
     ({"inputs": ["/tmp"]}, "inputs must be a mapping"),
     ({"hyperparameters": {"lr": None}}, "hyperparameters.lr has no value"),
@@ -172,3 +172,12 @@ def test_source_dir_tarball_with_traversal_is_refused_and_recorded(tmp_path):
     assert not list(tmp_path.rglob("escaped-src.py"))
     record = json.loads(disttrain("jobs", "show", "1", "--json", env=env).stdout)
     assert record["state"] == "Failed" and "refusing to extract" in record["failure"]
+
+
+def test_the_old_backend_key_still_works_with_one_line_of_warning(tmp_path, capsys):
+    spec = spec_from_mapping({"name": "j", "entry_point": "t.py", "backend": "local"}, base_dir=tmp_path)
+    assert spec.launcher == "local"
+    assert capsys.readouterr().err.count("the key backend is deprecated; use launcher: local") == 1
+    with pytest.raises(UsageError, match="not both launcher and backend"):
+        spec_from_mapping({"name": "j", "entry_point": "t.py", "backend": "local", "launcher": "ssh"},
+                          base_dir=tmp_path)

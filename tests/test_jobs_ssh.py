@@ -1,4 +1,4 @@
-"""``backend: ssh``: a job's instances on real hosts (network namespaces + sshd), through the
+"""``launcher: ssh``: a job's instances on real hosts (network namespaces + sshd), through the
 same ssh path as ``disttrain run --hosts``. The runner runs inside node0, as a user logged
 in there would; the job directory is on the filesystem the nodes share.
 """
@@ -27,7 +27,7 @@ def test_sagemaker_script_on_two_ssh_hosts(cluster, tmp_path):
     (data / "all.csv").write_text("".join(f"{x / 40},{2 * x / 40 + 1}\n" for x in range(40)))
     spec = {
         "name": "over-ssh", "entry_point": "sm_train.py", "source_dir": str(SCRIPTS),
-        "backend": "ssh", "hosts": [f"root@{node.ip}" for node in cluster.nodes],
+        "launcher": "ssh", "hosts": [f"root@{node.ip}" for node in cluster.nodes],
         "ssh_options": [f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
                         "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"],
         "processes_per_instance": 1, "inputs": {"training": str(data)},

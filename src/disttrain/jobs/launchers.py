@@ -19,9 +19,9 @@ from .spec import JobSpec
 
 
 def launcher_for(spec: JobSpec, *, job_name: str | None = None) -> Launcher:
-    if spec.backend == "slurm":
+    if spec.launcher == "slurm":
         # The runner handles SIGTERM/SIGINT itself (the record says Stopped), then cancels.
         return SlurmBatchLauncher(spec.slurm_options(job_name=job_name), stop_on_signals=False)
-    if spec.backend == "ssh":
+    if spec.launcher == "ssh":
         return SshLauncher(parse_hosts(",".join(spec.hosts)), options=tuple(spec.ssh_options))
     return LocalLauncher(instances=instance_names(spec.instance_count))

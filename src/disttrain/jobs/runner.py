@@ -178,7 +178,7 @@ class JobRun(JobStepEvents):
         spec, layout = self.spec, self.layout
         self.store.transition(self.id, JobState.STAGING)
         self.say(f"disttrain: job {self.record.name} (id {self.id}), {spec.instance_count} instance(s), "
-                 f"{spec.backend} backend; job dir: {layout.root}")
+                 f"{spec.launcher} launcher; job dir: {layout.root}")
         self.cwd = stage_source(spec, layout)
         stage_channels(spec, layout, self.say)
         launch = launch_spec(spec, layout, self.cwd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +22,8 @@ from ..errors import UsageError
 from ..launch.slurm import SlurmOptions
 
 FRAMEWORKS = ("pytorch", "tensorflow")
-BACKENDS = ("local", "ssh", "slurm")
-# backend: slurm: what the job's sbatch script asks for besides --nodes (= instance_count).
+LAUNCHERS = ("local", "ssh", "slurm")  # disttrain.launch's; `backend:` is the old key's name
+# launcher: slurm: what the job's sbatch script asks for besides --nodes (= instance_count).
 SLURM_KEYS = ("partition", "time", "gpus_per_node", "sbatch_args")
 _SLURM_FLAGS = {"--partition": "partition", "--time": "time", "--sbatch-arg": "sbatch_args"}
 
@@ -67,12 +68,12 @@ class JobSpec:
     inputs: dict[str, str] = field(default_factory=dict)
     output_path: str | None = None  # default: $DISTTRAIN_HOME/artifacts
     framework: str = "pytorch"
-    backend: str = "local"
-    hosts: tuple[str, ...] = ()  # backend: ssh; one instance per host, the first is the master
+    launcher: str = "local"
+    hosts: tuple[str, ...] = ()  # launcher: ssh; one instance per host, the first is the master
     ssh_options: tuple[str, ...] = ()
     python: str | None = None  # on the hosts (or Slurm nodes); default: this interpreter's path
     master_port: int | None = None
-    slurm: dict[str, Any] = field(default_factory=dict)  # backend: slurm; keys SLURM_KEYS
+    slurm: dict[str, Any] = field(default_factory=dict)  # launcher: slurm; keys SLURM_KEYS
     env: dict[str, str] = field(default_factory=dict)
     max_restarts: int = 0
     # Passed to fsspec for inputs and output_path, e.g. {"anon": true} for a public bucket.
@@ -107,22 +108,22 @@ class JobSpec:
         if self.output_path is not None:
             _string("output_path", self.output_path)
         _choice("framework", self.framework, FRAMEWORKS)
-        _choice("backend", self.backend, BACKENDS)
+        _choice("launcher", self.launcher, LAUNCHERS)
         _mapping("slurm", self.slurm)
-        if self.slurm and self.backend != "slurm":
-            raise UsageError("slurm is only used with backend: slurm")
-        if self.backend == "slurm":
+        if self.slurm and self.launcher != "slurm":
+            raise UsageError("slurm is only used with launcher: slurm")
+        if self.launcher == "slurm":
             self.slurm_options(job_name=self.name)  # checked now, naming the key
         for index, host in enumerate(self.hosts):
             parse_host(_string(f"hosts[{index}]", host), where=f"hosts[{index}]")
-        if self.backend == "ssh":
+        if self.launcher == "ssh":
             if not self.hosts:
-                raise UsageError("backend ssh needs hosts: a list like [node0, user@node1:2222]")
+                raise UsageError("launcher ssh needs hosts: a list like [node0, user@node1:2222]")
             if self.instance_count != len(self.hosts):
                 raise UsageError(f"instance_count is {self.instance_count} but hosts lists {len(self.hosts)}; "
-                                 "with backend ssh there is one instance per host")
+                                 "with launcher ssh there is one instance per host")
         elif self.hosts:
-            raise UsageError("hosts is only used with backend: ssh")
+            raise UsageError("hosts is only used with launcher: ssh")
         for index, option in enumerate(self.ssh_options):
             key, sep, value = _string(f"ssh_options[{index}]", option).partition("=")
             if not sep or not key.isalnum() or not value:
@@ -184,6 +185,13 @@ def spec_from_mapping(data: Any, *, base_dir: str | os.PathLike, source: str = "
     """A validated spec from a YAML document or keyword arguments; errors name ``source``."""
     if not isinstance(data, Mapping):
         raise UsageError(f"{source}: expected a mapping of keys (name, entry_point, ...), got {type(data).__name__}")
+    data = dict(data)
+    if "backend" in data:  # the old name of `launcher:`
+        if "launcher" in data:
+            raise UsageError(f"{source}: give launcher, not both launcher and backend (its old name)")
+        print(f"disttrain: warning: {source}: the key backend is deprecated; use launcher: {data['backend']}",
+              file=sys.stderr, flush=True)
+        data["launcher"] = data.pop("backend")
     unknown = [key for key in data if key not in KNOWN_KEYS]
     if unknown:
         raise UsageError(f"{source}: unknown key {unknown[0]!r}; known keys: {', '.join(KNOWN_KEYS)}")
@@ -199,7 +207,7 @@ def spec_from_mapping(data: Any, *, base_dir: str | os.PathLike, source: str = "
         for key in ("hosts", "ssh_options"):
             if key in fields:
                 fields[key] = _sequence(key, fields[key])
-        if fields.get("backend") == "ssh" and "instance_count" not in fields and fields.get("hosts"):
+        if fields.get("launcher") == "ssh" and "instance_count" not in fields and fields.get("hosts"):
             fields["instance_count"] = len(fields.get("hosts", ()))  # one instance per host
         fields["source_dir"] = _local_absolute(fields.get("source_dir", "."), base, "source_dir")
         if isinstance(fields.get("inputs"), Mapping):

@@ -85,7 +85,7 @@ class JobRecord:
     runner_host: str | None
     runner_pid: int | None
     runner_started: float | None
-    slurm_job_id: str | None = None  # backend: slurm, once submitted
+    slurm_job_id: str | None = None  # launcher: slurm, once submitted
     events: tuple[tuple[str, float], ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:

@@ -105,7 +105,8 @@ class LauncherLink:
         self.dog: Watchdog | None = None
 
     def send(self, line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")  # one write: torch's log tailers share the stream
+        sys.stderr.flush()
 
     def request(self, word: str, plan: LaunchPlan) -> None:
         if word == "dump" and self.dog is not None:

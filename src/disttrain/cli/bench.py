@@ -81,7 +81,7 @@ def _add_options(p: argparse.ArgumentParser, default) -> None:
     p.add_argument("-m", "--module", action="store_true", default=default(False),
                    help="treat SCRIPT as a Python module, like `python -m`")
     # Passed through to every `disttrain run`.
-    p.add_argument("--dist-backend", dest="backend", default=default(None),
+    p.add_argument("--dist-backend", dest="dist_backend", default=default(None),
                    help="process-group backend (gloo, nccl), as for run")
     p.add_argument("--master-port", type=int, default=default(None), help="as for run")
     p.add_argument("--env", action="append", default=default([]), metavar="KEY=VALUE",
@@ -132,8 +132,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         flags += ["--python", args.python]
     for setting in args.env:
         flags += ["--env", setting]
-    if args.backend:
-        flags += ["--dist-backend", args.backend]
+    if args.dist_backend:
+        flags += ["--dist-backend", args.dist_backend]
     if args.master_port is not None:
         flags += ["--master-port", str(args.master_port)]
     if args.sync:

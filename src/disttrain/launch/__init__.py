@@ -3,7 +3,8 @@
 The interface is in :mod:`disttrain.launch.base` (``facts`` → ``place`` (pure) → ``launch``
 (plan + events → :class:`Outcome`)); the flow shared by every launcher that starts one agent
 process per node (plan on stdin, relayed output, first failure, stop all) is in
-:mod:`disttrain.launch.flow`.
+:mod:`disttrain.launch.flow`, and what it learns from the agents' heartbeats (one hang
+watchdog across hosts, stragglers, steps/s per host) in :mod:`disttrain.launch.diagnostics`.
 
 ========  =====================================================================
 local     this machine: one node in process, or a job's instances as agents

@@ -10,8 +10,6 @@ instance's own ``/opt/ml``-shaped folder.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any

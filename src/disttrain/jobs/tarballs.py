@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import tarfile
-import tempfile
 from pathlib import Path, PurePosixPath
 
 from ..atomic import atomic_path

@@ -23,6 +23,7 @@ from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
 from ..workerenv import HEARTBEAT_DIR
+from . import lifeline
 from .logs import RankLogs
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
 from .watchdog import HANG_EXIT, Watchdog
@@ -126,7 +127,9 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                                 report_to=report_to))
     with _exported(env), _watchdog(plan, node) as dog:
         try:
-            elastic_launch(config, plan.argv[0])(*plan.argv[1:])
+            # Each worker dies with this agent, even when it is SIGKILLed (see lifeline.py).
+            entry, *args = lifeline.wrap(plan.argv, python=plan.argv[0])
+            elastic_launch(config, entry)(*args)
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)
             first = root_cause(failures, plan.run_dir)

@@ -8,6 +8,7 @@ model=model, optimizer=opt)``. The layout is described in :mod:`.checkpoint_layo
 from __future__ import annotations
 
 import pickle
+import re
 import time
 import warnings
 from collections import OrderedDict
@@ -245,14 +246,17 @@ def _load_file(path: Path, name: str, location: Any, weights_only: bool) -> Any:
         return torch.load(path / name, map_location=location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         message = str(err)
-        if weights_only and "Unsupported global" in message:
-            # Refused, not damaged: falling back would quietly skip a checkpoint that
-            # holds code to run, hostile or not; the user must decide.
-            reason = message[message.index("Unsupported global"):].split(". ")[0]
+        # A pickle runs code only through a global it imports: naming one is a refusal, not
+        # damage (torch words it "Unsupported global: GLOBAL x" or "... GLOBAL x whose module
+        # y is blocked"). Falling back to an older checkpoint would quietly hide that this one
+        # holds code to run, hostile or not; the user must decide.
+        wanted = re.search(r"GLOBAL ([\w.]+)", message) if weights_only else None
+        if wanted:
             raise DisttrainError(
-                f"checkpoint {path} holds objects that weights_only=True refuses to load "
-                f"({reason}); if you trust it, pass weights_only=False to load_latest()"
-            ) from err
+                f"checkpoint {path / name} refused: it tries to load {wanted[1]}, which weights_only=True blocks (nothing was "
+                f"run); to resume from an older one, move {path.name} out of {path.parent}; if you trust it, "
+                "pass weights_only=False"
+            ) from None
         warnings.warn(
             f"skipping damaged checkpoint {path}: {message.splitlines()[0]}", stacklevel=3)
         return None

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config.hosts import parse_host
+from ..config.hosts import parse_host, unique_hosts
 from ..errors import UsageError
 
 FRAMEWORKS = ("pytorch", "tensorflow")
@@ -112,8 +112,9 @@ class JobSpec:
             raise UsageError("slurm is only used with backend: slurm")
         if self.backend == "slurm":
             self.slurm_options(job_name=self.name)  # checked now, naming the key
-        for index, host in enumerate(self.hosts):
-            parse_host(_string(f"hosts[{index}]", host), where=f"hosts[{index}]")
+        if self.hosts:
+            unique_hosts([parse_host(_string(f"hosts[{index}]", host), where=f"hosts[{index}]")
+                          for index, host in enumerate(self.hosts)], "hosts")
         if self.backend == "ssh":
             if not self.hosts:
                 raise UsageError("backend ssh needs hosts: a list like [node0, user@node1:2222]")

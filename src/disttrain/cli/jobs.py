@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..private import mask_secrets
 from .job import add_store_arg
 
 FOLLOW_POLL_S = 0.3
@@ -50,6 +51,13 @@ def _store(args: argparse.Namespace):
     return JobStore(args.store)
 
 
+def _shown(record) -> dict:
+    """A record as printed: secrets masked, also in records kept before they were masked on write."""
+    data = record.to_dict()
+    data["spec"] = mask_secrets(data["spec"])
+    return data
+
+
 def _when(stamp: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) if stamp else "-"
 
@@ -71,7 +79,7 @@ def handle_ls(args: argparse.Namespace) -> int:
     with _store(args) as store:
         records = [refresh(store, r) for r in store.list(args.limit or None)]
     if args.json:
-        print(json.dumps([r.to_dict() for r in records], indent=2))
+        print(json.dumps([_shown(r) for r in records], indent=2))
         return 0
     rows = [("ID", "NAME", "STATE", "CREATED", "DURATION", "EXIT", "INSTANCES")]
     rows += [(str(r.id), r.name, str(r.state), _when(r.created), _took(r),
@@ -88,7 +96,7 @@ def handle_show(args: argparse.Namespace) -> int:
     with _store(args) as store:
         record = refresh(store, store.get(args.job))
     if args.json:
-        print(json.dumps(record.to_dict(), indent=2))
+        print(json.dumps(_shown(record), indent=2))
         return 0
     fields = [
         ("id", str(record.id)), ("name", record.name), ("state", str(record.state)),
@@ -108,7 +116,7 @@ def handle_show(args: argparse.Namespace) -> int:
         print("failure:" if record.state == "Failed" else "reason:")
         print("\n".join(f"  {line}" for line in record.failure.splitlines()))
     print("spec:")
-    print("\n".join(f"  {line}" for line in json.dumps(record.spec, indent=2).splitlines()))
+    print("\n".join(f"  {line}" for line in json.dumps(mask_secrets(record.spec), indent=2).splitlines()))
     return 0
 
 

@@ -25,6 +25,7 @@ from ..backends.ssh_launch import AgentsOutcome
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan
+from ..private import write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
 from .backends import Backend, Placement, make_backend
 from .layout import JobLayout, instance_names
@@ -168,7 +169,7 @@ class _Run:
             run_dir=str(layout.logs), paths=[str(cwd / spec.entry_point), str(layout.root)], cwd=str(cwd),
         )
         plan = with_sagemaker_env(spec, layout, placement, cwd)
-        (layout.logs / "plan.json").write_text(plan.to_json())
+        write_private(layout.logs / "plan.json", plan.to_json())
         hosts = [{"instance": i, "host": w} for i, w in zip(layout.hosts, placement.where)]
         self.store.transition(self.id, JobState.RUNNING, hosts=hosts)
         self.say(f"disttrain: {plan.world_size} worker(s) ({plan.backend}) on {', '.join(layout.hosts)}, "

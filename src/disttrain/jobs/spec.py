@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.hosts import parse_host, unique_hosts
+from ..private import mask_secrets
 from ..errors import UsageError
 
 FRAMEWORKS = ("pytorch", "tensorflow")
@@ -36,7 +37,6 @@ MAX_BASE_NAME = 63 - RUN_SUFFIX_LEN
 _CHANNEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _HP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SECRET = re.compile(r"key|secret|token|password|credential", re.I)
 
 
 def is_url(location: str) -> bool:
@@ -173,10 +173,9 @@ class JobSpec:
         return data
 
     def to_record(self) -> dict[str, Any]:
-        """:meth:`to_dict` for the job history: credentials in storage_options are not kept."""
-        data = self.to_dict()
-        data["storage_options"] = {k: "***" if _SECRET.search(k) else v for k, v in self.storage_options.items()}
-        return data
+        """:meth:`to_dict` for the job history: values of secret-looking keys (env, nested
+        storage_options, hyperparameters) are not kept."""
+        return mask_secrets(self.to_dict())
 
 
 KNOWN_KEYS = tuple(f.name for f in dataclasses.fields(JobSpec))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DisttrainError, UsageError
+from ..private import make_private
 from .states import JobState, allowed
 
 STORE_ENV = "DISTTRAIN_STORE"
@@ -109,6 +110,7 @@ class JobStore:
         self.path = Path(path) if path else default_store_path()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_private(self.path)  # job specs hold env values; SQLite gives -wal/-shm the same mode
             # isolation_level=None: transactions are begun explicitly, and kept short.
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
             self._db.row_factory = sqlite3.Row

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 
 from ..errors import DisttrainError, UsageError
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("disttrain: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (`disttrain jobs show 3 | head`): stop quietly with a SIGPIPE status, as
+        # `cat` would; stdout goes to /dev/null so that the exit's own flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

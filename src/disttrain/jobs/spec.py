@@ -9,16 +9,17 @@ from any working directory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config.hosts import parse_host, unique_hosts
-from ..private import mask_secrets
 from ..errors import UsageError
+from ..private import mask_secrets
 
 FRAMEWORKS = ("pytorch", "tensorflow")
 BACKENDS = ("local", "ssh", "slurm")
@@ -213,20 +214,45 @@ def spec_from_mapping(data: Any, *, base_dir: str | os.PathLike, source: str = "
 
 
 def load_spec(path: str | os.PathLike) -> JobSpec:
-    """Read a YAML job spec."""
+    """Read a YAML job spec: UTF-8, each key once, nested no deeper than a person would write."""
     import yaml
 
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise UsageError(f"cannot read job spec {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{path}: not UTF-8 text (byte {err.start}); save the job spec as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise UsageError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    except RecursionError:
+        raise UsageError(f"{path}: nested too deeply to be a job spec") from None
     return spec_from_mapping(data, base_dir=Path(path).resolve().parent, source=str(path))
+
+
+@functools.cache
+def _unique_key_loader() -> type:
+    """PyYAML's SafeLoader, refusing a key given twice (plain PyYAML keeps the last silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, Hashable):
+                    continue  # PyYAML itself refuses an unhashable key, in its words
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice; give it once", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def _local_absolute(value: Any, base: Path, key: str) -> Any:

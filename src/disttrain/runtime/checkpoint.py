@@ -74,11 +74,14 @@ def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3
             payload = {"step": step, **{name: _saveable(v) for name, v in state.items()}}
             path = _write(layout, step, payload, rank_states, ctx)
             prune(layout, keep_last)
-        except OSError as err:
-            error = _write_error(layout.root, err)
-            failure = err
         except Exception as err:  # re-raised below, once the other ranks know
-            error, failure = f"{type(err).__name__}: {err}", err
+            # torch.save turns a full disk into "RuntimeError ... unexpected pos": the OSError
+            # behind it (ENOSPC) is what the user needs to hear about.
+            os_error = _os_error(err)
+            if os_error is not None:
+                error, failure = _write_error(layout.root, os_error), os_error
+            else:
+                error, failure = f"{type(err).__name__}: {err}", err
     # The broadcast is also the barrier: no rank returns before the checkpoint exists.
     error = _from_main(ctx, error)
     if isinstance(failure, OSError):
@@ -194,6 +197,16 @@ def _write(layout: CheckpointLayout, step: int, payload: dict, rank_states: list
 
     meta = {"world_size": ctx.world_size, "time": time.time(), "torch": torch.__version__}
     return commit(layout, step, write_files, meta)
+
+
+def _os_error(err: BaseException | None) -> OSError | None:
+    """``err`` itself or the OSError it was raised while handling (torch wraps them)."""
+    seen = 0
+    while err is not None and seen < 10:
+        if isinstance(err, OSError):
+            return err
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
 
 
 def _write_error(root: Path, err: OSError) -> str:

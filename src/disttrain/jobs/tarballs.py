@@ -66,6 +66,14 @@ class _Tree:
         on_disk = self.dest.joinpath(*parts)
         return os.readlink(on_disk) if on_disk.is_symlink() else None
 
+    def _kind_at(self, parts: tuple[str, ...]) -> str | None:
+        if parts in self.kinds:
+            return self.kinds[parts]
+        on_disk = self.dest.joinpath(*parts)
+        if on_disk.is_symlink():
+            return "link"
+        return "dir" if on_disk.is_dir() else "file" if on_disk.exists() else None
+
     def resolve(self, start: tuple[str, ...], path: str, hops: int = 0) -> tuple[str, ...]:
         """``path`` (relative to the folder ``start``) → its place inside dest, links followed."""
         if path.startswith("/"):
@@ -94,9 +102,14 @@ class _Tree:
         """Where ``member`` is written: its folder resolved, its own name not followed."""
         *parent, name = _parts(member)
         where = (*self.resolve((), "/".join(parent)), name)
-        if self._link_at(where) is not None:
-            if not member.issym():  # writing a file there would write through the link
-                raise _Refused("would replace a link extracted before it")
+        for depth in range(1, len(where)):
+            if self._kind_at(where[:depth]) == "file":
+                raise _Refused(f"would be inside {'/'.join(where[:depth])!r}, a file, not a folder")
+        existing = self._kind_at(where)
+        if existing == "link" and not member.issym():  # writing a file there would write through the link
+            raise _Refused("would replace a link extracted before it")
+        if existing == "dir" and not member.isdir():
+            raise _Refused("would replace a folder extracted before it")
         if member.issym() or member.islnk():
             try:  # a symlink is relative to its folder, a hard link's name to the archive's root
                 source = self.resolve(where[:-1] if member.issym() else (), member.linkname)
@@ -190,9 +203,15 @@ def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike) -> Path:
     try:
         with tarfile.open(archive) as tar:
             tree, placed = _plan(tar, archive, dest)
+            fresh = not dest.exists()
             dest.mkdir(parents=True, exist_ok=True)
-            for member, where in placed:
-                _write(tar, member, where, tree)
+            try:
+                for member, where in placed:
+                    _write(tar, member, where, tree)
+            except BaseException:
+                if fresh:  # a full disk, a truncated archive: leave no half-extracted folder
+                    shutil.rmtree(dest, ignore_errors=True)
+                raise
     except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
         raise UsageError(f"cannot extract {archive}: {err}") from None
     return dest

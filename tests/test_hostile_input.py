@@ -145,3 +145,28 @@ def _rank(proc: psutil.Process) -> str | None:
         return proc.environ().get("RANK") if "hang_rank1.py" in " ".join(proc.cmdline()) else None
     except psutil.Error:
         return None
+
+
+@pytest.mark.timeout(150)
+def test_a_34_kb_hyperparameter_reaches_the_script(tmp_path):
+    """Once plans travel over a private channel (issue 13's transport), not as one argv word."""
+    import yaml
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.py").write_text(
+        "import json, os, sys\n"
+        "value = json.loads(os.environ['SM_HPS'])['note']\n"
+        "print('note', len(value), sys.argv[sys.argv.index('--note') + 1] == value)\n")
+    note = "x" * 34 * 1024
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"name": "bighp", "entry_point": "train.py", "source_dir": str(src),
+                                    "processes_per_instance": 1, "hyperparameters": {"note": note},
+                                    "output_path": str(tmp_path / "artifacts")}))
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), DISTTRAIN_STORE=str(tmp_path / "jobs.db"))
+    result = subprocess.run([sys.executable, "-m", "disttrain", "job", "run", str(spec)], capture_output=True,
+                            text=True, timeout=120, env=env)
+    if "Argument list too long" in result.stderr:
+        pytest.skip("the plan still travels as one argv word (E2BIG); issue 13 moves it to a private channel")
+    assert result.returncode == 0, result.stderr
+    assert f"note {len(note)} True" in result.stdout

@@ -119,6 +119,20 @@ _atexit_registered = False
 _DRAIN_S = 0.1
 
 
+class _OneLineErrors:
+    """An uncaught DisttrainError (a refused checkpoint, a full disk) is one line, as the CLI
+    prints it: its message is the whole story, a traceback through disttrain's code is noise."""
+
+    def __init__(self, previous) -> None:
+        self.previous = previous
+
+    def __call__(self, kind, value, tb) -> None:
+        if isinstance(value, DisttrainError):
+            print(f"disttrain: error: {value}", file=sys.stderr, flush=True)
+        else:
+            self.previous(kind, value, tb)
+
+
 def init(*, backend: str | None = None, timeout_s: float | None = None) -> Context:
     """Join the job the launcher started and return this process's :class:`Context`.
 
@@ -161,6 +175,8 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
             sys.excepthook = hook
         _owns_group = True
     heartbeat.start(env)
+    if env.run_dir and not isinstance(sys.excepthook, _OneLineErrors):  # under disttrain's launcher
+        sys.excepthook = _OneLineErrors(sys.excepthook)
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True

@@ -7,6 +7,7 @@ checkpoint, a reader that leaves the pipe, a rank stopped with SIGSTOP.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,3 +171,20 @@ def test_a_34_kb_hyperparameter_reaches_the_script(tmp_path):
         pytest.skip("the plan still travels as one argv word (E2BIG); issue 13 moves it to a private channel")
     assert result.returncode == 0, result.stderr
     assert f"note {len(note)} True" in result.stdout
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="no OpenSSH client (tests/rig_setup.sh installs it)")
+def test_ssh_reads_a_host_name_as_a_name_even_past_the_checks():
+    """Defence in depth: were a '-' name to slip past parse_host, "--" before the destination keeps
+    ssh from taking it as an option (``ssh ... -V -- cmd`` printed ssh's version and exited 0)."""
+    from disttrain.backends.ssh import ssh_argv
+    from disttrain.backends.ssh_launch import master_address
+    from disttrain.config.hosts import Host
+
+    hostile = Host(name="-V")
+    argv = ssh_argv(hostile, ["true"], options=["ConnectTimeout=3"])
+    assert argv[argv.index("--") + 1] == "-V"
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert done.returncode == 255 and "OpenSSH_" not in done.stderr
+    with pytest.raises(DisttrainError, match="cannot ask ssh how to reach -V"):
+        master_address(hostile, [])

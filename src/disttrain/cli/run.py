@@ -59,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "$DISTTRAIN_HOME/runs, printed at start)")
     p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
                    help="set an environment variable for every worker (repeatable); KEY alone "
-                   "passes this shell's value, kept off the command line")
+                   "passes this shell's value, so that a secret is not typed on the command line")
     p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static",
                    help="static (default: node ranks in host order) or c10d (torch's dynamic rendezvous)")
     p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=int, default=120,

@@ -54,11 +54,12 @@ def _stop_when_stdin_closes() -> None:
 
 def handle_agent(args: argparse.Namespace) -> int:
     from ..agent.lifeline import follow_parent
+
+    # The launcher (ssh session, job runner, srun) gone, even SIGKILLed: stop the workers. Set
+    # before importing torch (seconds), so that a launcher dying meanwhile is not missed.
+    follow_parent(signal.SIGTERM)
     from ..agent.node import run_node
     from ..plan.launch import plan_from_json
-
-    # The launcher (ssh session, job runner, srun) gone, even SIGKILLed: stop the workers.
-    follow_parent(signal.SIGTERM)
 
     plan = plan_from_json(args.plan if args.plan is not None else Path(args.plan_file).read_text())
     nodes = [n for n in plan.nodes if n.node_rank == args.node_rank]

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from conftest import SCRIPTS
 from disttrain.cli.main import build_parser, main
-from disttrain.config.hosts import MAX_SLOTS, SSH_DEFAULT_PORT, parse_hostfile
+from disttrain.config.hosts import MAX_SLOTS, SSH_DEFAULT_PORT, Host, parse_hostfile, parse_hosts
 from disttrain.errors import UsageError
 from disttrain.jobs.spec import KNOWN_KEYS, load_spec
 from disttrain.jobs.tarballs import safe_extract
@@ -175,6 +175,21 @@ def test_hostfile_parses_to_safe_hosts_or_one_line(lines, raw):
         except UsageError as err:
             assert "\n" not in str(err)
             return
+    _assert_safe_hosts(hosts)
+
+
+@settings(max_examples=EXAMPLES * 2, deadline=None)
+@given(words=st.lists(_host_line.map(lambda line: line.split(" ")[0]), max_size=5))
+def test_hosts_flag_parses_to_safe_hosts_or_one_line(words):
+    try:
+        hosts = parse_hosts(",".join(words))
+    except UsageError as err:
+        assert "\n" not in str(err)
+        return
+    _assert_safe_hosts(hosts)
+
+
+def _assert_safe_hosts(hosts: tuple[Host, ...]) -> None:
     keys = [(h.name.lower(), h.port or SSH_DEFAULT_PORT) for h in hosts]
     assert len(set(keys)) == len(keys)
     for host in hosts:

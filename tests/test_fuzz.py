@@ -209,8 +209,9 @@ _member = st.tuples(
 
 @pytest.mark.timeout(300)
 @FUZZ
-@given(members=st.lists(_member, min_size=1, max_size=7), leading_slash=st.booleans())
-def test_tarball_never_writes_outside_its_folder(members, leading_slash):
+@given(members=st.lists(_member, min_size=1, max_size=7), leading_slash=st.booleans(),
+       mtime=st.one_of(st.just(0), st.integers(-2**40, 8**11 - 1)), mode=st.integers(0, 0o7777))
+def test_tarball_never_writes_outside_its_folder(members, leading_slash, mtime, mode):
     kinds = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "sym": tarfile.SYMTYPE, "hard": tarfile.LNKTYPE}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -219,6 +220,7 @@ def test_tarball_never_writes_outside_its_folder(members, leading_slash):
             for index, (name, kind, link) in enumerate(members):
                 info = tarfile.TarInfo(("/" if leading_slash and index == 0 else "") + name)
                 info.type = kinds[kind]
+                info.mtime, info.mode = mtime, mode | (0o700 if kind == "dir" else 0)
                 if kind in ("sym", "hard"):
                     info.linkname = link
                     tar.addfile(info)

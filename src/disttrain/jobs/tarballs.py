@@ -8,6 +8,7 @@ archive refused, naming the member, before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tarfile
@@ -189,7 +190,8 @@ def _write(tar: tarfile.TarFile, member: tarfile.TarInfo, where: tuple[str, ...]
             source = tar.extractfile(member)
             if source is not None:
                 shutil.copyfileobj(source, out)
-        os.utime(path, (member.mtime, member.mtime), follow_symlinks=False)
+        with contextlib.suppress(OSError, OverflowError, ValueError):  # a time out of range is no reason to fail
+            os.utime(path, (member.mtime, member.mtime), follow_symlinks=False)
 
 
 def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike) -> Path:

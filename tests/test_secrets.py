@@ -36,12 +36,14 @@ def test_mask_secrets_at_any_depth():
     spec = {"env": {"API_TOKEN": "tok456", "PLAIN": "x"},
             "storage_options": {"key": "AKIA", "client_kwargs": {"aws_secret_access_key": "s", "region": "eu"},
                                 "profiles": [{"password": "p", "user": "u"}], "Credentials": {"a": 1}},
-            "hyperparameters": {"lr": 0.1, "db_passwd": "x"}}
+            "hyperparameters": {"lr": 0.1, "db_passwd": "x", "max_tokens": 512, "tokenizer": "bpe",
+                                "secretKey": "x", "HF_TOKEN": "x", "keyframes": 4}}
     assert mask_secrets(spec) == {
         "env": {"API_TOKEN": "***", "PLAIN": "x"},
         "storage_options": {"key": "***", "client_kwargs": {"aws_secret_access_key": "***", "region": "eu"},
                             "profiles": [{"password": "***", "user": "u"}], "Credentials": "***"},
-        "hyperparameters": {"lr": 0.1, "db_passwd": "***"}}
+        "hyperparameters": {"lr": 0.1, "db_passwd": "***", "max_tokens": 512, "tokenizer": "bpe",
+                            "secretKey": "***", "HF_TOKEN": "***", "keyframes": 4}}
 
 
 @pytest.mark.timeout(150)

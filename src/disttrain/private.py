@@ -15,14 +15,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SECRET_KEY = re.compile(r"key|secret|token|password|passwd|credential", re.I)
+# Words of a key (API_TOKEN, aws_secret_access_key, secretKey) that make its value a secret.
+# Whole words, so that max_tokens, tokenizer or keyframes stay readable in a record.
+SECRET_WORDS = frozenset({"key", "apikey", "secret", "token", "password", "passwd", "pwd", "passphrase",
+                          "credential", "credentials"})
+_WORD_BREAK = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 MASK = "***"
+
+
+def is_secret_key(key: str) -> bool:
+    return any(word.lower() in SECRET_WORDS for word in _WORD_BREAK.split(key))
 
 
 def mask_secrets(value: Any) -> Any:
     """``value`` with every mapping entry whose key looks secret replaced by ``***``."""
     if isinstance(value, Mapping):
-        return {k: MASK if isinstance(k, str) and SECRET_KEY.search(k) else mask_secrets(v)
+        return {k: MASK if isinstance(k, str) and is_secret_key(k) else mask_secrets(v)
                 for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [mask_secrets(v) for v in value]

@@ -45,7 +45,7 @@ from torch.utils.data import (
 from ..errors import DisttrainError, UsageError
 from ..workerenv import CHECKPOINT_DIR, WorkerEnv
 from . import checkpoint, loop, preemption, rng
-from .context import Context, context
+from .context import Context, context, current_runtime
 from .data import unwrap, with_sampler
 from .samplers import EvalShardSampler
 
@@ -56,8 +56,6 @@ _RESERVED = ("step", "progress", "rank_state")
 # Samplers whose order is a function of the epoch alone, so the rest of an epoch can be
 # cut from a fresh iteration of it.
 _REPEATABLE = (DistributedSampler, SequentialSampler, EvalShardSampler)
-
-_current: TrainingState | None = None
 
 
 def resume(directory: str | PathLike[str] | None = None, *, every: int | None = None,
@@ -74,7 +72,6 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     epoch); ``keep_last`` and ``weights_only`` are :func:`checkpoint.save`'s and
     :func:`checkpoint.load_latest`'s.
     """
-    global _current
     ctx = context()
     env = WorkerEnv.from_environ()
     directory = directory if directory is not None else env.checkpoint_dir
@@ -87,20 +84,21 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     kept = {name: obj for name, obj in objects.items() if obj is not None}
     for name, obj in kept.items():
         _check_object(name, obj)
-    if _current is not None:
-        _current.close()
+    if ctx.runtime.training is not None:
+        ctx.runtime.training.close()
     state = TrainingState(Path(directory) if directory else None, every=every,
                           keep_last=keep_last, objects=kept, ctx=ctx)
     if state.directory is not None:
         state._load(weights_only)
         state._watch_sigterm()
-    _current = state
+    ctx.runtime.training = state
     return state
 
 
 def current() -> TrainingState | None:
     """The state the last :func:`resume` returned (what ``disttrain.epochs`` follows)."""
-    return _current
+    runtime = current_runtime()
+    return runtime.training if runtime is not None else None
 
 
 @dataclass(frozen=True)
@@ -195,12 +193,11 @@ class TrainingState:
 
     def close(self) -> None:
         """Stop handling SIGTERM; :func:`resume` does it for the state it replaces."""
-        global _current
         if self._vote is not None:
             preemption.uninstall()
             self._vote = None
-        if _current is self:
-            _current = None
+        if self._ctx.runtime.training is self:
+            self._ctx.runtime.training = None
 
     # -- inside ------------------------------------------------------------------------
 

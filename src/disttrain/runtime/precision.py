@@ -47,16 +47,17 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def fsdp_policy(self) -> Any:
+    def fsdp_policy(self, *, root: bool) -> Any:
         """FSDP2's ``MixedPrecisionPolicy``: parameters gathered in the low dtype, gradients
-        reduced in float32 (summing many ranks' bf16 gradients loses digits), outputs
-        handed back in float32 so that the loss the script computes is not in bf16."""
+        reduced in float32 (summing many ranks' bf16 gradients loses digits). The root
+        hands its outputs back in float32, so that the loss the script computes is not in
+        bf16; the blocks inside keep theirs in the low dtype for the next layer."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if self.dtype is None:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32,
-                                    output_dtype=torch.float32)
+                                    output_dtype=torch.float32 if root else None)
 
     def scaler(self) -> torch.amp.GradScaler | None:
         """A fresh gradient scaler when this policy needs one, else None."""

@@ -100,11 +100,10 @@ def wrap_fsdp(model: torch.nn.Module, ctx: Context, precision: precision_mod.Pre
 
     names = {id(p): name for name, p in model.named_parameters()}
     _check_fresh(optimizer)
-    policy = precision.fsdp_policy()
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for block in select_blocks(model, blocks):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=precision.fsdp_policy(root=False))
+    fully_shard(model, mesh=mesh, mp_policy=precision.fsdp_policy(root=True))
     if optimizer is not None:
         _rebind(optimizer, names, dict(model.named_parameters()))
     return model

@@ -154,10 +154,10 @@ def test_checkpoint_of_another_strategy_or_model_is_refused_and_kept(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 96 KiB filesystem: room for one small checkpoint, not two."""
+    """A 720 KiB filesystem: room for one small checkpoint, not two."""
     where = tmp_path / "disk"
     where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(where)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=720k", "tmpfs", str(where)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")

@@ -286,7 +286,7 @@ def _save_sharded(layout: CheckpointLayout, step: int, keep_last: int | None,
     failure = None
     try:
         sharded.write(by_shard, target)  # raises on every rank when any rank failed
-    except Exception as err:
+    except sharded.FAILURES as err:
         failure = err
     path, error = None, None
     if ctx.is_main and failure is not None:

@@ -12,11 +12,14 @@ reshards too.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -58,7 +61,8 @@ def state_dicts(objects: dict[str, Any]) -> dict[str, Any]:
 
 def write(objects: dict[str, Any], directory: Path) -> None:
     """Every rank writes its shards of ``objects`` into ``directory`` (a collective)."""
-    dcp.save(state_dicts(objects), checkpoint_id=directory)
+    with _single_process_quiet():
+        dcp.save(state_dicts(objects), checkpoint_id=directory)
 
 
 def write_async(objects: dict[str, Any], directory: Path, group: Any) -> Any:
@@ -73,8 +77,9 @@ def read(objects: dict[str, Any], directory: Path) -> None:
     owners = _owners(objects)
     wanted = state_dicts(objects)
     try:
-        dcp.load(wanted, checkpoint_id=directory)
-    except Exception as err:  # DCP gathers every rank's failure into one exception
+        with _single_process_quiet():
+            dcp.load(wanted, checkpoint_id=directory)
+    except FAILURES as err:
         raise DisttrainError(
             f"checkpoint {directory.parent} does not fit this run's "
             f"{'/'.join(objects)}: {first_line(err)}; resume from a checkpoint directory "
@@ -110,8 +115,24 @@ def _owners(objects: dict[str, Any]) -> dict[str, torch.nn.Module]:
     return owners
 
 
+# DCP gathers every rank's failure into a CheckpointException, a BaseException.
+FAILURES = (Exception, CheckpointException)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """A world of one has no process group: DCP then works in this process alone, which is
+    what is meant here, and says so in a warning at every call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def first_line(err: BaseException) -> str:
     """The telling line of a (often multi-line) torch error message, shortened."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, (inner, _) = min(err.failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {first_line(inner)}"
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     lines = [line for line in lines if not line.startswith(("Traceback", "File "))]
     if not lines:

@@ -84,9 +84,11 @@ def test_accumulating_4_steps_equals_one_step_of_4x_batch(tmp_path, strategy):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp-async"])
 def test_sigkill_mid_epoch_then_resume_is_bit_exact(tmp_path, strategy):
-    common = ["--strategy", strategy, "--ckpt", tmp_path / "ckpt", "--every", "3"]
+    strategy, _, mode = strategy.partition("-")
+    common = ["--strategy", strategy, "--ckpt", tmp_path / "ckpt", "--every", "3",
+              *(["--asynchronous"] if mode == "async" else [])]
     assert_ok(train(2, tmp_path / "reference", "--strategy", strategy))
     killed = train(2, tmp_path / "run", *common, "--die-at", "11")  # step 9 is saved
     assert killed.returncode != 0

@@ -87,9 +87,7 @@ def main():
                                          mixed_precision=args.precision)
     step = disttrain.accumulate(model, opt, args.accumulate, clip_grad_norm=args.clip)
     state = disttrain.resume(args.ckpt, every=args.every, model=model, optimizer=opt,
-                             accumulator=step)
-    if args.asynchronous:
-        state.asynchronous = True
+                             accumulator=step, asynchronous=args.asynchronous)
     args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / f"rank{ctx.rank}.jsonl", "a")
     for epoch in disttrain.epochs(args.epochs):

@@ -168,6 +168,11 @@ def _check_strategy(path: Path, expected: str) -> None:
             "to resume it, or use a new checkpoint directory")
 
 
+def holds_sharded(objects: dict[str, Any]) -> bool:
+    """Whether saving ``objects`` writes a sharded checkpoint (an FSDP model among them)."""
+    return bool(sharded.split(objects, context().runtime))
+
+
 def latest(directory: str | PathLike[str]) -> Path | None:
     """The newest complete checkpoint directory, or None; loads nothing, not a collective."""
     complete = _complete(CheckpointLayout(Path(directory)))

@@ -4,6 +4,11 @@ What ``prepare()``, ``epochs()``, ``resume()`` and the checkpoints need to know 
 other lives here rather than in module globals, so that it has one lifetime -- that of the
 context (``disttrain.shutdown()`` drops it) -- and so that the modules reading it need not
 import each other: each imports this leaf module (through the context) instead.
+
+What stays process-wide, on purpose: the SIGTERM flag (:mod:`.preemption`; a signal
+handler has no context to reach), the hang watchdog's heartbeat file (:mod:`.heartbeat`)
+and the bench's step timer (:mod:`.steptimer`), both set by the launcher's environment for
+the life of the process, whatever contexts come and go.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ A ~150M-parameter model of 16 transformer-sized blocks (width 896: attention-siz
 ``prepare(strategy="ddp")`` -- every rank holds the whole model, its gradients and Adam's
 two moments, plus DDP's gradient buckets -- and once with ``strategy="fsdp"``, which holds
 a half of each and gathers one block's parameters at a time. Reported per strategy: each
-rank's peak resident memory (``ru_maxrss``, so the Python + torch runtime's own ~0.3 GB is
-in both) and steps/s over the timed steps; then fsdp / ddp of both. Goal: memory <= 0.6
+rank's peak resident memory (``ru_maxrss``, so the Python + torch runtime's own ~0.2 GB is
+in both; glibc's mmap threshold fixed, see ``run()``) and steps/s over the timed steps; then fsdp / ddp of both. Goal: memory <= 0.6
 (the limit is 1/2 plus the fixed runtime). A few steps on 2 CPU cores take minutes.
 
     python bench/sharded.py [--steps 3] [--width 896] [--blocks 16]
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+MMAP_THRESHOLD = "131072"
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -75,7 +76,12 @@ def worker(args: argparse.Namespace) -> None:
 
 def run(strategy: str, args: argparse.Namespace, out: str) -> list[dict]:
     threads = max(1, (os.cpu_count() or 1) // 2)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    # glibc raises its mmap threshold (up to 32 MB) each time a large block is freed, after
+    # which FSDP's per-block gather buffers come from the heap and stay in RSS when freed:
+    # the peak would measure the allocator's cache, not the tensors. A fixed threshold
+    # returns freed large blocks to the OS, for both strategies alike (what
+    # torch.cuda.max_memory_allocated shows on a GPU).
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)
     cmd = [sys.executable, "-m", "disttrain", "run", "-n", "2", __file__, "--worker",
            "--strategy", strategy, "--out", out, "--width", str(args.width),
            "--blocks", str(args.blocks), "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -118,6 +124,7 @@ def main() -> None:
         "width": args.width,
         "ranks": 2,
         "timed_steps": args.steps,
+        "malloc_mmap_threshold": int(MMAP_THRESHOLD),
         "tokens_per_step_per_rank": args.batch * args.seq,
         "peak_rss_mb": {s: [r["peak_rss_mb"] for r in ranks[s]] for s in ranks},
         "steps_per_s": {s: round(v, 4) for s, v in rate.items()},

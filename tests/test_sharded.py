@@ -178,3 +178,17 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, small
     resumed = train(1, tmp_path / "resumed", "--strategy", "fsdp", "--epochs", "1",
                     "--ckpt", ckpt, "--every", "0")
     assert "resuming from step 3" in resumed.stderr
+
+
+@pytest.mark.timeout(120)
+def test_unwritable_checkpoint_directory_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = train(1, tmp_path / "out", "--strategy", "fsdp", "--epochs", "1",
+                   "--ckpt", blocker / "ckpt", "--every", "2")
+    assert result.returncode == 1, result.stderr[-3000:]
+    # Found when resume() first looks into it, before any training.
+    lines = [line for line in result.stderr.splitlines()
+             if "checkpoint directory" in line and "Not a directory" in line]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert str(blocker) in lines[0]

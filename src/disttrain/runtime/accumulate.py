@@ -56,6 +56,8 @@ class Accumulator:
             raise UsageError(f"accumulate(clip_grad_norm={clip_grad_norm!r}): a positive norm, "
                              "or None not to clip")
         prepared = context().runtime.prepared(model)
+        if prepared is not None and prepared.strategy == "fsdp":
+            _check_optimizer_steps(model, optimizer)
         self.model = model
         self.optimizer = optimizer
         self.steps = steps
@@ -130,6 +132,18 @@ class Accumulator:
         self.micro = 0  # the accumulated gradients were not saved
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _check_optimizer_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """FSDP replaced the parameters: an optimizer still holding the old ones would step
+    tensors the model no longer uses -- training that silently does nothing."""
+    current = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(id(p) not in current for p in held):
+        raise UsageError(
+            "accumulate(): the optimizer steps parameters the model no longer has; with "
+            "strategy='fsdp' pass the optimizer to prepare() (it is re-pointed at the shards) "
+            "or build it after prepare()")
 
 
 @contextlib.contextmanager

@@ -42,7 +42,8 @@ def prepare(model: torch.nn.Module | None, optimizer: Any, *dataloaders: DataLoa
     through :func:`disttrain.accumulate`, which scales the loss). The forward then runs in
     the low dtype and returns float32 outputs. The optimizer passes through (parameters
     keep their identity when moved, so it may be built before or after; with ``"fsdp"``
-    an optimizer built before is pointed at the sharded parameters). Each loader is rebuilt with
+    an optimizer built before must be passed here, to be pointed at the sharded
+    parameters). Each loader is rebuilt with
     a sampler that gives this rank its share: a shuffling loader (training) gets a
     ``DistributedSampler`` padded so all ranks run the same number of steps, a sequential
     one (evaluation) an :class:`EvalShardSampler` that sees each sample exactly once.

@@ -122,9 +122,10 @@ def parse_distribution(value: Any, *, framework: str) -> Distribution:
 
 
 def processes_per_instance(dist: Distribution, requested: int | str) -> int | str:
-    """none and the TensorFlow strategies: one process per instance (the strategy uses every
-    device of it); torch kinds: what the job asked for ("auto": one per GPU, else one)."""
-    if dist.kind in TORCH_KINDS:
+    """none: once per instance, as SageMaker (unless a number was asked for); the TensorFlow
+    strategies: one process per instance (the strategy uses every device of it); torch kinds:
+    what the job asked for ("auto": one per GPU, else one)."""
+    if dist.kind in TORCH_KINDS or (dist.kind == "none" and requested != "auto"):
         return requested
     if dist.kind == "mpi":
         return dist.processes_per_host or 1

@@ -340,3 +340,93 @@ def test_contract_units():
     argv = prefix("bwrap", "/jobs/j/algo-1", "/jobs/j/.mounts/algo-1")
     assert argv[:4] == ["bwrap", "--dev-bind", "/", "/"] and argv[-4:] == ["--bind", "/jobs/j/algo-1", "/opt/ml", "--"]
     assert sys.executable  # the unshare prefix execs this interpreter
+
+
+MPI_SCRIPT = """\
+    import os
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    total = comm.allreduce(comm.Get_rank() + 1)
+    print(f"rank {comm.Get_rank()} of {comm.Get_size()} on {os.environ['SM_CURRENT_HOST']} sum={total}", flush=True)
+    if comm.Get_rank() == 0:
+        with open(os.path.join(os.environ["SM_MODEL_DIR"], "sum.txt"), "w") as fh:
+            fh.write(str(total))
+"""
+
+
+def test_mpi_two_processes(sm_home):
+    import shutil
+
+    if not shutil.which("mpirun"):
+        pytest.skip("Open MPI's mpirun is not installed (tests/rig_setup.sh installs it)")
+    pytest.importorskip("mpi4py")
+    from disttrain.sagemaker.pytorch import PyTorch
+
+    write(sm_home / "src" / "mpi_train.py", MPI_SCRIPT)
+    est = PyTorch(entry_point="mpi_train.py", source_dir="src", instance_count=2, output_path=f"file://{sm_home}/out",
+                  distribution={"mpi": {"enabled": True, "processes_per_host": 1, "custom_mpi_options": "-x FOO=1"}})
+    est.fit()
+    job_dir = Path(est.latest_training_job.describe()["JobDir"])
+    log = (job_dir / "logs" / "job.log").read_text()
+    assert "[algo-1 rank0] rank 0 of 2 on algo-1 sum=3" in log
+    assert "[algo-2 rank1] rank 1 of 2 on algo-2 sum=3" in log
+    assert (job_dir / "algo-1" / "model" / "sum.txt").read_text() == "3"
+
+
+@needs_namespace
+@pytest.mark.timeout(400)
+def test_seed_tensorflow_notebook(sm_home):
+    """The seed article's notebook cell (SDK v1 names) and its training script, as the README runs them."""
+    pytest.importorskip("tensorflow")
+    example = Path(__file__).resolve().parents[1] / "examples" / "sagemaker_tf"
+    env = cli_env(DISTTRAIN_HOME=str(sm_home / "home"), DISTTRAIN_STORE=str(sm_home / "jobs.db"),
+                  OUTPUT_URL=f"file://{sm_home}/out", EPOCHS="2")
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(example / "notebook.py")], capture_output=True, text=True,
+                          env=env, timeout=360, cwd=sm_home)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "train_instance_count has been renamed" in done.stderr
+    model = done.stdout.strip().splitlines()[-1].removeprefix("model: ").removeprefix("file://")
+    with tarfile.open(model) as tar:
+        assert {"classifier.keras", "vocab.txt"} <= set(tar.getnames())
+    with JobStore(sm_home / "jobs.db") as store:
+        series = store.metric_series(store.list()[0].id)
+    assert series["valid:accuracy"][-1][1] > 0.8
+
+
+@pytest.fixture
+def world_tmp():
+    """A folder nobody can reach (pytest's own tmp_path is under a 0700 folder)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="disttrain-bwrap-", dir="/tmp"))
+    os.chmod(path, 0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_bwrap_prefix_gives_an_unprivileged_user_its_own_opt_ml(world_tmp):
+    """The bubblewrap way, run as nobody: /opt/ml is the instance folder, the machine's /opt unchanged."""
+    import shutil
+    import subprocess
+
+    from disttrain.jobs.optml import prefix
+
+    if os.geteuid() != 0 or not shutil.which("bwrap") or not shutil.which("setpriv"):
+        pytest.skip("needs root (to become nobody), bubblewrap and setpriv")
+    inst = world_tmp / "algo-1"
+    inst.mkdir()
+    os.chmod(inst, 0o777)
+    before = opt_listing()
+    argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+            *prefix("bwrap", str(inst), str(world_tmp / "stage")), "sh", "-c", "echo hi > /opt/ml/x && ls /opt"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if done.returncode and "namespace" in done.stderr:
+        pytest.skip(f"no unprivileged user namespaces here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert (inst / "x").read_text() == "hi\n"
+    assert "ml" in done.stdout.split() and set(before[1]) <= set(done.stdout.split())
+    assert opt_listing() == before

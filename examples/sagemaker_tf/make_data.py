@@ -35,7 +35,8 @@ def make(folder: Path, n_train: int = 2048, n_valid: int = 256, seed: int = 0) -
             writer.writerow(["text", "label"])
             for _ in range(n):
                 toxic = rng.random() < 0.5
-                writer.writerow([sentence(rng, toxic), int(toxic)])
+                noisy = toxic if rng.random() > 0.03 else not toxic  # a few mislabelled rows, as real data has
+                writer.writerow([sentence(rng, toxic), int(noisy)])
     return folder
 
 

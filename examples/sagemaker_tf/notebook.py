@@ -21,7 +21,7 @@ from make_data import make  # noqa: E402
 
 data_s3 = os.environ.get("DATA_URL") or make(here / "data").as_uri()
 inputs = {'data': data_s3}
-output = os.environ.get("OUTPUT_URL") or (Path.home() / ".disttrain" / "artifacts").as_uri()
+output = os.environ.get("OUTPUT_URL")  # None: $DISTTRAIN_HOME/artifacts (was: "s3://<your-bucket>")
 
 # create estimator
 estimator = TensorFlow(entry_point=str(here / 'train.py'),
@@ -33,7 +33,7 @@ estimator = TensorFlow(entry_point=str(here / 'train.py'),
                        py_version='py3',
                        script_mode=True,
                        metric_definitions=[{'Name': 'valid:accuracy', 'Regex': 'valid_accuracy=([0-9.]+)'},
-                                           {'Name': 'train:loss', 'Regex': r' loss: ([0-9.]+)'}])
+                                           {'Name': 'train:loss', 'Regex': r' - loss: ([0-9.e+-]+)'}])
 
 estimator.fit(inputs)
 print("model:", estimator.model_data)

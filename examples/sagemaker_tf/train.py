@@ -15,7 +15,7 @@ import tensorflow as tf
 def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", type=str, default=os.environ.get("SM_CHANNEL_DATA"))
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=int(os.environ.get("EPOCHS", 4)))
     parser.add_argument("--max_len", type=int, default=12)
     return parser.parse_known_args()  # the SDK also passes --model_dir
 

@@ -49,6 +49,13 @@ def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], No
     ready = Prepared(distribution=dist)
     if dist.note():
         say(dist.note())
+    if dist.kind == "mpi":
+        if spec.backend != "local":
+            raise UsageError(f"distribution mpi runs the instances of backend local only (this job: {spec.backend}); "
+                             "use torch_distributed, or run mpirun yourself")
+        from .mpi import find_mpirun
+
+        find_mpirun()
     if dist.kind == "multi_worker_mirrored_strategy" and spec.instance_count > 1:
         _check_keras(spec)
     ready.namespace = _namespace(spec, say)
@@ -125,6 +132,27 @@ def instance_plan(spec: JobSpec, layout: JobLayout, plan: LaunchPlan, *, job_nam
     if dist.kind == "parameter_server":  # python -u SCRIPT ARGS → python -u -m psshim SCRIPT ARGS
         argv = [argv[0], "-u", "-m", PS_SHIM, *argv[2:]]
     return replace(plan, nodes=tuple(nodes), argv=tuple(argv)), prefixes
+
+
+def launch_mpi(plan: LaunchPlan, prefixes: list[list[str]], *, layout: JobLayout, spec: JobSpec, ready: Prepared,
+               cwd: Path, transcript):
+    """distribution mpi: one mpirun, each instance's ranks with that instance's environment."""
+    from .mpi import find_mpirun, mpirun_argv, run_mpirun, write_instance_env
+
+    envs = [write_instance_env(layout.logs / "mpi" / f"{host}.env.json", dict(node.env))
+            for host, node in zip(layout.hosts, plan.nodes)]
+    argv = mpirun_argv(mpirun=find_mpirun(), ranks_per_instance=ready.distribution.processes_per_host or 1,
+                       instance_envs=envs, prefixes=prefixes, worker_argv=plan.argv,
+                       custom_mpi_options=ready.distribution.custom_mpi_options, as_root=os.geteuid() == 0)
+    (layout.logs / "mpi" / "mpirun.json").write_text(json_dumps(argv))
+    return run_mpirun(argv, cwd=str(cwd), transcript=transcript, hosts=layout.hosts,
+                      ranks_per_instance=ready.distribution.processes_per_host or 1)
+
+
+def json_dumps(value) -> str:
+    import json
+
+    return json.dumps(value, indent=1)
 
 
 class Watch:

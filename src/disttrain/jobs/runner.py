@@ -186,6 +186,9 @@ class _Run:
                  f"rendezvous {plan.master_addr}:{plan.master_port}; logs: {layout.logs}")
         self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
         with self.watch:  # container: metrics, checkpoint sync, max_run
+            if self.ready.distribution.kind == "mpi":  # container: mpirun instead of the agents
+                return container.launch_mpi(plan, prefixes, layout=layout, spec=spec, ready=self.ready, cwd=cwd,
+                                            transcript=self.transcript)
             return self.backend.launch(plan, cwd=str(cwd), transcript=self.transcript, prefixes=prefixes)
 
     def _finish(self, outcome: AgentsOutcome) -> JobRecord:

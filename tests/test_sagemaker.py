@@ -126,6 +126,11 @@ def test_estimator_two_instances_torch_distributed_literal_opt_ml(sm_home):
     assert plotted.returncode == 0, plotted.stderr
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert len(json.loads(plotted.stdout.splitlines()[-1])["loss"]) == 6
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return
+    assert list((job_dir / "tensorboard").glob("events.out.tfevents.*"))  # tensorboard --logdir ~/.disttrain/jobs
 
 
 def test_bad_input_is_one_line_and_nothing_is_recorded(sm_home):

@@ -12,6 +12,7 @@ The runner calls three hooks, in order:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -144,15 +145,9 @@ def launch_mpi(plan: LaunchPlan, prefixes: list[list[str]], *, layout: JobLayout
     argv = mpirun_argv(mpirun=find_mpirun(), ranks_per_instance=ready.distribution.processes_per_host or 1,
                        instance_envs=envs, prefixes=prefixes, worker_argv=plan.argv,
                        custom_mpi_options=ready.distribution.custom_mpi_options, as_root=os.geteuid() == 0)
-    (layout.logs / "mpi" / "mpirun.json").write_text(json_dumps(argv))
+    (layout.logs / "mpi" / "mpirun.json").write_text(json.dumps(argv, indent=1))  # what ran, for `jobs show`
     return run_mpirun(argv, cwd=str(cwd), transcript=transcript, hosts=layout.hosts,
                       ranks_per_instance=ready.distribution.processes_per_host or 1)
-
-
-def json_dumps(value) -> str:
-    import json
-
-    return json.dumps(value, indent=1)
 
 
 class Watch:

@@ -118,6 +118,9 @@ def test_estimator_two_instances_torch_distributed_literal_opt_ml(sm_home):
     with JobStore() as store:
         points = store.metric_series(store.get(job.name).id)["loss"]
     assert sorted(v for _, v in points) == [0.25, 0.3333, 0.3333, 0.5, 0.5, 1.0]
+    attached = PyTorch.attach(job.name)  # another notebook, later
+    assert attached.model_data == est.model_data and attached.hyperparameters() == hps
+    assert [v for _, v in attached.training_job_analytics.series()["loss"]] == [v for _, v in points]
     env = cli_env()
     shown = disttrain("jobs", "show", job.name, env=env)
     assert "metric loss:" in shown.stdout
@@ -170,8 +173,10 @@ def test_max_run_exceeded_is_failed(sm_home):
 
     write(sm_home / "src" / "sleepy.py", "import time\nprint('start', flush=True)\ntime.sleep(300)\n")
     est = Estimator(entry_point="sleepy.py", source_dir="src", max_run=3, disttrain={"private_opt_ml": "off"})
+    est.fit(wait=False, logs=False)  # returns at once; the job runs on
+    assert est.latest_training_job.describe()["TrainingJobStatus"] == "InProgress"
     with pytest.raises(UnexpectedStatusException, match="MaxRuntimeExceeded"):
-        est.fit()
+        est.latest_training_job.wait()
     described = est.latest_training_job.describe()
     assert described["TrainingJobStatus"] == "Failed"
     assert described["FailureReason"].startswith("MaxRuntimeExceeded")

@@ -440,3 +440,41 @@ def test_bwrap_prefix_gives_an_unprivileged_user_its_own_opt_ml(world_tmp):
     assert (inst / "x").read_text() == "hi\n"
     assert "ml" in done.stdout.split() and set(before[1]) <= set(done.stdout.split())
     assert opt_listing() == before
+
+
+MWMS_SCRIPT = """\
+    import json, os
+    import numpy as np
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x = np.random.RandomState(0).rand(256, 4).astype("float32")
+    y = (x.sum(1) > 2).astype("float32")
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(8, activation="relu"),
+                                     tf.keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(optimizer="adam", loss="binary_crossentropy")
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2, verbose=0)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    print(f"task {task['index']} of {strategy.num_replicas_in_sync} loss={history.history['loss'][-1]:.4f}", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_multi_worker_mirrored_strategy_keras_fit(sm_home):
+    pytest.importorskip("tensorflow")
+    from disttrain.tfconfig import have_tf_keras
+
+    if not have_tf_keras():
+        pytest.skip("tf-keras is not installed (the job would refuse to start, naming it)")
+    from disttrain.sagemaker.tensorflow import TensorFlow
+
+    write(sm_home / "src" / "mwms.py", MWMS_SCRIPT)
+    est = TensorFlow(entry_point="mwms.py", source_dir="src", instance_count=2, model_dir=False,
+                     distribution={"multi_worker_mirrored_strategy": {"enabled": True}},
+                     metric_definitions=[{"Name": "loss", "Regex": r"loss=([0-9.]+)"}],
+                     disttrain={"private_opt_ml": "off"})
+    est.fit()
+    job_dir = Path(est.latest_training_job.describe()["JobDir"])
+    log = (job_dir / "logs" / "job.log").read_text()
+    assert "task 0 of 2 loss=" in log and "task 1 of 2 loss=" in log

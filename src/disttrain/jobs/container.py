@@ -45,11 +45,11 @@ class Prepared:
     notes: list[str] = field(default_factory=list)
 
 
-def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], None]) -> Prepared:
+def preflight(spec: JobSpec) -> None:
+    """What this machine must have for the job, checked before anything is recorded: mpirun for
+    distribution mpi, a Keras whose fit works for multi_worker_mirrored_strategy, a mount
+    namespace when private_opt_ml is required."""
     dist = parse_distribution(spec.distribution, framework=spec.framework)
-    ready = Prepared(distribution=dist)
-    if dist.note():
-        say(dist.note())
     if dist.kind == "mpi":
         if spec.backend != "local":
             raise UsageError(f"distribution mpi runs the instances of backend local only (this job: {spec.backend}); "
@@ -59,6 +59,15 @@ def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], No
         find_mpirun()
     if dist.kind == "multi_worker_mirrored_strategy" and spec.instance_count > 1:
         _check_keras(spec)
+    if spec.private_opt_ml == "required":
+        _namespace(spec, lambda _line: None)
+
+
+def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], None]) -> Prepared:
+    dist = parse_distribution(spec.distribution, framework=spec.framework)
+    ready = Prepared(distribution=dist)
+    if dist.note():
+        say(dist.note())
     ready.namespace = _namespace(spec, say)
     ready.python = isolated_python(cwd, layout.root / "venv", say)
     if spec.checkpoint_s3_uri:

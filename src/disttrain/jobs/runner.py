@@ -65,6 +65,7 @@ def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None,
     if job_name is not None:
         check_name(job_name, "job_name")
     check_inputs(spec)
+    container.preflight(spec)  # container: mpirun, Keras, mount namespace (before anything is recorded)
     backend = make_backend(spec)
     owned = not isinstance(store, JobStore)
     db = JobStore(store) if owned else store

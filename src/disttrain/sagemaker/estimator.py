@@ -210,6 +210,7 @@ class EstimatorBase:
     def fit(self, inputs: Any = None, wait: bool = True, logs: Any = True, job_name: str | None = None,
             experiment_config: dict | None = None) -> None:
         """Run one job: checked here (bad input raises before anything is recorded), run in a child process."""
+        from ..jobs.container import preflight
         from ..jobs.runner import new_job_name
         from ..jobs.spec import check_name, spec_from_mapping
         from ..jobs.staging import check_inputs
@@ -218,6 +219,7 @@ class EstimatorBase:
         name = check_name(job_name, "job_name") if job_name else new_job_name(check_name(base, "base_job_name"))
         spec = spec_from_mapping(self._spec_fields(inputs, name), base_dir=os.getcwd(), source=type(self).__name__)
         check_inputs(spec)  # a missing channel or entry point: one line, nothing recorded
+        preflight(spec)  # mpirun, Keras, mount namespace: the same
         self.latest_training_job = TrainingJob.start(spec, name, logs=bool(logs))
         if wait:
             self.latest_training_job.wait(logs=logs)

@@ -274,17 +274,20 @@ def test_requirements_txt_into_the_jobs_own_environment(sm_home):
 
     wheel = tiny_wheel(sm_home / "wheels")
     write(sm_home / "src" / "train.py", """\
-        import tinydep14, torch
-        print("dep:", tinydep14.VALUE, "torch:", torch.__version__, flush=True)
+        import tinydep14, torch, mylib
+        print("dep:", tinydep14.VALUE, "torch:", torch.__version__, mylib.NAME, flush=True)
     """)
+    write(sm_home / "lib" / "mylib" / "__init__.py", "NAME = 'dependency copied beside the code'\n")
     (sm_home / "src" / "requirements.txt").write_text(f"tinydep14 @ file://{wheel}\n")
-    est = Estimator(entry_point="train.py", source_dir="src", disttrain={"private_opt_ml": "off"})
+    est = Estimator(entry_point="train.py", source_dir="src", dependencies=[str(sm_home / "lib" / "mylib")],
+                    disttrain={"private_opt_ml": "off"})
     est.fit()
     job_dir = Path(est.latest_training_job.describe()["JobDir"])
     log = (job_dir / "logs" / "job.log").read_text()
     import torch
 
-    assert f"dep: from the job venv torch: {torch.__version__}" in log  # torch untouched, seen from the venv
+    # torch untouched, seen from the venv; `dependencies` importable beside the entry point
+    assert f"dep: from the job venv torch: {torch.__version__} dependency copied beside the code" in log
     with pytest.raises(ImportError):
         __import__("tinydep14")  # never installed into the user's own environment
     # a requirement that cannot install: the job fails naming requirements.txt, before Running

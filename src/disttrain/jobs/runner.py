@@ -182,7 +182,8 @@ class _Run:
         (layout.logs / "plan.json").write_text(plan.to_json())
         hosts = [{"instance": i, "host": w} for i, w in zip(layout.hosts, placement.where)]
         self.store.transition(self.id, JobState.RUNNING, hosts=hosts)
-        self.say(f"disttrain: {plan.world_size} worker(s) ({plan.backend}) on {', '.join(layout.hosts)}, "
+        how = {"mpi": "mpirun", "none": "once per instance"}.get(self.ready.distribution.kind, plan.backend)
+        self.say(f"disttrain: {plan.world_size} worker(s) ({how}) on {', '.join(layout.hosts)}, "
                  f"rendezvous {plan.master_addr}:{plan.master_port}; logs: {layout.logs}")
         self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
         with self.watch:  # container: metrics, checkpoint sync, max_run

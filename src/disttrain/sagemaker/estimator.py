@@ -31,9 +31,9 @@ from .inputs import channels
 
 USED = (
     "entry_point", "source_dir", "dependencies", "hyperparameters", "instance_count", "instance_type",
-    "output_path", "code_location", "distribution", "environment", "max_run", "checkpoint_s3_uri",
+    "output_path", "distribution", "environment", "max_run", "checkpoint_s3_uri",
     "checkpoint_local_path", "metric_definitions", "base_job_name", "framework_version", "py_version",
-    "container_log_level", "disttrain",
+    "disttrain",
 )
 IGNORED = (
     "role", "image_uri", "volume_size", "volume_kms_key", "use_spot_instances", "max_wait",
@@ -44,6 +44,7 @@ IGNORED = (
     "training_repository_access_mode", "training_repository_credentials_provider_arn", "enable_infra_check",
     "container_entry_point", "container_arguments", "disable_output_compression", "enable_remote_debug",
     "enable_session_tag_chaining", "script_mode", "compiler_config",
+    "code_location", "container_log_level",  # the code runs from source_dir; the log level stays INFO
 )
 # SDK v1 → v2 (https://sagemaker.readthedocs.io/en/stable/v2.html).
 RENAMED = {

@@ -125,7 +125,7 @@ class EstimatorBase:
         if not args.get("entry_point"):
             raise UsageError(f"{type(self).__name__}: entry_point is required (disttrain runs your script, "
                              "not a container image): entry_point='train.py'")
-        self.instance_count = int(args.get("instance_count") or 1)
+        self.instance_count = args.get("instance_count", 1)  # checked with the rest of the spec at fit
         self.instance_type = args.get("instance_type") or "local"
         note = _instance_note(self.instance_type, self.instance_count)
         if note:
@@ -221,7 +221,8 @@ class EstimatorBase:
         spec = spec_from_mapping(self._spec_fields(inputs, name), base_dir=os.getcwd(), source=type(self).__name__)
         check_inputs(spec)  # a missing channel or entry point: one line, nothing recorded
         preflight(spec)  # mpirun, Keras, mount namespace: the same
-        self.latest_training_job = TrainingJob.start(spec, name, logs=bool(logs))
+        show = logs not in (False, None, "None")  # the SDK also takes "All" / "None"
+        self.latest_training_job = TrainingJob.start(spec, name, logs=show)
         if wait:
             self.latest_training_job.wait(logs=logs)
 

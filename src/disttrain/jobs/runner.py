@@ -105,8 +105,10 @@ def launch_spec(spec: JobSpec, layout: JobLayout, cwd: Path) -> LaunchSpec:
 
 def with_sagemaker_env(spec: JobSpec, layout: JobLayout, placement: Placement, cwd: Path) -> LaunchPlan:
     """Instance K (the plan's node K) gets SageMaker's SM_* variables and its /opt/ml config files
-    (the Slurm path: no private /opt/ml, no requirements.txt environment)."""
-    ready = container.Prepared(distribution=parse_distribution(spec.distribution, framework=spec.framework))
+    (the Slurm path: no private /opt/ml)."""
+    venv_python = layout.root / "venv" / "bin" / "python"  # requirements.txt was installed (container.prepare)
+    ready = container.Prepared(distribution=parse_distribution(spec.distribution, framework=spec.framework),
+                               python=str(venv_python) if venv_python.exists() else None)
     plan, _ = container.instance_plan(spec, layout, placement.plan, job_name=placement.plan.run_id, cwd=cwd,
                                       ready=ready, ifnames=placement.ifnames, gpus=placement.gpus,
                                       cpus=placement.cpus)
@@ -165,7 +167,10 @@ class _Run:
         if spec.backend == "slurm":
             from .slurm import submit_and_follow  # the instances are placed inside the allocation
 
-            outcome = submit_and_follow(self, cwd)
+            # container: metrics, checkpoint sync and max_run (which here also counts time in the queue)
+            self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
+            with self.watch:
+                outcome = submit_and_follow(self, cwd)
         else:
             outcome = self._place_and_launch(cwd)
         return self._finish(outcome)

@@ -63,7 +63,7 @@ LITERAL_SCRIPT = """\
     with open("/opt/ml/model/who.txt", "w") as fh:
         fh.write(f"{os.environ['SM_CURRENT_HOST']} {data} world={dist.get_world_size()}")
     with open("/opt/ml/output/data/env.json", "w") as fh:
-        json.dump({"training_env": env, "user_args": json.loads(os.environ["SM_USER_ARGS"]),
+        json.dump({"argv": sys.argv[1:], "training_env": env, "user_args": json.loads(os.environ["SM_USER_ARGS"]),
                    "hp_flag": os.environ["SM_HP_FLAG"], "hp_note": os.environ["SM_HP_NOTE"]}, fh)
     dist.destroy_process_group()
 """
@@ -101,8 +101,8 @@ def test_estimator_two_instances_torch_distributed_literal_opt_ml(sm_home):
         assert (job_dir / host / "output" / "success").exists()
         seen = json.loads((job_dir / host / "output" / "data" / "env.json").read_text())
         # as the toolkit passes them: sorted, -k for one letter, str() of the decoded JSON value
-        assert seen["user_args"] == ["--flag", "True", "--lr", "0.1", "--note", HOSTILE, "--off", "False",
-                                     "--sizes", "[1, 2]", "-x", "3"]
+        assert seen["argv"] == seen["user_args"] == [
+            "--flag", "True", "--lr", "0.1", "--note", HOSTILE, "--off", "False", "--sizes", "[1, 2]", "-x", "3"]
         assert seen["hp_flag"] == "true" and seen["hp_note"] == HOSTILE
         env = seen["training_env"]
         assert env["current_host"] == host and env["hosts"] == ["algo-1", "algo-2"]

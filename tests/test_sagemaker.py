@@ -482,3 +482,22 @@ def test_multi_worker_mirrored_strategy_keras_fit(sm_home):
     job_dir = Path(est.latest_training_job.describe()["JobDir"])
     log = (job_dir / "logs" / "job.log").read_text()
     assert "task 0 of 2 loss=" in log and "task 1 of 2 loss=" in log
+
+
+def test_mpirun_output_and_metric_definitions_units():
+    from disttrain.jobs.metrics import check_definitions, match_line
+    from disttrain.jobs.mpi import Untag
+
+    untag = Untag(["algo-1", "algo-2"], ranks_per_instance=2)
+    # mpirun tags each write of a rank, not each line
+    assert untag.feed("[1,0]<stdout>:loss=1[1,3]<stdout>:hi\n") == ["[algo-2 rank3] hi\n"]
+    assert untag.feed("[1,0]<stdout>:\n") == ["[algo-1 rank0] loss=1\n"]
+    assert untag.feed("mpirun's own line\n") == ["mpirun's own line\n"]
+    assert untag.feed("[1,2]<stderr>:no newline yet") == []
+    assert untag.flush() == ["[algo-2 rank2] no newline yet\n"]
+    defs = check_definitions([{"Name": "loss", "Regex": r"loss=([0-9.e+-]+)"}, {"Name": "n", "Regex": r"\d+"}])
+    assert match_line(defs, "step 3 loss=2.5e-03") == [("loss", 0.0025), ("n", 3.0), ("n", 2.0), ("n", 5.0), ("n", 3.0)]
+    with pytest.raises(UsageError, match=r"metric_definitions\[0\].Regex '\(' is not a regular expression"):
+        check_definitions([{"Name": "x", "Regex": "("}])
+    with pytest.raises(UsageError, match=r"metric_definitions\[0\] must be"):
+        check_definitions([{"name": "x", "regex": "y"}])

@@ -17,6 +17,7 @@ class TensorFlow(Framework):
 
     framework = "tensorflow"
     default_base_name = "tensorflow-training"
+    model_dir: Any = None  # also for an estimator made by attach()
 
     def __init__(self, model_dir: Any = None, **kwargs: Any) -> None:
         self.model_dir = model_dir

@@ -25,11 +25,11 @@ from ..config.launch import LaunchSpec
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan
 from ..store import JobRecord, JobState, JobStore, TransitionError
+from . import container  # SageMaker's container around the script (hooks marked "container:")
 from .backends import Backend, Placement, make_backend
+from .distribution import parse_distribution, processes_per_instance
 from .layout import JobLayout, instance_names
 from .results import final_metrics, upload_artifacts
-from . import container  # SageMaker's container around the script (hooks marked "container:")
-from .distribution import parse_distribution, processes_per_instance
 from .sagemaker import hyperparameter_args
 from .spec import JobSpec, check_name
 from .staging import check_inputs, stage_channels, stage_source

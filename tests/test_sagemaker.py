@@ -168,7 +168,7 @@ def test_bad_input_is_one_line_and_nothing_is_recorded(sm_home):
     assert not (sm_home / "out").exists()
 
 
-def test_max_run_exceeded_is_failed(sm_home):
+def test_max_run_exceeded_is_failed(sm_home, capsys):
     from disttrain.sagemaker import Estimator, UnexpectedStatusException
 
     write(sm_home / "src" / "sleepy.py", "import time\nprint('start', flush=True)\ntime.sleep(300)\n")
@@ -181,6 +181,10 @@ def test_max_run_exceeded_is_failed(sm_home):
     assert described["TrainingJobStatus"] == "Failed"
     assert described["FailureReason"].startswith("MaxRuntimeExceeded")
     assert not (Path(described["JobDir"]) / "algo-1" / "output" / "success").exists()
+    capsys.readouterr()
+    est.logs()  # the job's output, as the terminal would have shown it
+    shown = capsys.readouterr().out
+    assert f"job {described['TrainingJobName']}" in shown and "MaxRuntimeExceeded" in shown
 
 
 CHECKPOINT_SCRIPT = """\

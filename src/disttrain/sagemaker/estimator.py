@@ -89,13 +89,20 @@ def _placement(overrides: dict[str, Any] | None) -> dict[str, Any]:
     return placement
 
 
-def _instance_note(instance_type: str, count: int) -> str | None:
+def _instance_note(instance_type: str, count: Any, placement: dict[str, Any]) -> str | None:
     if instance_type in ("local", "local_gpu"):
         return None
-    if not instance_type.startswith("ml."):
+    if not isinstance(instance_type, str) or not instance_type.startswith("ml."):
         raise UsageError(f"instance_type must be local, local_gpu or an ml.* type, got {instance_type!r}")
-    return (f"disttrain: instance_type {instance_type} runs as {count} instance(s) on the configured placement "
-            f"(this machine unless disttrain=/{PLACEMENT_ENV} names hosts or Slurm)")
+    backend = placement.get("backend", "local")
+    if backend != "local":
+        return f"disttrain: instance_type {instance_type} is mapped to {count} instance(s) on backend {backend}"
+    import glob
+
+    gpus = len(glob.glob("/dev/nvidia[0-9]*"))  # without importing torch in the notebook
+    return (f"disttrain: instance_type {instance_type} is mapped to {count} instance(s) on this machine "
+            f"({os.cpu_count()} CPUs, {gpus} GPUs, split between them; disttrain={{'backend': 'ssh', ...}} "
+            f"or {PLACEMENT_ENV} places them elsewhere)")
 
 
 class EstimatorBase:
@@ -127,10 +134,10 @@ class EstimatorBase:
                              "not a container image): entry_point='train.py'")
         self.instance_count = args.get("instance_count", 1)  # checked with the rest of the spec at fit
         self.instance_type = args.get("instance_type") or "local"
-        note = _instance_note(self.instance_type, self.instance_count)
+        self.placement = _placement(args.get("disttrain"))
+        note = _instance_note(self.instance_type, self.instance_count, self.placement)
         if note:
             print(note, file=sys.stderr, flush=True)
-        self.placement = _placement(args.get("disttrain"))
         self.output_path = args.get("output_path")
         self.base_job_name = args.get("base_job_name")
         self.hyperparameters_ = dict(args.get("hyperparameters") or {})

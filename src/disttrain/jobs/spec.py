@@ -78,6 +78,14 @@ class JobSpec:
     # Passed to fsspec for inputs and output_path, e.g. {"anon": true} for a public bucket.
     # An S3-compatible endpoint is set the AWS way: AWS_ENDPOINT_URL in the environment.
     storage_options: dict[str, Any] = field(default_factory=dict)
+    # --- SageMaker estimator arguments (disttrain.sagemaker; usable in YAML too) ---
+    instance_type: str = "local"  # local, local_gpu or ml.*: all run on the placement above
+    distribution: dict[str, Any] = field(default_factory=dict)  # see jobs/distribution.py
+    max_run: int | None = None  # seconds; then the job is stopped and Failed (MaxRuntimeExceeded)
+    metric_definitions: list[dict[str, str]] = field(default_factory=list)  # [{Name, Regex}]
+    checkpoint_s3_uri: str | None = None  # any fsspec URL, restored before and synced during the job
+    checkpoint_local_path: str | None = None  # default /opt/ml/checkpoints (the instance's own)
+    private_opt_ml: str = "auto"  # auto | required | off: each instance sees its folder at /opt/ml
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -140,6 +148,25 @@ class JobSpec:
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             raise UsageError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         _mapping("storage_options", self.storage_options)
+        self._check_sagemaker()
+
+    def _check_sagemaker(self) -> None:
+        from .distribution import parse_distribution
+        from .metrics import check_definitions
+
+        _string("instance_type", self.instance_type)
+        _mapping("distribution", self.distribution)
+        parse_distribution(self.distribution, framework=self.framework)
+        if self.max_run is not None and (not _is_int(self.max_run) or self.max_run < 1):
+            raise UsageError(f"max_run must be a positive number of seconds, got {self.max_run!r}")
+        check_definitions(self.metric_definitions)
+        if self.checkpoint_s3_uri is not None:
+            _string("checkpoint_s3_uri", self.checkpoint_s3_uri)
+        if self.checkpoint_local_path is not None and not Path(
+                _string("checkpoint_local_path", self.checkpoint_local_path)).is_absolute():
+            raise UsageError(f"checkpoint_local_path must be an absolute path like /opt/ml/checkpoints, "
+                             f"got {self.checkpoint_local_path!r}")
+        _choice("private_opt_ml", self.private_opt_ml, ("auto", "required", "off"))
 
     def slurm_options(self, *, job_name: str):
         """The sbatch request: one node per instance, and the ``slurm`` keys."""

@@ -5,10 +5,10 @@ straggler once; every run ends with steps/s per host."""
 from __future__ import annotations
 
 import pytest
+from test_multinode import assert_nothing_left, run_on_node0
 
 from conftest import SCRIPTS
 from rig import cluster_fixture
-from test_multinode import ROOT, assert_nothing_left, run_on_node0
 
 cluster = cluster_fixture(2)
 SLEEP_LINE = next(i for i, line in enumerate((SCRIPTS / "hang_rank1.py").read_text().splitlines(), 1)

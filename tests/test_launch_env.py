@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_multinode import ROOT, assert_nothing_left, launch_argv
 
 from conftest import SCRIPTS, read_ranks
 from rig import cluster_fixture
-from test_multinode import ROOT, assert_nothing_left, launch_argv
 
 cluster = cluster_fixture(2)
 SECRET = "s3cr3t-Value-9f2c1e"  # a value no other file or process on the machine holds

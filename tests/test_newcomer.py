@@ -9,10 +9,10 @@ import sys
 import time
 
 import pytest
+from test_cli_input import assert_usage_error
 
 from _launch import kill_tree, run_ranks
 from conftest import SCRIPTS, cli_env, disttrain
-from test_cli_input import assert_usage_error
 
 GOOD = str(SCRIPTS / "sleeper.py")
 

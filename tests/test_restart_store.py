@@ -5,10 +5,10 @@ group forms (gloo's stale addresses used to fail it with "Connection refused" or
 from __future__ import annotations
 
 import pytest
+from test_multinode import assert_nothing_left, run_on_node0
 
 from conftest import SCRIPTS, cli_env, disttrain, read_ranks
 from rig import cluster_fixture
-from test_multinode import assert_nothing_left, run_on_node0
 
 cluster = cluster_fixture(2)
 SCRIPT = str(SCRIPTS / "store_keys_restart.py")

@@ -12,9 +12,9 @@ from test_cli_input import assert_usage_error
 from conftest import SCRIPTS, cli_env, disttrain
 from disttrain.cli import launchers as slurm_run
 from disttrain.config.launch import LaunchSpec
+from disttrain.errors import UsageError
 from disttrain.launch.slurm import SlurmOptions, parse_status, render_sbatch, with_requeue_checkpoints
 from disttrain.launch.slurm_env import SlurmAllocation, expand_counts, expand_hostlist, gpus_from
-from disttrain.errors import UsageError
 
 GOLDEN = "\n".join([
     "#!/bin/bash",

@@ -78,6 +78,11 @@ def _watch_stdin(lines: _Lines, on_request) -> None:
 
 
 def handle_agent(args: argparse.Namespace) -> int:
+    from ..agent.lifeline import follow_parent
+
+    # The launcher (ssh session, job runner, srun) gone, even SIGKILLed: stop the workers. Set
+    # before importing torch (seconds), so that a launcher dying meanwhile is not missed.
+    follow_parent(signal.SIGTERM)
     fd = sys.stdin.fileno()
     lines = _Lines(fd)
     line = lines.next()  # the launcher writes the plan first

@@ -59,8 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None,
                    help="folder for this run's per-rank logs (default: a new run folder under "
                    "$DISTTRAIN_HOME/runs, printed at start)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="set an environment variable for every worker (repeatable); its value is never "
+    p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
+                   help="set an environment variable for every worker (repeatable); KEY alone passes this "
+                   "shell's value, so that a secret is not typed on the command line; values are never "
                    "printed or written to the run folder")
     p.add_argument("--no-forward-env", dest="forward_env", action="store_false",
                    help="with --hosts: do not send this shell's exported variables to the other hosts "
@@ -105,7 +106,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         max_restarts=args.max_restarts,
         ranks=parse_ranks(args.ranks),
         log_dir=args.log_dir,
-        env=parse_env(args.env),
+        env=parse_env(args.env, os.environ),
         rdzv_backend=args.rdzv_backend,
         rdzv_timeout_s=args.rdzv_timeout,
         stop_grace_s=args.stop_grace,

@@ -4,7 +4,8 @@
 127.0.0.1, the machine's cores and GPUs split between them); ``ssh`` runs instance K on the
 K-th host, like ``disttrain run --hosts`` (the job directory must be on a filesystem the
 hosts share, at the same path, like the script); ``slurm`` submits one batch job whose nodes
-are the instances. The runner uses all three the same way.
+are the instances; ``distribution: mpi`` starts the local instances with one ``mpirun``. The
+runner uses them all the same way.
 """
 
 from __future__ import annotations
@@ -12,13 +13,20 @@ from __future__ import annotations
 from ..config.hosts import parse_hosts
 from ..launch import Launcher
 from ..launch.local import LocalLauncher
+from ..launch.mpi import MpiLauncher
 from ..launch.slurm import SlurmBatchLauncher
 from ..launch.ssh import SshLauncher
+from .distribution import parse_distribution
 from .layout import instance_names
 from .spec import JobSpec
 
 
 def launcher_for(spec: JobSpec, *, job_name: str | None = None) -> Launcher:
+    dist = parse_distribution(spec.distribution, framework=spec.framework)
+    if dist.kind == "mpi":  # container.preflight refuses it on other launchers
+        return MpiLauncher(instances=instance_names(spec.instance_count),
+                           ranks_per_instance=dist.processes_per_host or 1,
+                           custom_mpi_options=dist.custom_mpi_options)
     if spec.launcher == "slurm":
         # The runner handles SIGTERM/SIGINT itself (the record says Stopped), then cancels.
         return SlurmBatchLauncher(spec.slurm_options(job_name=job_name), stop_on_signals=False)

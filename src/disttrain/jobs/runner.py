@@ -17,22 +17,23 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError
 from ..home import disttrain_home
 from ..launch import Context, Events, Facts, Launcher, Outcome
 from ..plan.launch import LaunchPlan
+from ..private import write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
+from . import container  # SageMaker's container around the script (hooks marked "container:")
+from .distribution import parse_distribution, processes_per_instance
 from .launchers import launcher_for
 from .layout import JobLayout, instance_names
 from .results import final_metrics, upload_artifacts
-from .sagemaker import hyperparameter_args, sm_env, write_config
-from .spec import JobSpec, spec_from_mapping
+from .sagemaker import hyperparameter_args
+from .spec import JobSpec, check_name, spec_from_mapping
 from .staging import check_inputs, stage_channels, stage_source
 
 
@@ -52,20 +53,25 @@ def jobs_home() -> Path:
     return disttrain_home()
 
 
-def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None) -> JobRecord:
+def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None,
+            job_name: str | None = None) -> JobRecord:
     """Run ``spec`` to the end and return its record (Completed, Failed or Stopped).
 
     Bad input (a missing channel or entry point) raises UsageError before anything is
     recorded; an error after that (staging, launching, uploading) is recorded as the job's
-    failure and raised.
+    failure and raised. ``job_name``: the run's full name (an estimator's ``fit(job_name=)``);
+    default: the spec's name with a timestamp.
     """
+    if job_name is not None:
+        check_name(job_name, "job_name")
     check_inputs(spec)
     launcher_for(spec)  # a bad launcher setting is refused before anything is recorded
+    container.preflight(spec)  # container: mpirun, Keras, mount namespace (before anything is recorded)
     owned = not isinstance(store, JobStore)
     db = JobStore(store) if owned else store
     try:
         home = jobs_home()
-        name = new_job_name(spec.name)
+        name = job_name or new_job_name(spec.name)
         layout = JobLayout(home / "jobs" / name, instance_names(spec.instance_count))
         record = db.create(
             name=name, spec=spec.to_record(), job_dir=str(layout.root), log_dir=str(layout.logs),
@@ -79,34 +85,23 @@ def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None)
 
 
 def launch_spec(spec: JobSpec, layout: JobLayout, cwd: Path) -> LaunchSpec:
-    """What every instance runs: the entry point with the hyperparameters as ``--key value``."""
+    """What every instance runs: the entry point with the hyperparameters as the toolkit passes them.
+
+    container: ``distribution`` sets the processes per instance, and TF_CONFIG only for
+    multi_worker_mirrored_strategy (parameter_server writes its own, see container.instance_plan).
+    """
+    dist = parse_distribution(spec.distribution, framework=spec.framework)
     return LaunchSpec(
         entry=spec.entry_point,
         script_args=tuple(hyperparameter_args(spec.hyperparameters)),
-        nproc_per_node=spec.processes_per_instance,
+        nproc_per_node=processes_per_instance(dist, spec.processes_per_instance),
         max_restarts=spec.max_restarts,
         env=dict(spec.env),
         master_port=spec.master_port,
         log_dir=str(layout.logs),
         checkpoint_dir=str(layout.checkpoints),
-        framework=spec.framework,
+        framework="tensorflow" if dist.kind == "multi_worker_mirrored_strategy" else "pytorch",
     )
-
-
-def with_sagemaker_env(spec: JobSpec, layout: JobLayout, plan: LaunchPlan, facts: Facts, cwd: Path) -> LaunchPlan:
-    """Instance K (the plan's node K) gets SageMaker's SM_* variables and its /opt/ml config files."""
-    nodes = []
-    node_facts = facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,)
-    for node, host, fact in zip(plan.nodes, layout.hosts, node_facts):
-        ifname = fact.socket_ifname or "lo"
-        write_config(layout.instance(host), host=host, hosts=layout.hosts, ifname=ifname,
-                     hyperparameters=spec.hyperparameters, channels=spec.inputs)
-        sagemaker = sm_env(layout=layout, host=host, hyperparameters=spec.hyperparameters,
-                           channels=spec.inputs, entry_point=spec.entry_point, source_dir=str(cwd),
-                           num_gpus=fact.cuda_devices, num_cpus=fact.cpus, ifname=ifname)
-        # The spec's own env wins, as --env does for `disttrain run`: it is the plan's env_set.
-        nodes.append(replace(node, env={**node.env, **sagemaker}))
-    return replace(plan, nodes=tuple(nodes))
 
 
 def job_context(spec: JobSpec, layout: JobLayout, name: str, cwd: Path) -> Context:
@@ -115,25 +110,43 @@ def job_context(spec: JobSpec, layout: JobLayout, name: str, cwd: Path) -> Conte
 
 
 class JobStepEvents(Events):
-    """A job's sink where the instances are placed: their SageMaker variables and files, the plan kept."""
+    """A job's sink where the instances are placed: the SageMaker container around each one
+    (its SM_* variables and files, its private /opt/ml), the plan kept."""
 
-    def __init__(self, spec: JobSpec, layout: JobLayout, name: str, cwd: Path) -> None:
+    def __init__(self, spec: JobSpec, layout: JobLayout, name: str, cwd: Path,
+                 ready: container.Prepared | None = None) -> None:
         self.spec, self.layout, self.name, self.cwd = spec, layout, name, cwd
+        self.ready = ready
+        self.prefixes: list[list[str]] = []
 
     @classmethod
     def from_step(cls, client: dict) -> JobStepEvents:
-        """Inside a Slurm allocation, from what :meth:`JobRun.step` shipped."""
+        """Inside a Slurm allocation, from what :meth:`JobRun.step` shipped (no private /opt/ml there)."""
         cwd = Path(client["cwd"])
         spec = spec_from_mapping(client["spec"], base_dir=cwd, source="the launch step")
-        return cls(spec, JobLayout(Path(client["job_dir"]), instance_names(spec.instance_count)), client["name"], cwd)
+        layout = JobLayout(Path(client["job_dir"]), instance_names(spec.instance_count))
+        venv_python = layout.root / "venv" / "bin" / "python"  # requirements.txt (container.prepare)
+        ready = container.Prepared(distribution=parse_distribution(spec.distribution, framework=spec.framework),
+                                   python=str(venv_python) if venv_python.exists() else None)
+        return cls(spec, layout, client["name"], cwd, ready)
 
     def placed(self, plan: LaunchPlan, facts: Facts) -> LaunchPlan:
-        return with_sagemaker_env(self.spec, self.layout, plan, facts, self.cwd)
+        nodes = facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,)
+        plan, self.prefixes = container.instance_plan(  # container: SM_* contract, distribution, /opt/ml
+            self.spec, self.layout, plan, job_name=self.name, cwd=self.cwd, ready=self.ready,
+            ifnames=[f.socket_ifname or "lo" for f in nodes], gpus=[f.cuda_devices for f in nodes],
+            cpus=[f.cpus for f in nodes])
+        return plan
+
+    def command_prefix(self, node_rank: int) -> list[str]:
+        return self.prefixes[node_rank] if node_rank < len(self.prefixes) else []
 
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
-        write_atomic(self.layout.logs / "plan.json", plan.to_json())
+        write_private(self.layout.logs / "plan.json", plan.to_json())
         where = ", ".join(f"{i} on {w}" if i != w else i for i, w in zip(self.layout.hosts, facts.where))
-        self.say(f"disttrain: {plan.world_size} worker(s) ({plan.backend}) on {where}"
+        kind = self.ready.distribution.kind if self.ready else None
+        how = {"mpi": "mpirun", "none": "once per instance"}.get(kind, plan.backend)
+        self.say(f"disttrain: {plan.world_size} worker(s) ({how}) on {where}"
                  f"{f' ({note})' if note else ''}, rendezvous {plan.master_addr}:{plan.master_port}; "
                  f"logs: {self.layout.logs}")
 
@@ -153,6 +166,7 @@ class JobRun(JobStepEvents):
         self.store, self.record = store, record
         self.launcher, self.output_path = launcher, output_path
         self.transcript: TextIO | None = None
+        self.watch: container.Watch | None = None
 
     @property
     def id(self) -> int:
@@ -181,8 +195,12 @@ class JobRun(JobStepEvents):
                  f"{spec.launcher} launcher; job dir: {layout.root}")
         self.cwd = stage_source(spec, layout)
         stage_channels(spec, layout, self.say)
+        self.ready = container.prepare(spec, layout, self.cwd, self.say)  # container: venv, checkpoints, /opt/ml
         launch = launch_spec(spec, layout, self.cwd)
-        outcome = self.launcher.run(launch, job_context(spec, layout, self.record.name, self.cwd), self)
+        # container: metrics, checkpoint sync and max_run (under Slurm, time in the queue counts too)
+        self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
+        with self.watch:
+            outcome = self.launcher.run(launch, job_context(spec, layout, self.record.name, self.cwd), self)
         return self._finish(outcome)
 
     # -- the launch's events: the record follows the launch --------------------------------
@@ -201,11 +219,18 @@ class JobRun(JobStepEvents):
 
     def step(self) -> dict:
         return {"kind": "job", "name": self.record.name, "job_dir": str(self.layout.root), "cwd": str(self.cwd),
-                "spec": self.spec.to_record()}
+                "spec": self.spec.to_dict()}  # whole (masking is for records): the step runs it
 
     def _finish(self, outcome: Outcome) -> JobRecord:
         layout = self.layout
         metrics = final_metrics(layout.logs)
+        series = self.store.metric_series(self.id)
+        if series:  # container: metric_definitions' last values
+            metrics = {**(metrics or {}), **{name: points[-1][1] for name, points in series.items()}}
+        container.write_events(layout, series)
+        timed_out = self.watch.failure() if self.watch else None
+        if timed_out:
+            return self._end(JobState.FAILED, outcome.exit_code or 1, metrics=metrics, failure=timed_out)
         if outcome.signal:
             return self._end(JobState.STOPPED, outcome.exit_code, metrics=metrics,
                              failure=f"stopped by {signal.Signals(outcome.signal).name}")
@@ -216,6 +241,7 @@ class JobRun(JobStepEvents):
         self.store.transition(self.id, JobState.UPLOADING, metrics=metrics)
         artifacts = upload_artifacts(layout, output_path=self.output_path, job_name=self.record.name,
                                      storage_options=self.spec.storage_options)
+        container.mark_success(layout)
         return self._end(JobState.COMPLETED, 0, metrics=metrics, artifacts=artifacts)
 
     def _end(self, state: JobState, exit_code: int, *, failure: str | None = None, **fields) -> JobRecord:

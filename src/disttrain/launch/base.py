@@ -84,6 +84,10 @@ class Events:
         """Just before the agents start."""
         self.say(banner(plan, note))
 
+    def command_prefix(self, node_rank: int) -> list[str]:
+        """What a local agent runs under (a job instance's private /opt/ml); [] for most clients."""
+        return []
+
     def submitted(self, job_id: str, run_dir: str) -> None:
         """A batch launcher handed the job to its scheduler, which named it ``job_id``."""
 
@@ -99,7 +103,7 @@ class RunFolderEvents(Events):
     """``disttrain run``'s sink: the plan (the user's variables by name only) kept in the run folder."""
 
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
-        write_atomic(Path(plan.run_dir) / "plan.json", plan.to_json())
+        write_atomic(Path(plan.run_dir) / "plan.json", plan.to_json(), mode=0o600)
         super().starting(plan, facts, note)
 
 

@@ -45,7 +45,7 @@ CONTROL_PERSIST_S = 30  # an idle control master outlives its last session this 
 
 def master_address(host: Host, options: Sequence[str]) -> str:
     """The first host's IPv4 address as ssh resolves it (``~/.ssh/config`` HostName included)."""
-    argv = ["ssh", "-G", *(w for o in options for w in ("-o", o)), host.destination]
+    argv = ["ssh", "-G", *(w for o in options for w in ("-o", o)), "--", host.destination]
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError) as err:
@@ -231,7 +231,7 @@ class SshLauncher(Launcher):
             with ThreadPoolExecutor(max_workers=min(32, len(self.hosts))) as pool:
                 list(pool.map(lambda h: subprocess.run(
                     ["ssh", "-O", "exit", *(w for o in self.options for w in ("-o", o)),
-                     *(["-p", str(h.port)] if h.port else []), h.destination],
+                     *(["-p", str(h.port)] if h.port else []), "--", h.destination],
                     capture_output=True, timeout=10, stdin=subprocess.DEVNULL), self.hosts))
             shutil.rmtree(self._control_dir, ignore_errors=True)
             self._control_dir = None

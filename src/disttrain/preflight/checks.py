@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
-from ..ssh import ssh_argv
 from ..config.hosts import Host
 from ..errors import DisttrainError, UsageError
+from ..ssh import ssh_argv
 
 LISTENER_START_S = 20
 CONNECT_ROUND_S = 20

@@ -20,7 +20,7 @@ from torch.utils.data import (
 )
 
 from ..errors import UsageError
-from . import heartbeat, loop, preemption, steptimer
+from . import comm, heartbeat, loop, preemption, steptimer
 from .context import Context, context
 from .device import batch_target, ddp_device_ids, move_to, non_blocking_for, pin_memory_for
 from .samplers import EvalShardSampler
@@ -32,7 +32,8 @@ _prepared_models: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 DEFAULT_SEED = 0
 
 
-def prepare(model: torch.nn.Module | None, optimizer: Any, *dataloaders: DataLoader) -> tuple:
+def prepare(model: torch.nn.Module | None, optimizer: Any, *dataloaders: DataLoader,
+            grad_compression: str | None = None, bucket_mb: float | None = None) -> tuple:
     """``(model, optimizer, *loaders)`` ready for this process, in the order given.
 
     The model moves to the context's device and, with more than one process, is wrapped in
@@ -44,9 +45,12 @@ def prepare(model: torch.nn.Module | None, optimizer: Any, *dataloaders: DataLoa
     The shuffle seed, which must be the same on every rank, is that of the loader's
     ``generator`` when it has one (``generator=torch.Generator().manual_seed(s)``), else 0.
     On a GPU the returned loaders pin memory and yield batches already on the device.
+    ``grad_compression`` (``"fp16"``, ``"bf16"``, ``"powersgd"``) and ``bucket_mb`` set how
+    DDP sends gradients (:mod:`.comm`; default: ``disttrain run --grad-compression``).
     """
     ctx = context()
-    prepared = _prepare_model(model, ctx) if model is not None else None
+    settings = comm.CommSettings.resolve(grad_compression, bucket_mb)  # bad input: before any work
+    prepared = _prepare_model(model, ctx, settings) if model is not None else None
     loaders = tuple(_prepare_loader(dl, ctx, position=i) for i, dl in enumerate(dataloaders))
     return (prepared, optimizer, *loaders)
 
@@ -62,13 +66,15 @@ def unwrap(model: Any) -> Any:
             return model
 
 
-def _prepare_model(model: torch.nn.Module, ctx: Context) -> torch.nn.Module:
+def _prepare_model(model: torch.nn.Module, ctx: Context,
+                   settings: comm.CommSettings = comm.CommSettings()) -> torch.nn.Module:
     if isinstance(model, DistributedDataParallel):
         return model
     model = model.to(ctx.device)
     if not ctx.distributed:
         return model
-    ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(ctx.device))
+    ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(ctx.device), **settings.ddp_kwargs())
+    comm.attach(ddp, settings, backend=ctx.backend)
     _prepared_models.add(ddp)
     return ddp
 

@@ -44,7 +44,7 @@ from torch.utils.data import (
 
 from ..errors import DisttrainError, UsageError
 from ..workerenv import CHECKPOINT_DIR, WorkerEnv
-from . import checkpoint, loop, preemption, rng
+from . import checkpoint, comm, loop, preemption, rng
 from .context import Context, context
 from .data import unwrap, with_sampler
 from .samplers import EvalShardSampler
@@ -87,6 +87,7 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     kept = {name: obj for name, obj in objects.items() if obj is not None}
     for name, obj in kept.items():
         _check_object(name, obj)
+    kept.update(comm.checkpoint_objects(kept))  # PowerSGD's error feedback, for bit-exactness
     if _current is not None:
         _current.close()
     state = TrainingState(Path(directory) if directory else None, every=every,

@@ -12,9 +12,9 @@ collective is written here. What each option trades:
   (default R=2), with error feedback (what the approximation missed is added to the next
   step's gradient, so nothing is lost for good, only delayed). Sends a few percent of the
   bytes, at the price of some compute per step and a biased gradient; the first
-  :data:`POWERSGD_START` steps are plain all-reduce, as torch recommends. Its state (the
-  error feedback, the warm-started factors, its random generator) is saved by
-  :func:`disttrain.resume`, so a resumed run stays bit-exact.
+  :data:`POWERSGD_START` steps are plain all-reduce, as torch recommends. Its state (each
+  rank's error feedback, the warm-started factors, its random generator) is saved with each
+  rank's own values by :func:`disttrain.resume`, so a resumed run stays bit-exact.
 
 ``bucket_mb`` is DDP's ``bucket_cap_mb`` (25 by default): smaller buckets start sending
 earlier in the backward pass (more overlap with compute), larger ones send fewer messages.
@@ -39,19 +39,20 @@ from ..workerenv import WorkerEnv, comm_env
 if TYPE_CHECKING:  # torch is imported where it is used: the launcher validates with this module
     import torch
 
-__all__ = ["COMPRESSIONS", "CommSettings", "PowerSGDCheckpoint", "attach", "checkpoint_objects",
-           "gradient_bytes", "parse_compression"]
+__all__ = ["COMPRESSIONS", "CommSettings", "PowerSGDCheckpoint", "attach", "gradient_bytes",
+           "parse_compression", "rank_state", "restore_rank_state"]
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # Backends whose collectives return futures, which every hook needs (MPI's do not).
 HOOK_BACKENDS = ("gloo", "nccl")
 POWERSGD_RANK = 2
+# bucket_cap_mb that holds any model in one bucket (PowerSGD on gloo, see ddp_kwargs).
+ONE_BUCKET_MB = 1 << 20
 # Plain all-reduce for the first steps: DDP rebuilds its buckets after step 1 (PowerSGD's
 # per-bucket memory must start after that), and torch advises a vanilla warm-up for accuracy.
 POWERSGD_START = 10
-# The name the compression state is checkpointed under by resume(); leading underscore so
-# that it cannot clash with the user's objects (model=, optimizer=...).
-CHECKPOINT_NAME = "_grad_compression"
+# Where resume() keeps PowerSGD's state among each rank's own checkpoint values.
+RANK_STATE_KEY = "powersgd"
 
 
 def parse_compression(raw: str | None) -> tuple[str, int]:
@@ -92,7 +93,16 @@ def launch_env(grad_compression: str | None, bucket_mb: Any, *, dist_backend: st
         raise UsageError(f"--grad-compression {grad_compression} cannot run on --dist-backend "
                          f"{dist_backend} (its collectives return no futures, which DDP's "
                          f"compression hooks need): use {' or '.join(HOOK_BACKENDS)}")
+    if name == "powersgd":
+        _check_single_bucket(bucket, dist_backend, flag="--bucket-mb")
     return comm_env(grad_compression, bucket)
+
+
+def _check_single_bucket(bucket_mb: float | None, backend: str | None, flag: str = "bucket_mb") -> None:
+    if bucket_mb is not None and backend == "gloo":
+        raise UsageError(f"{flag} {bucket_mb:g} with powersgd on gloo: gloo needs PowerSGD's "
+                         "gradients in one bucket (several make the ranks' collectives "
+                         f"disagree); leave {flag} unset and disttrain uses one")
 
 
 def parse_bucket_mb(raw: Any, *, flag: str = "bucket_mb") -> float | None:
@@ -135,8 +145,15 @@ class CommSettings:
         name = f"powersgd:{self.powersgd_rank}" if self.compression == "powersgd" else self.compression
         return name + (f", {self.bucket_mb:g} MB buckets" if self.bucket_mb else "")
 
-    def ddp_kwargs(self) -> dict[str, Any]:
+    def ddp_kwargs(self, backend: str | None) -> dict[str, Any]:
         """Keyword arguments for ``DistributedDataParallel`` itself."""
+        if self.compression == "powersgd" and backend == "gloo":
+            # PowerSGD issues its second all-reduce of a bucket from the first one's callback;
+            # with several buckets gloo's ranks then order their collectives differently and
+            # the job fails or hangs ("Received data size doesn't match"). One bucket keeps a
+            # single order; PowerSGD sends so little that overlap matters less.
+            _check_single_bucket(self.bucket_mb, backend)
+            return {"bucket_cap_mb": ONE_BUCKET_MB}
         return {"bucket_cap_mb": self.bucket_mb} if self.bucket_mb is not None else {}
 
 
@@ -217,31 +234,98 @@ class PowerSGDCheckpoint:
     """PowerSGD's state as a ``state_dict`` of tensors and plain values (for ``weights_only``
     loading), and the hook's state object.
 
-    torch keeps the error feedback and the warm-start factors per DDP *bucket index*. A
-    resumed DDP builds its buckets afresh; when a bucket holds other parameters than the
-    one saved under its index (DDP orders buckets by when gradients became ready), that
-    bucket's memory is dropped with a warning instead of being added to the wrong
-    gradients: training goes on correctly, only not bit-for-bit.
+    torch keeps the error feedback and the warm-started factors P and Q as one flat tensor
+    per DDP *bucket*, in the order of the bucket's parameters. That order changes: a new DDP
+    (a resumed run) fills its buckets in parameter order, and after its first step rebuilds
+    them in the order the gradients became ready, which is what the run that never stopped
+    had all along. So whenever a bucket holds other parameters, or the same ones in another
+    order, than the memory under its index was made for, the memory is cut into per-parameter
+    pieces and put together again for the new layout -- the per-matrix arithmetic is the same
+    either way, so the run stays bit-for-bit. A parameter without saved pieces (another
+    model) gets fresh memory, with a warning.
     """
 
     def __init__(self, ddp: Any, state: Any) -> None:
         self.state = state
         self._names = {id(p): name for name, p in ddp.module.named_parameters()}
-        self._layouts: dict[int, tuple[str, ...]] = {}  # bucket index -> its parameter names
-        self._loaded_layouts: dict[int, tuple[str, ...]] = {}
+        self._shapes = {name: tuple(p.shape) for name, p in ddp.module.named_parameters()}
+        self._layouts: dict[int, tuple[str, ...]] = {}  # bucket index -> its memory's parameters
+        self._pieces: dict[str, tuple[Any, Any, Any]] = {}  # per parameter: error, P, Q slices
+        self._pieces_iter = -1  # the step the pieces were cut at
 
     def check_layout(self, bucket: Any) -> None:
+        """Before torch's hook sees ``bucket``: make its memory match the bucket's layout."""
         index = bucket.index()
         layout = tuple(self._names.get(id(p), "?") for p in bucket.parameters())
-        expected = self._loaded_layouts.pop(index, None)
-        if expected is not None and expected != layout:
-            for memory in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict):
-                memory.pop(index, None)
-            warnings.warn(
-                f"disttrain: PowerSGD state of bucket {index} was saved for other parameters "
-                "than DDP put in it now; its error feedback starts from zero (training is "
-                "correct, but not bit-for-bit the run that was interrupted)", stacklevel=2)
+        s = self.state
+        if self._layouts.get(index) != layout and (s.error_dict or self._pieces_iter == s.iter):
+            # Cut once per step, before the first re-laid-out bucket changes anything: every
+            # bucket still holds what the last step (or the checkpoint) left in it.
+            if self._pieces_iter != s.iter:
+                self._pieces = self._cut()
+                self._pieces_iter = s.iter
+            self._join(index, layout)
         self._layouts[index] = layout
+
+    def _offsets(self, layout: tuple[str, ...]) -> tuple[dict, dict]:
+        """Where each parameter lies in a bucket of this layout: (error slices, P/Q slices),
+        following torch's hook (matrices worth compressing, grouped by shape in order of
+        first appearance)."""
+        errors, at = {}, 0
+        groups: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
+        for name in layout:
+            shape = self._shapes[name]
+            numel = math.prod(shape)
+            errors[name] = (at, at + numel)
+            at += numel
+            n = shape[0] if shape else 1
+            m = numel // n if n else 0
+            rank = min(n, m, self.state.matrix_approximation_rank)
+            if (n + m) * rank * self.state.min_compression_rate < n * m:
+                groups.setdefault((n, m), []).append((name, n, m, rank))
+        factors, p_at, q_at = {}, 0, 0
+        for members in groups.values():
+            for name, n, m, rank in members:
+                factors[name] = ((p_at, p_at + n * rank), (q_at, q_at + m * rank))
+                p_at, q_at = p_at + n * rank, q_at + m * rank
+        return errors, factors
+
+    def _cut(self) -> dict[str, tuple[Any, Any, Any]]:
+        s, pieces = self.state, {}
+        for index, layout in self._layouts.items():
+            if index not in s.error_dict or "?" in layout:
+                continue
+            errors, factors = self._offsets(layout)
+            for name in layout:
+                lo, hi = errors[name]
+                p = q = None
+                if name in factors and index in s.p_memory_dict:
+                    (p_lo, p_hi), (q_lo, q_hi) = factors[name]
+                    p = s.p_memory_dict[index][p_lo:p_hi].clone()
+                    q = s.q_memory_dict[index][q_lo:q_hi].clone()
+                pieces[name] = (s.error_dict[index][lo:hi].clone(), p, q)
+        return pieces
+
+    def _join(self, index: int, layout: tuple[str, ...]) -> None:
+        import torch
+
+        s = self.state
+        errors, factors = self._offsets(layout)
+        missing = [name for name in layout if name not in self._pieces]
+        missing += [name for name in factors if self._pieces.get(name, (None, None))[1] is None]
+        for memory in (s.error_dict, s.p_memory_dict, s.q_memory_dict):
+            memory.pop(index, None)
+        if missing:
+            warnings.warn(
+                f"disttrain: no saved PowerSGD memory for {missing[0]} (bucket {index}): its "
+                "error feedback starts from zero; training is correct, but not bit-for-bit "
+                "the run that was interrupted", stacklevel=3)
+            return
+        s.error_dict[index] = torch.cat([self._pieces[name][0] for name in layout])
+        order = sorted(factors, key=lambda name: factors[name][0])
+        if order:
+            s.p_memory_dict[index] = torch.cat([self._pieces[name][1] for name in order])
+            s.q_memory_dict[index] = torch.cat([self._pieces[name][2] for name in order])
 
     def state_dict(self) -> dict[str, Any]:
         import torch
@@ -279,7 +363,8 @@ class PowerSGDCheckpoint:
         rng = saved["rng"]
         s.rng.set_state((rng["kind"], rng["keys"].numpy().astype(np.uint32), rng["pos"],
                          rng["has_gauss"], rng["cached"]))
-        self._loaded_layouts = {int(k): tuple(v) for k, v in saved["layouts"].items()}
+        self._layouts = {int(k): tuple(v) for k, v in saved["layouts"].items()}
+        self._pieces_iter = -1
 
 
 def _params(saved: PowerSGDCheckpoint):
@@ -288,18 +373,19 @@ def _params(saved: PowerSGDCheckpoint):
             yield from ddp.parameters()
 
 
-def checkpoint_objects(objects: Mapping[str, Any]) -> dict[str, Any]:
-    """What :func:`disttrain.resume` saves besides the user's objects: the PowerSGD state
-    of a prepared model among them (one at most; a second is named by its argument)."""
-    found = {}
-    for name, obj in objects.items():
-        try:
-            saved = _powersgd.get(obj)
-        except TypeError:  # not weak-referenceable: not a model
-            saved = None
-        if saved is not None:
-            found[CHECKPOINT_NAME if not found else f"{CHECKPOINT_NAME}_{name}"] = saved
-    return found
+def rank_state() -> dict[str, Any]:
+    """This rank's PowerSGD state for :func:`disttrain.resume`'s per-rank checkpoint files
+    (the error feedback is each rank's own), or nothing when no model uses PowerSGD."""
+    states = [saved.state_dict() for saved in list(_powersgd.values())]
+    return {RANK_STATE_KEY: states} if states else {}
+
+
+def restore_rank_state(saved: Mapping[str, Any] | None) -> None:
+    """Put back what :func:`rank_state` saved into the PowerSGD models prepared now, in the
+    order they were prepared; a checkpoint without it leaves them fresh."""
+    states = (saved or {}).get(RANK_STATE_KEY) or []
+    for current, state in zip(list(_powersgd.values()), states):
+        current.load_state_dict(state)
 
 
 def gradient_bytes(model: torch.nn.Module) -> int:

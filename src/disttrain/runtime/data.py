@@ -73,7 +73,7 @@ def _prepare_model(model: torch.nn.Module, ctx: Context,
     model = model.to(ctx.device)
     if not ctx.distributed:
         return model
-    ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(ctx.device), **settings.ddp_kwargs())
+    ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(ctx.device), **settings.ddp_kwargs(ctx.backend))
     comm.attach(ddp, settings, backend=ctx.backend)
     _prepared_models.add(ddp)
     return ddp

@@ -87,7 +87,6 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     kept = {name: obj for name, obj in objects.items() if obj is not None}
     for name, obj in kept.items():
         _check_object(name, obj)
-    kept.update(comm.checkpoint_objects(kept))  # PowerSGD's error feedback, for bit-exactness
     if _current is not None:
         _current.close()
     state = TrainingState(Path(directory) if directory else None, every=every,
@@ -189,7 +188,8 @@ class TrainingState:
         generator = getattr(self._loader, "generator", None)
         path = checkpoint.save(
             self.directory, step=self.step, keep_last=self.keep_last,
-            rank_state=rng.capture([generator]), progress=progress, **self._objects,
+            rank_state={**rng.capture([generator]), **comm.rank_state()}, progress=progress,
+            **self._objects,
         )
         self._saved_step = self.step
         return path
@@ -300,6 +300,7 @@ class TrainingState:
     def _restore_generators(self, point: _ResumePoint, loader: Any) -> None:
         if point.rank_state is not None:
             rng.restore(point.rank_state, [getattr(loader, "generator", None)])
+            comm.restore_rank_state(point.rank_state)  # PowerSGD's error feedback
 
     def _end_step(self, loader: Any) -> None:
         self.step += 1

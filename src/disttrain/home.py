@@ -13,8 +13,8 @@ def disttrain_home() -> Path:
     return Path(os.environ.get("DISTTRAIN_HOME") or Path.home() / ".disttrain")
 
 
-def new_run_id(entry: str) -> str:
-    """``<time>-<script stem>-<4 hex>``: sorts by time, names the script, never collides."""
-    stem = Path(entry).stem if not entry.startswith(".") else entry
-    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in stem.split(".")[-1] or stem)
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
+def new_run_id(entry: str, *, is_module: bool = False) -> str:
+    """``<time>-<name>-<4 hex>``: sorts by time, names the script (or a module's last part), never collides."""
+    name = entry.rsplit(".", 1)[-1] if is_module else Path(entry).stem
+    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "run"
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{secrets.token_hex(2)}"

@@ -34,6 +34,15 @@ def auto_nproc(*, cuda_devices: int, cpus: int) -> int:
     return max(1, cpus // 2)
 
 
+def oversubscription_hint(*, nproc: int, cpus: int, host: str) -> str | None:
+    """A line for the user when CPU processes outnumber cores (each then runs slower than alone)."""
+    if nproc <= cpus:
+        return None
+    return (f"{nproc} processes on {host}'s {cpus} core{'s' if cpus != 1 else ''}: they will share cores and "
+            f"each run slower; -n auto picks {auto_nproc(cuda_devices=0, cpus=cpus)} here, and "
+            "`disttrain bench SCRIPT -n 1,2,4` measures which count is fastest")
+
+
 def omp_threads(*, cpus: int, nproc: int) -> int:
     """Intra-op threads per process so that the node's processes share its cores exactly."""
     return max(1, cpus // max(1, nproc))
@@ -58,7 +67,7 @@ def choose_device(*, local_rank: int, cuda_devices: int, backend: str) -> str:
     if cuda_devices <= 0:
         if backend == "nccl":
             raise UsageError(
-                "backend 'nccl' needs CUDA GPUs but none are visible: use --backend gloo"
+                "backend 'nccl' needs CUDA GPUs but none are visible: use --dist-backend gloo"
             )
         return "cpu"
     if local_rank >= cuda_devices:

@@ -8,6 +8,7 @@ class only decides the layout, so the launcher can point a user at the exact fil
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
@@ -25,12 +26,16 @@ class RankLogs(LogsSpecs):
         )
         self._run_dir = run_dir
         self._shown = shown_local_ranks
+        # Called when the agent is about to start workers (the rendezvous is over).
+        self.on_start: Callable[[], None] | None = None
 
     @property
     def root_log_dir(self) -> str:
         return self._run_dir
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        if self.on_start is not None:
+            self.on_start()
         dest = LogsDest()
         for local_rank, env in envs.items():
             rank = int(env["RANK"])

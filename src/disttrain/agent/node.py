@@ -24,6 +24,7 @@ from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
 from ..workerenv import HEARTBEAT_DIR
 from .logs import RankLogs
+from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
 from .watchdog import HANG_EXIT, Watchdog
 
@@ -68,6 +69,17 @@ def rdzv_configs(plan: LaunchPlan, node: NodePlan) -> dict:
     # c10d guesses whether it hosts the store from the hostname, which resolves to
     # 127.0.0.1 on many machines: the launcher knows, so it says so.
     return {"is_host": node.node_rank == 0, "join_timeout": plan.rdzv_timeout_s}
+
+
+def awaited(plan: LaunchPlan, node: NodePlan) -> str:
+    """What this node waits for before its workers can start, for the progress line."""
+    where = f"{plan.master_addr}:{plan.master_port}"
+    if plan.nnodes == 1:
+        return f"starting the rendezvous at {where}"
+    if node.node_rank == 0 and plan.rdzv_backend == "static":
+        others = plan.nnodes - 1
+        return f"waiting at {where} for the other {others} node{'s' if others > 1 else ''} of {plan.nnodes} to join"
+    return f"waiting as node {node.node_rank} of {plan.nnodes} to join the rendezvous at {where}"
 
 
 def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailure]:
@@ -124,13 +136,18 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(prepare_node(node.env, host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
-    with _exported(env), _watchdog(plan, node) as dog:
+    with _exported(env), _watchdog(plan, node) as dog, RendezvousWait(
+            awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
+        config.logs_specs.on_start = wait.workers_started
         try:
             elastic_launch(config, plan.argv[0])(*plan.argv[1:])
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)
             first = root_cause(failures, plan.run_dir)
-            print(format_failure(first, failures, plan.run_dir), file=report_to, flush=True)
+            failed = {f.rank for f in failures}
+            finished = tuple(w.rank for w in node.workers if w.rank not in failed)
+            print(format_failure(first, failures, plan.run_dir, finished=finished),
+                  file=report_to, flush=True)
             return first.exit_code
         except SignalException as err:
             if dog is not None and dog.fired:

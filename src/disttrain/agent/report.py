@@ -6,6 +6,7 @@ works for every script, with or without torch's ``@record`` decorator.
 
 from __future__ import annotations
 
+import json
 import signal
 from collections import deque
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ from pathlib import Path
 from .logs import rank_log
 
 TAIL_LINES = 15
+# What a rank says when a peer vanished: the peer, not this rank, is where to look.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "NCCL communicator was aborted", "ProcessGroupNCCL is shutting down")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,20 +75,61 @@ def root_cause(failures: list[RankFailure], run_dir: str) -> RankFailure:
     )
 
 
-def format_failure(first: RankFailure, failures: list[RankFailure], run_dir: str) -> str:
-    how = f"was killed by {first.signal_name}" if first.signal_name else f"exited with code {first.exit_code}"
+def error_file_lines(run_dir: str, failure: RankFailure, lines: int = TAIL_LINES) -> list[str]:
+    """What torch's ``@record`` wrote for the rank (``rank<R>.error.json``): message and traceback tail."""
+    path = rank_log(run_dir, failure.rank, "stdout", failure.attempt).with_name(f"rank{failure.rank}.error.json")
+    try:
+        data = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError):
+        return []
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        stack = str((message.get("extraInfo") or {}).get("py_callstack") or "").rstrip("\n").splitlines()
+        text = str(message.get("message") or "")
+    else:
+        stack, text = [], str(message or "")
+    out = stack[-lines:] if stack else []
+    if text and (not out or text not in out[-1]):
+        out.append(text)
+    return out
+
+
+def strip_torch_prefix(line: str, rank: int) -> str:
+    """torch's excepthook writes "[rankN]: ..."; the block already says whose lines these are."""
+    return line.removeprefix(f"[rank{rank}]: ").removeprefix(f"[rank{rank}]:")
+
+
+def lost_a_peer(lines: list[str]) -> bool:
+    return any(marker in line for line in lines for marker in PEER_LOST)
+
+
+def format_failure(first: RankFailure, failures: list[RankFailure], run_dir: str, *,
+                   finished: tuple[int, ...] = ()) -> str:
+    """The root-cause block. ``finished``: ranks that exited 0 while others still ran."""
     stderr = rank_log(run_dir, first.rank, "stderr", first.attempt)
     stdout = rank_log(run_dir, first.rank, "stdout", first.attempt)
-    last = tail(stderr) or tail(stdout)
-    lines = [
-        f"disttrain: rank {first.rank} on {first.host} {how} (pid {first.pid}); "
-        f"the other ranks were stopped",
-        f"  logs: {stderr}",
-        f"        {stdout}",
-    ]
-    others = sorted(f.rank for f in failures if f.rank != first.rank)
+    last = [strip_torch_prefix(line, first.rank) for line in (tail(stderr) or tail(stdout))]
+    from_file = error_file_lines(run_dir, first)
+    how = f"was killed by {first.signal_name}" if first.signal_name else f"exited with code {first.exit_code}"
+    others = sorted(f.rank for f in failures if f.rank != first.rank and not f.stopped_by_agent)
+    stopped = sorted(f.rank for f in failures if f.rank != first.rank and f.stopped_by_agent)
+    lines = []
+    if finished and lost_a_peer(last + from_file):
+        gone = ", ".join(map(str, finished))
+        lines.append(
+            f"disttrain: rank {gone} on {first.host} exited with code 0 while the other ranks were still "
+            f"running, and the job broke: rank {first.rank} then {how} because it lost its peer. Every rank "
+            "must make the same collective calls (the same number of steps, or disttrain.prepare's uneven-"
+            "input join)")
+    else:
+        suffix = "; the other ranks were stopped" if stopped else ""
+        lines.append(f"disttrain: rank {first.rank} on {first.host} {how} (pid {first.pid}){suffix}")
+    lines += [f"  logs: {stderr}", f"        {stdout}"]
     if others:
         lines.append(f"  also failed after it: rank {', '.join(map(str, others))}")
+    if from_file and not any(from_file[-1] in line for line in last):
+        lines.append(f"  error of rank {first.rank} ({stdout.with_name(f'rank{first.rank}.error.json')}):")
+        lines.extend(f"    {line}" for line in from_file)
     if last:
         lines.append(f"  last lines of rank {first.rank}:")
         lines.extend(f"    {line}" for line in last)

@@ -9,14 +9,14 @@ import os
 from ..backends.ssh import parse_ssh_options
 from ..backends.ssh_launch import master_address, probe_all
 from ..errors import UsageError
-from ..preflight.checks import CheckResult, fact_checks, reach_checks
+from ..preflight.checks import CheckResult, fact_checks, local_checks, reach_checks
 from .common import DEFAULT_MULTIHOST_PORT, add_host_args, hosts_from_args
 
 MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="check hosts for what would make a job fail or hang")
+    p = sub.add_parser("doctor", help="check this machine, or --hosts, for what would make a job fail or hang")
     add_host_args(p)
     p.add_argument("--master-addr", default=None, help="the master's address (default: as ssh resolves the first host)")
     p.add_argument("--master-port", type=int, default=DEFAULT_MULTIHOST_PORT)
@@ -36,10 +36,13 @@ def print_table(results: list[CheckResult]) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     hosts = hosts_from_args(args)
-    if not hosts:
-        raise UsageError("doctor needs --hosts or --hostfile")
     if not 1 <= args.master_port <= 65535:
         raise UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
+    if not hosts:
+        from ..preflight.facts import node_facts  # imports torch, for its versions and GPUs
+
+        fact = node_facts(master="127.0.0.1", port=args.master_port, paths=args.path, cwd=os.getcwd())
+        return report(local_checks(fact, master_port=args.master_port), as_json=args.json)
     options = parse_ssh_options(args.ssh_option)
     master = args.master_addr or master_address(hosts[0], options)
     common = dict(python=args.python, options=options)
@@ -47,7 +50,11 @@ def handle(args: argparse.Namespace) -> int:
     results = fact_checks(hosts, facts, master_port=args.master_port)
     if all(isinstance(f, dict) for f in facts):
         results += reach_checks(hosts, facts, master_port=args.master_port, **common)
-    if args.json:
+    return report(results, as_json=args.json)
+
+
+def report(results: list[CheckResult], *, as_json: bool) -> int:
+    if as_json:
         print(json.dumps([r.to_dict() for r in results], indent=2))
     else:
         print_table(results)

@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_store_arg(run)
     run.set_defaults(handler=handle_run)
     # backend: slurm: the batch script's one command, on the allocation's first node.
-    step = actions.add_parser("_in-allocation", help=argparse.SUPPRESS)
+    step = actions.add_parser("_in-allocation")  # no help=: hidden from the listing
     step.add_argument("step_file")
     step.set_defaults(handler=handle_in_allocation)
 

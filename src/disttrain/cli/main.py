@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 
 from ..errors import DisttrainError, UsageError
@@ -15,13 +17,34 @@ from . import jobs as jobs_cmd
 from . import run as run_cmd
 
 SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd, job_cmd, jobs_cmd)
+# What launchers run on the hosts; never offered to a user in help or errors.
+HIDDEN = frozenset({"agent", "probe", "receive"})
+_INVALID_CHOICE = re.compile(r"argument \S+: invalid choice: '(.*)' \(choose from")
 
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse prints usage plus an error; a user needs one line saying what to fix."""
 
     def error(self, message: str):  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+        m = _INVALID_CHOICE.match(message)
+        if m:
+            message = self._unknown_command(m.group(1))
+        # main() already says "disttrain: error:"; name the subcommand only.
+        where = self.prog.removeprefix("disttrain").strip()
+        raise UsageError(f"{where + ': ' if where else ''}{message} (see {self.prog} --help)")
+
+    def _unknown_command(self, word: str) -> str:
+        public = [name for name in self._command_names() if name not in HIDDEN and not name.startswith("_")]
+        text = f"unknown command {word!r} (choose from {', '.join(public)})"
+        if word.endswith(".py") or os.path.isfile(word):
+            text += f"; to run a script: disttrain run {word}"
+        return text
+
+    def _command_names(self) -> list[str]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return list(action.choices)
+        return []
 
 
 def build_parser() -> argparse.ArgumentParser:

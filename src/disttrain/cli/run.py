@@ -16,6 +16,7 @@ from ..config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
 from ..errors import UsageError
 from ..home import disttrain_home, new_run_id
 from ..net import free_port, port_in_use
+from ..placement import oversubscription_hint
 from ..plan.launch import LaunchPlan, make_plan
 from ..preflight.facts import local_facts
 from ..runtime import comm
@@ -131,6 +132,19 @@ def check_entry(spec: LaunchSpec) -> None:
         raise UsageError(f"script not found: {spec.entry}")
 
 
+def make_run_dir(run_dir: str, *, given: str | None) -> None:
+    """Create the run folder, or say in one line why it cannot be and what to change."""
+    fix = "pass a writable --log-dir" if given else "set DISTTRAIN_HOME to a writable folder (or pass --log-dir)"
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        probe = Path(run_dir) / ".write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        why = "a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError)) else err.strerror
+        raise UsageError(f"cannot write the run folder {run_dir}: {why or err}; {fix}") from None
+
+
 def choose_port(spec: LaunchSpec) -> int:
     host = spec.master_addr or "127.0.0.1"
     if spec.master_port is None:
@@ -150,7 +164,7 @@ def multihost_plan(args: argparse.Namespace, hosts: tuple[Host, ...]) -> LaunchP
     spec = spec_from_args(args)
     if args.sync and not args.dry_run:
         sync_all(hosts, os.getcwd(), python=args.python, options=options)
-    run_id = new_run_id(spec.entry)
+    run_id = new_run_id(spec.entry, is_module=spec.is_module)
     plan, _ = plan_hosts(
         spec, hosts, python=args.python, options=options, cwd=os.getcwd(),
         paths=[] if spec.is_module else [spec.entry], run_id=run_id,
@@ -167,17 +181,23 @@ def plan_from_args(args: argparse.Namespace, hosts: tuple[Host, ...] | None) -> 
         raise UsageError("--sync copies the working directory to --hosts; without hosts there is nothing to copy to")
     spec = spec_from_args(args)
     check_entry(spec)
-    run_id = new_run_id(spec.entry)
+    run_id = new_run_id(spec.entry, is_module=spec.is_module)
     run_dir = spec.log_dir or str(disttrain_home() / "runs" / run_id)
-    return make_plan(
+    facts = local_facts(slurm_run.step_cpus(slurm_run.allocation_for(args)))
+    plan = make_plan(
         spec,
-        local_facts(slurm_run.step_cpus(slurm_run.allocation_for(args))),
+        facts,
         python=sys.executable,
         master_port=choose_port(spec),
         run_id=run_id,
         run_dir=os.path.abspath(run_dir),
         inherited_env=os.environ,
     )
+    hint = None if facts.cuda_devices else oversubscription_hint(nproc=plan.nodes[0].nproc, cpus=facts.cpus,
+                                                                  host=facts.hostname)
+    if hint:
+        print(f"disttrain: note: {hint}", file=sys.stderr, flush=True)
+    return plan
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -190,7 +210,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan.to_json())
         return 0
-    Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
+    make_run_dir(plan.run_dir, given=args.log_dir)
     (Path(plan.run_dir) / "plan.json").write_text(plan.to_json())
     where = ", ".join(node.host for node in plan.nodes)
     kind = "TensorFlow" if plan.framework == "tensorflow" else plan.backend

@@ -101,7 +101,7 @@ def handle(args: argparse.Namespace, alloc: SlurmAllocation | None) -> int:
                          "node itself: --nodes N")
     spec = spec_from_args(args)
     check_entry(spec)  # a shared filesystem is Slurm's norm: the nodes see the script where we do
-    run_id = new_run_id(spec.entry)
+    run_id = new_run_id(spec.entry, is_module=spec.is_module)
     run_dir = os.path.abspath(spec.log_dir or str(disttrain_home() / "runs" / run_id))
     if alloc is not None:
         return slurm_alloc.run_in_allocation(spec, alloc, nodes=args.nodes, python=args.python,

@@ -134,6 +134,10 @@ def make_plan(
                 f"--ranks names rank {missing[0]} but the job has ranks 0..{world_size - 1}"
             )
     backend = choose_backend(spec.backend, cuda_available=placed[0][1].cuda_devices > 0)
+    no_gpu = [f.hostname for _, f, _, _ in placed if f.cuda_devices <= 0]
+    if spec.backend == "nccl" and no_gpu:
+        raise UsageError(f"--dist-backend nccl needs CUDA GPUs, and {no_gpu[0]} has none: "
+                         "use --dist-backend gloo (or leave it out: gloo is the default without GPUs)")
     master_addr = spec.master_addr or "127.0.0.1"
 
     target = ("-m", spec.entry) if spec.is_module else (spec.entry,)

@@ -7,7 +7,7 @@ import subprocess
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..backends.ssh import ssh_argv
 from ..config.hosts import Host
@@ -74,6 +74,18 @@ def fact_checks(hosts: Sequence[Host], facts: Sequence[dict | Exception], *, mas
                 fix="" if fact["port_free"] else "pick another --master-port",
             ))
     return out
+
+
+def local_checks(fact: dict, *, master_port: int) -> list[CheckResult]:
+    """``disttrain doctor`` without hosts: can this machine run a job on its own?"""
+    host = Host(name=fact["hostname"])
+    rows = [replace(r, fix="check the path: it is looked up from the current folder") if r.fix and r.check == "path"
+            else r for r in fact_checks((host,), (fact,), master_port=master_port) if r.check not in ("ssh", "interface")]
+    v = fact["versions"]
+    rows.insert(0, CheckResult(
+        check="versions", host=host.name, status="ok",
+        detail=f"python {v['python']}, torch {v['torch']}, NCCL {v['nccl'] or 'none'}, disttrain {v['disttrain']}"))
+    return rows
 
 
 def _start_listener(host: Host, ports: list[int], *, python: str, options: Sequence[str]):

@@ -147,6 +147,9 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
     elif ctx.distributed:
         timeout = timedelta(seconds=env.pg_timeout_s if timeout_s is None else timeout_s)
         extra = {"device_id": ctx.device} if ctx.backend == "nccl" else {}
+        # torch's init_process_group makes every traceback line read "[rankN]: ..."; disttrain's
+        # launcher already puts "[rankN] " before each line, so keep Python's own hook there.
+        hook = sys.excepthook
         with _connect_watchdog(env):
             store = _attempt_store(env, timeout)
             if store is None:
@@ -154,6 +157,8 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
             else:
                 dist.init_process_group(ctx.backend, store=store, rank=env.rank,
                                         world_size=env.world_size, timeout=timeout, **extra)
+        if env.run_dir:
+            sys.excepthook = hook
         _owns_group = True
     heartbeat.start(env)
     if not _atexit_registered:

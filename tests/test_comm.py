@@ -178,3 +178,38 @@ def test_powersgd_resumed_after_a_lost_host_ends_bit_exact(shaped, tmp_path):
     assert ranks[1]["iter"] > comm.POWERSGD_START and ranks[1]["error"][0].abs().sum() > 0
     assert not torch.equal(ranks[0]["error"][0], ranks[1]["error"][0])
     assert_nothing_left(shaped)
+
+
+def bench_split(cluster, kind: str) -> dict:
+    hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
+    ssh = [arg for option in (f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
+                              "UserKnownHostsFile=/dev/null", "LogLevel=ERROR")
+           for arg in ("--ssh-option", option)]
+    argv = [sys.executable, "-m", "disttrain", "bench", "--hosts", hosts, "-n", "1", "--no-preflight",
+            *ssh, "--env", "OMP_NUM_THREADS=1", "--comm", "--link-gbit", "0.05", "--steps", "4",
+            "--warmup", "2", "--global-batch", "16", "--json", str(SCRIPTS / "comm_bound.py"),
+            "--", "--kind", kind]
+    result = cluster.run_in("node0", argv, timeout=400, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (comm_result,) = json.loads(result.stdout)["communication"]
+    return comm_result
+
+
+@pytest.mark.timeout(450)
+def test_bench_puts_a_wire_bound_job_on_the_communication_side(cluster):
+    cluster.shape("50mbit")
+    split = bench_split(cluster, "wire")
+    assert split["bound"] == "communication" and split["comm_fraction"] > 0.5, split
+    assert split["gradient_bytes"] == (1024 * 1024 + 1024) * 4
+    # 4.2 MB between 2 hosts at 50 Mbit/s: the ring all-reduce cannot take less than 0.67 s.
+    assert split["ring_bound_s"] == pytest.approx(0.671, abs=0.01)
+    assert split["comm_s"] > 0.5 * split["ring_bound_s"]
+    assert split["recommended"] == "powersgd", split  # 4 MB -> a few kB: far faster here
+
+
+@pytest.mark.timeout(450)
+def test_bench_puts_an_arithmetic_bound_job_on_the_compute_side(cluster):
+    cluster.shape("50mbit")
+    split = bench_split(cluster, "compute")
+    assert split["bound"] == "compute", split
+    assert split["gradient_bytes"] < 20_000

@@ -88,11 +88,14 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_starts(home, flags, me
 
 
 def test_the_flags_reach_every_worker_as_variables(home):
-    result = disttrain("run", "-n", "2", "--grad-compression", "powersgd:4", "--bucket-mb", "8",
-                       "--dist-backend", "nccl", "--dry-run", str(TRAIN), "out")
+    result = disttrain("run", "-n", "2", "--grad-compression", "bf16", "--bucket-mb", "8",
+                       "--dry-run", str(TRAIN), "out")
     assert result.returncode == 0, result.stderr
     env = json.loads(result.stdout)["nodes"][0]["env"]
-    assert env["DISTTRAIN_GRAD_COMPRESSION"] == "powersgd:4" and env["DISTTRAIN_BUCKET_MB"] == "8"
+    assert env["DISTTRAIN_GRAD_COMPRESSION"] == "bf16" and env["DISTTRAIN_BUCKET_MB"] == "8"
+    result = disttrain("run", "-n", "2", "--grad-compression", "powersgd:4", "--dry-run", str(TRAIN), "out")
+    env = json.loads(result.stdout)["nodes"][0]["env"]
+    assert env["DISTTRAIN_GRAD_COMPRESSION"] == "powersgd:4" and "DISTTRAIN_BUCKET_MB" not in env
 
 
 def test_prepare_refuses_an_unknown_compression_even_alone(ctx):

@@ -182,7 +182,7 @@ def attach(ddp: Any, settings: CommSettings, *, backend: str | None) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     global _gradient_bytes
-    _gradient_bytes = gradient_bytes(ddp.module)
+    _gradient_bytes = gradient_bytes(getattr(ddp, "module", ddp))
     if settings.bench_no_sync:
         ddp.register_comm_hook(None, debugging_hooks.noop_hook)
         return
@@ -215,13 +215,13 @@ def attach(ddp: Any, settings: CommSettings, *, backend: str | None) -> None:
 
 
 # The hooks carry no annotations: torch checks them, and this module's are strings.
-def _bf16_on_gloo(state, bucket):  # noqa: ANN001
+def _bf16_on_gloo(state, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
-def _powersgd_with_layout(state, bucket):  # noqa: ANN001
+def _powersgd_with_layout(state, bucket):
     """torch's PowerSGD hook, noting which parameters each bucket holds (see
     :class:`PowerSGDCheckpoint`)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd

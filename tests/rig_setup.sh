@@ -19,6 +19,11 @@ declare -A NEED=(
   [/usr/sbin/slurmctld]=slurmctld
   [/usr/sbin/slurmd]=slurmd
   [/usr/bin/sbatch]=slurm-client
+  # tests/test_sagemaker.py: distribution mpi (Open MPI's mpirun; mpi4py builds against libopenmpi-dev)
+  [/usr/bin/mpirun]=openmpi-bin
+  [/usr/bin/mpicc]=libopenmpi-dev
+  # tests/test_sagemaker.py: a private /opt/ml for users other than root
+  [/usr/bin/bwrap]=bubblewrap
 )
 
 missing=()

@@ -36,7 +36,8 @@ def assert_usage_error(result, *fragments: str) -> None:
         (["run", "--nodes", "2", GOOD], ["--nodes is a Slurm flag: add --backend slurm"]),
         (["run", "-m", "no_such_module_xyz"], ["module 'no_such_module_xyz' not found"]),
         (["run", "--ranks", "7", "-n", "2", GOOD], ["rank 7"]),
-        (["run", "--env", "oops", GOOD], ["KEY=VALUE"]),
+        (["run", "--env", "oops", GOOD], ["--env oops: oops is not set", "--env oops=VALUE"]),
+        (["run", "--env", "1BAD=x", GOOD], ["KEY=VALUE or KEY"]),
         (["run", "--bogus-flag", GOOD], ["unrecognized arguments"]),
     ],
 )

@@ -95,10 +95,12 @@ def test_sagemaker_script_on_two_instances_end_to_end(tmp_path, env, data):
         assert facts["note"] == facts["hp_note"] == NOTE and facts["unknown"] == []
         assert facts["hps"] == hps and facts["channels"] == ["training"]
         assert facts["model_dir"] == str(job_dir / host / "model")
-        assert facts["resourceconfig"] == {"current_host": host, "hosts": ["algo-1", "algo-2"],
-                                           "network_interface_name": "lo"}
+        resources = facts["resourceconfig"]
+        assert (resources["current_host"], resources["hosts"], resources["network_interface_name"]) == \
+            (host, ["algo-1", "algo-2"], "lo")
         config = job_dir / host / "input" / "config" / "hyperparameters.json"
-        assert json.loads(config.read_text()) == hps
+        written = json.loads(config.read_text())  # as the SDK writes it: each value JSON-encoded
+        assert {k: json.loads(v) for k, v in written.items() if not k.startswith("sagemaker_")} == hps
         assert sorted(p.name for p in (job_dir / host / "input" / "data" / "training").iterdir()) == \
             ["part0.csv", "part1.csv"]
     assert not Path("/tmp/pwned-job").exists()

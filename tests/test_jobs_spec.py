@@ -107,7 +107,8 @@ def test_missing_channel_or_entry_point_is_reported_before_anything_is_recorded(
 def test_hyperparameters_reach_the_script_verbatim(tmp_path):
     """The exact argv disttrain builds, run through a real interpreter: nothing is shell-parsed."""
     args = hyperparameter_args(HOSTILE)
-    assert args == ["--empty", "", "--flag", "true", "--layers", "[64, 32]", "--lr", "0.5",
+    # as SageMaker's toolkit passes them: str() of each value (Python's True, a list's repr)
+    assert args == ["--empty", "", "--flag", "True", "--layers", "[64, 32]", "--lr", "0.5",
                     "--note", HOSTILE["note"]]
     out = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.argv[1:]))", *args],
                          capture_output=True, text=True, check=True).stdout

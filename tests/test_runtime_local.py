@@ -68,7 +68,7 @@ def test_prepare_shards_in_a_world_of_one_and_keeps_loader_settings(ctx):
     assert train2.sampler.seed == 7 and train2.drop_last and train2.batch_size == 3
     assert len(train2) == 3 and train2.dataset is data
     assert isinstance(eval2.sampler, EvalShardSampler) and list(eval2) == [4, 4, 2]
-    assert train2 in loop._tracked
+    assert train2 in loop.tracked()
     assert disttrain.prepare(None, None, train2)[2] is train2  # not sharded twice
 
 

@@ -31,7 +31,7 @@ def test_golden_ssh_argv():
         "-o", "ServerAliveInterval=5",
         "-o", "ServerAliveCountMax=3",
         "-p", "2222",
-        "root@node1", "--",
+        "--", "root@node1",
         "cd '/tmp/a'\"'\"'; echo foo' && exec env GLOO_SOCKET_IFNAME=eth1 'X=$(reboot)' "
         "/venv/bin/python -u train.py --name 'a b;c'\"'\"'d'",
     ]

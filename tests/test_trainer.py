@@ -66,6 +66,18 @@ def test_the_best_model_is_kept_by_the_first_metric(tmp_path):
     assert not [p for p in (tmp_path / "c" / "ckpt").iterdir() if p.name.endswith(".tmp")]
 
 
+def test_accumulated_bf16_fit_resumes_like_an_unbroken_one(tmp_path):
+    options = {"mixed_precision": "bf16", "accumulate": 2, "clip_grad_norm": 1.0}
+    unbroken = make_trainer(tmp_path, "unbroken", **options)
+    unbroken.fit(3)
+    first = make_trainer(tmp_path, "broken", **options)
+    first.fit(2)
+    second = make_trainer(tmp_path, "broken", **options)
+    assert second.fit(3)[0]["epoch"] == 2
+    assert torch.equal(second.model.weight, unbroken.model.weight)
+    assert second.step.grad_norm is not None
+
+
 def test_unknown_metric_is_a_usage_error():
     model = torch.nn.Linear(1, 1)
     loader = DataLoader(TensorDataset(torch.zeros(2, 1), torch.zeros(2, 1)))
@@ -75,8 +87,9 @@ def test_unknown_metric_is_a_usage_error():
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_reduce_the_validation_metrics(tmp_path):
-    result = run_ranks(SCRIPTS / "trainer_ranks.py", 2, [tmp_path / "ckpt"], timeout=110)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_reduce_the_validation_metrics(tmp_path, strategy):
+    result = run_ranks(SCRIPTS / "trainer_ranks.py", 2, [tmp_path / "ckpt", strategy], timeout=110)
     assert result.returncode == 0, result.stderr
     line = [x for x in result.stdout.splitlines() if x.startswith("[rank0] {")][-1]
     report = json.loads(line[len("[rank0] "):])

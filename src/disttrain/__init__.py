@@ -31,6 +31,9 @@ _EXPORTS = {
     "print0": "runtime.metrics",
     "barrier": "runtime.metrics",
     "checkpoint": "runtime.checkpoint",
+    "accumulate": "runtime.accumulate",
+    "Accumulator": "runtime.accumulate",
+    "clip_grad_norm_": "runtime.accumulate",
     "Trainer": "trainer",
     "Job": "jobs",
 }
@@ -51,6 +54,7 @@ def __getattr__(name: str):
 if TYPE_CHECKING:  # pragma: no cover
     from .jobs import Job
     from .runtime import checkpoint
+    from .runtime.accumulate import Accumulator, accumulate, clip_grad_norm_
     from .runtime.context import Context, context, init, shutdown
     from .runtime.data import prepare, unwrap
     from .runtime.loop import epochs

@@ -97,7 +97,7 @@ def have_tf_keras() -> bool:
     return importlib.util.find_spec("tf_keras") is not None
 
 
-def _tensorflow_version() -> str:
+def tensorflow_version() -> str:
     import importlib.metadata  # not at the top: the shim runs before every worker
 
     for dist in ("tensorflow", "tensorflow-cpu"):
@@ -130,7 +130,7 @@ def prepare_node(node_env: Mapping[str, str], *, host: str, nproc: int, world_si
         print(
             f"disttrain: tf-keras is not installed on {host}, so tf.keras is Keras 3, whose model.fit fails "
             "under MultiWorkerMirroredStrategy (custom strategy.run loops work); for model.fit: "
-            f"pip install --no-deps tf-keras=={_tensorflow_version()}",
+            f"pip install --no-deps tf-keras=={tensorflow_version()}",
             file=report_to, flush=True,
         )
     return keras_env(environ, have_tf_keras=legacy_available)
@@ -143,7 +143,35 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit("usage: python -m disttrain.tfconfig [-m MODULE | SCRIPT] [ARGS...]")
     os.environ.update(shim_env(os.environ))
     sys.stdout.flush()
+    if "TF_CONFIG" in os.environ and os.environ.get(LEGACY_KERAS, "").lower() not in ("1", "true"):
+        run_keras3_guarded(argv)  # Keras 3 across workers: its fit failure becomes one line
+        return
     os.execv(sys.executable, [sys.executable, "-u", *argv])
+
+
+def run_keras3_guarded(argv: list[str]) -> None:
+    """Run the target in this process; Keras 3's ``model.fit`` failure under
+    MultiWorkerMirroredStrategy (a ValueError quoting every replica's tensors, ~40 lines)
+    ends in one line naming the fix instead. Any other error keeps its traceback."""
+    import runpy
+
+    sys.argv = list(argv[1:]) if argv[0] == "-m" else list(argv)
+    try:
+        if argv[0] == "-m":
+            sys.argv[0] = argv[1]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except ValueError as err:
+        if "PerReplica" not in str(err):
+            raise
+        sys.stdout.flush()
+        print(f"disttrain: Keras 3's model.fit does not work under MultiWorkerMirroredStrategy (an upstream Keras "
+              f"problem); install Keras 2 and disttrain selects it: pip install --no-deps "
+              f"tf-keras=={tensorflow_version()} (or train with a custom strategy.run loop)",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

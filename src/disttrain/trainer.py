@@ -32,6 +32,7 @@ import torch
 
 from .errors import UsageError
 from .runtime import checkpoint
+from .runtime.accumulate import Accumulator
 from .runtime.context import context
 from .runtime.data import prepare, unwrap
 from .runtime.loop import epochs as epoch_range
@@ -71,6 +72,8 @@ class Trainer:
     scheduler steps once per epoch. ``checkpoint_dir`` (default
     ``$DISTTRAIN_CHECKPOINT_DIR``): a checkpoint after each epoch, the best model as
     ``best_model.pt``, and :meth:`fit` resumes from the newest checkpoint there.
+    ``strategy``, ``mixed_precision`` are :func:`disttrain.prepare`'s; ``accumulate``
+    micro-batches make one optimizer step, with gradients clipped to ``clip_grad_norm``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -79,14 +82,21 @@ class Trainer:
                  scheduler: Any = None, metrics: Sequence[str] | Mapping[str, Metric] = ("top1",),
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  run_dir: str | os.PathLike[str] | None = None, log_every: int = 50,
-                 progress: bool = True) -> None:
+                 progress: bool = True, strategy: str = "ddp", mixed_precision: str | None = None,
+                 accumulate: int = 1, clip_grad_norm: float | None = None) -> None:
         if loss_fn is None:
             raise UsageError("Trainer(loss_fn=...): give the loss, e.g. torch.nn.functional.cross_entropy")
         self.metrics = _metrics(metrics)  # before prepare(): a typo should cost nothing
         env = WorkerEnv.from_environ()
         loaders = [train_loader] + ([val_loader] if val_loader is not None else [])
-        self.ddp_model, self.optimizer, *prepared = prepare(model, optimizer, *loaders)
-        self.model = unwrap(self.ddp_model)  # validated and saved unwrapped (see EvalShardSampler)
+        self.ddp_model, self.optimizer, *prepared = prepare(
+            model, optimizer, *loaders, strategy=strategy, mixed_precision=mixed_precision)
+        self.step = Accumulator(self.ddp_model, self.optimizer, accumulate,
+                                clip_grad_norm=clip_grad_norm)
+        # DDP: validated unwrapped (see EvalShardSampler). FSDP: every forward gathers the
+        # shards from all ranks, so validation runs the sharded model on every rank.
+        self.sharded = strategy == "fsdp" and context().distributed
+        self.model = self.ddp_model if self.sharded else unwrap(self.ddp_model)
         self.train_loader = prepared[0]
         self.val_loader = prepared[1] if val_loader is not None else None
         self.loss_fn, self.scheduler = loss_fn, scheduler
@@ -130,10 +140,9 @@ class Trainer:
         start = time.perf_counter()
         batches = self._bar(self.train_loader, epoch)
         for step, (inputs, target) in enumerate(batches):
-            loss = self.loss_fn(self.ddp_model(inputs), target)
-            self.optimizer.zero_grad()
-            loss.backward()
-            self.optimizer.step()
+            with self.step:  # the optimizer steps every `accumulate` batches
+                loss = self.loss_fn(self.ddp_model(inputs), target)
+                self.step.backward(loss)
             loss_meter.update(loss, len(target))
             if hasattr(batches, "set_postfix"):
                 batches.set_postfix(loss=f"{loss_meter.local_avg:.4f}")
@@ -150,8 +159,10 @@ class Trainer:
         """``val_loss`` and ``val_<metric>`` over every rank's share, each sample once."""
         self.model.eval()
         sums = torch.zeros(2 + len(self.metrics), dtype=torch.float64)  # loss, count, hits...
-        for inputs, target in self.val_loader:
+        for inputs, target in self._even(self.val_loader):
             output = self.model(inputs)
+            if target is None:  # a pass only to match the other ranks' collectives
+                continue
             n = len(target)
             sums[0] += float(self.loss_fn(output, target)) * n
             sums[1] += n
@@ -163,14 +174,28 @@ class Trainer:
         return {"val_loss": values[0],
                 **{f"val_{name}": v for name, v in zip(self.metrics, values[1:])}}
 
+    def _even(self, loader: Iterable) -> Iterable:
+        """``loader``'s batches; sharded, padded with ``(batch, None)`` passes up to the
+        longest rank's count, since each forward is a collective and shares may differ by
+        a batch."""
+        if not self.sharded:
+            yield from loader
+            return
+        longest = int(reduce_max(len(loader)))
+        last = None
+        for batch in loader:
+            last = batch
+            yield batch
+        for _ in range(longest - len(loader)):
+            yield last[0], None
+
     # -- around the loop -----------------------------------------------------------------
 
     def _resume(self) -> int:
         if self.checkpoint_dir is None:
             return 0
         state = checkpoint.load_latest(self.checkpoint_dir, model=self.ddp_model,
-                                       optimizer=self.optimizer,
-                                       **({"scheduler": self.scheduler} if self.scheduler else {}))
+                                       optimizer=self.optimizer, **self._extra_objects())
         if state is None:
             return 0
         self.best = state.get("best")
@@ -189,20 +214,25 @@ class Trainer:
         if score is None or math.isnan(score) or (self.best is not None and score <= self.best):
             return False
         self.best = score
-        if self.checkpoint_dir is not None and context().is_main:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            path = self.checkpoint_dir / BEST_MODEL
-            temp = path.with_name(f".{BEST_MODEL}.{os.getpid()}.tmp")
-            torch.save(self.model.state_dict(), temp)
-            os.replace(temp, path)  # whole or not at all
+        if self.checkpoint_dir is not None:
+            # Whole or not at all; a sharded model is gathered first (every rank calls it).
+            checkpoint.export(self.checkpoint_dir / BEST_MODEL, self.ddp_model)
         return True
 
     def _checkpoint(self, epoch: int) -> None:
         if self.checkpoint_dir is None:
             return
-        objects = {"scheduler": self.scheduler} if self.scheduler is not None else {}
         checkpoint.save(self.checkpoint_dir, step=epoch + 1, model=self.ddp_model,
-                        optimizer=self.optimizer, epoch=epoch + 1, best=self.best, **objects)
+                        optimizer=self.optimizer, epoch=epoch + 1, best=self.best,
+                        **self._extra_objects())
+
+    def _extra_objects(self) -> dict[str, Any]:
+        objects: dict[str, Any] = {}
+        if self.scheduler is not None:
+            objects["scheduler"] = self.scheduler
+        if self.step.steps > 1 or self.step.scaler is not None:  # only then has it state
+            objects["accumulator"] = self.step
+        return objects
 
     def _log(self, record: dict[str, Any]) -> None:
         self.history.append(record)

@@ -23,6 +23,7 @@ from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
 from ..workerenv import HEARTBEAT_DIR
+from . import lifeline
 from .logs import RankLogs
 from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
@@ -140,7 +141,9 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
         try:
-            elastic_launch(config, plan.argv[0])(*plan.argv[1:])
+            # Each worker dies with this agent, even when it is SIGKILLed (see lifeline.py).
+            entry, *args = lifeline.wrap(plan.argv, python=plan.argv[0])
+            elastic_launch(config, entry)(*args)
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)
             first = root_cause(failures, plan.run_dir)

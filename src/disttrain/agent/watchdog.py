@@ -139,13 +139,25 @@ def report(host: str, timeout_s: float, stacks: dict[int, str], beats: list[Beat
     lines = [f"disttrain: no progress on {host} for {timeout_s:.0f} s (--hang-timeout); "
              f"where each rank is (innermost call first):"]
     paths = {b.rank: b.stacks for b in beats}
+    pids = {b.rank: b.pid for b in beats}
     for rank in sorted(stacks):
+        if rank in pids and _is_stopped(pids[rank]):  # it cannot answer: say why, not "did not answer"
+            lines.append(f"  rank {rank}: stopped by a signal (SIGSTOP/SIGTSTP, pid {pids[rank]}); "
+                         "it runs on only after SIGCONT   <- the culprit")
+            continue
         # The others wait inside torch for it: the rank stopped in its own code is the culprit.
         mark = "   <- stopped in the script's own code" if _in_own_code(stacks[rank]) else ""
         lines.append(f"  rank {rank}: {where(stacks[rank])}{mark}")
     if paths:
         lines.append(f"  full stacks: {paths[min(paths)].parent}/rank<N>.stacks")
     return "\n".join(lines)
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
 
 
 def _in_own_code(stack_text: str) -> bool:

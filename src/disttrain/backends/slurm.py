@@ -28,6 +28,7 @@ from typing import TextIO
 
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError, UsageError
+from ..private import write_private
 
 SLURM_TIMEOUT_S = 60  # any one sbatch/scontrol/scancel call
 POLL_S = 0.5  # the output files
@@ -213,9 +214,7 @@ def _last_line(text: str) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_private(path, text)  # plans and job steps hold the job's env values
 
 
 def submit(script: str, run_dir: str | os.PathLike, *, env: Mapping[str, str] | None = None) -> SlurmJob:

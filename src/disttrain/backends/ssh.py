@@ -54,5 +54,6 @@ def ssh_argv(
         out += ["-o", option]
     if host.port is not None:
         out += ["-p", str(host.port)]
-    out += [host.destination, "--", remote_command(argv, cwd=cwd, env=env)]
+    # "--" before the destination: nothing after it is read as an ssh option, whatever the name.
+    out += ["--", host.destination, remote_command(argv, cwd=cwd, env=env)]
     return out

@@ -43,7 +43,7 @@ _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
 
 def master_address(host: Host, options: Sequence[str]) -> str:
     """The first host's IPv4 address as ssh resolves it (``~/.ssh/config`` HostName included)."""
-    argv = ["ssh", "-G", *(w for o in options for w in ("-o", o)), host.destination]
+    argv = ["ssh", "-G", *(w for o in options for w in ("-o", o)), "--", host.destination]
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError) as err:

@@ -53,6 +53,11 @@ def _stop_when_stdin_closes() -> None:
 
 
 def handle_agent(args: argparse.Namespace) -> int:
+    from ..agent.lifeline import follow_parent
+
+    # The launcher (ssh session, job runner, srun) gone, even SIGKILLed: stop the workers. Set
+    # before importing torch (seconds), so that a launcher dying meanwhile is not missed.
+    follow_parent(signal.SIGTERM)
     from ..agent.node import run_node
     from ..plan.launch import plan_from_json
 

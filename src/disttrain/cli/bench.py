@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -125,7 +126,7 @@ def finish_parsing(args: argparse.Namespace) -> argparse.Namespace:
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     hosts = hosts_from_args(args)
-    parse_env(args.env)  # a bad --env is reported now, not by the first count
+    parse_env(args.env, os.environ)  # a bad --env is reported now, not by the first count
     flags: list[str] = []
     if args.hosts:
         flags += ["--hosts", args.hosts]

@@ -1,4 +1,4 @@
-"""``disttrain jobs ls | show ID | logs ID [-f] | stop ID``: the job history."""
+"""``disttrain jobs ls | show ID | logs ID [-f] | metrics ID | stop ID``: the job history."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..private import mask_secrets
 from .job import add_store_arg
 
 FOLLOW_POLL_S = 0.3
@@ -40,7 +41,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="seconds to wait for the job to stop before killing its runner (default 30)")
     stop.set_defaults(handler=handle_stop)
 
-    for p in (ls, show, logs, stop):
+    metrics = actions.add_parser("metrics", help="a job's metric series (metric_definitions), as a table, JSON or plot")
+    metrics.add_argument("job", metavar="ID", help="a job id or name")
+    metrics.add_argument("--json", action="store_true", help="every point as JSON: {name: [[time, value], ...]}")
+    metrics.add_argument("--plot", metavar="PNG", default=None, help="draw every series into this PNG")
+    metrics.set_defaults(handler=handle_metrics)
+
+    for p in (ls, show, logs, stop, metrics):
         add_store_arg(p)
 
 
@@ -48,6 +55,13 @@ def _store(args: argparse.Namespace):
     from ..store import JobStore
 
     return JobStore(args.store)
+
+
+def _shown(record) -> dict:
+    """A record as printed: secrets masked, also in records kept before they were masked on write."""
+    data = record.to_dict()
+    data["spec"] = mask_secrets(data["spec"])
+    return data
 
 
 def _when(stamp: float | None) -> str:
@@ -71,7 +85,7 @@ def handle_ls(args: argparse.Namespace) -> int:
     with _store(args) as store:
         records = [refresh(store, r) for r in store.list(args.limit or None)]
     if args.json:
-        print(json.dumps([r.to_dict() for r in records], indent=2))
+        print(json.dumps([_shown(r) for r in records], indent=2))
         return 0
     rows = [("ID", "NAME", "STATE", "CREATED", "DURATION", "EXIT", "INSTANCES")]
     rows += [(str(r.id), r.name, str(r.state), _when(r.created), _took(r),
@@ -87,8 +101,9 @@ def handle_show(args: argparse.Namespace) -> int:
 
     with _store(args) as store:
         record = refresh(store, store.get(args.job))
+        series = store.metric_series(record.id)
     if args.json:
-        print(json.dumps(record.to_dict(), indent=2))
+        print(json.dumps({**_shown(record), "metric_series": series}, indent=2))
         return 0
     fields = [
         ("id", str(record.id)), ("name", record.name), ("state", str(record.state)),
@@ -100,6 +115,7 @@ def handle_show(args: argparse.Namespace) -> int:
     ]
     fields += [(f"{kind} artifact", url) for kind, url in record.artifacts.items()]
     fields.append(("metrics", json.dumps(record.metrics) if record.metrics is not None else "-"))
+    fields += [(f"metric {name}", f"{points[-1][1]:g} (last of {len(points)})") for name, points in sorted(series.items())]
     start = record.events[0][1] if record.events else record.created
     fields.append(("history", ", ".join(f"{state} +{t - start:.1f}s" for state, t in record.events)))
     for key, value in fields:
@@ -108,7 +124,7 @@ def handle_show(args: argparse.Namespace) -> int:
         print("failure:" if record.state == "Failed" else "reason:")
         print("\n".join(f"  {line}" for line in record.failure.splitlines()))
     print("spec:")
-    print("\n".join(f"  {line}" for line in json.dumps(record.spec, indent=2).splitlines()))
+    print("\n".join(f"  {line}" for line in json.dumps(mask_secrets(record.spec), indent=2).splitlines()))
     return 0
 
 
@@ -144,6 +160,28 @@ def _print_from(path: Path, offset: int) -> int:
     sys.stdout.write(data.decode(errors="replace"))
     sys.stdout.flush()
     return offset + len(data)
+
+
+def handle_metrics(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        record = store.get(args.job)
+        series = store.metric_series(record.id)
+    if args.plot:
+        from ..jobs.metrics import plot_series
+
+        plot_series(series, Path(args.plot), title=f"job {record.name}")
+        print(f"wrote {args.plot}")
+    if args.json:
+        print(json.dumps(series))
+    elif not args.plot:
+        if not series:
+            print(f"job {record.name}: no metrics recorded (give metric_definitions)")
+        start = min((points[0][0] for points in series.values()), default=0.0)
+        for name, points in sorted(series.items()):
+            print(f"{name}: {len(points)} point(s), last {points[-1][1]:g}")
+            for t, v in points:
+                print(f"  +{t - start:7.1f}s  {v:g}")
+    return 0
 
 
 def handle_stop(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 
 from ..errors import DisttrainError, UsageError
@@ -59,16 +60,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """``text`` with control characters escaped (``\\n``, ``\\x1b``): a file or script name the
+    user gave may hold a newline or a terminal escape, and a usage error stays one line."""
+    return "".join(ch if ch.isprintable() or (keep_newlines and ch == "\n") else ascii(ch)[1:-1] for ch in text)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.handler(args)
     except DisttrainError as err:
-        print(f"disttrain: error: {err}", file=sys.stderr)
+        print(f"disttrain: error: {printable(str(err), keep_newlines=not isinstance(err, UsageError))}",
+              file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("disttrain: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (`disttrain jobs show 3 | head`): stop quietly with a SIGPIPE status, as
+        # `cat` would; stdout goes to /dev/null so that the exit's own flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from ..net import free_port, port_in_use
 from ..placement import oversubscription_hint
 from ..plan.launch import LaunchPlan, make_plan
 from ..preflight.facts import local_facts
+from ..private import write_private
 from ..runtime import comm
 from ..workerenv import forwarded_env
 from . import slurm_run
@@ -57,8 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None,
                    help="folder for this run's per-rank logs (default: a new run folder under "
                    "$DISTTRAIN_HOME/runs, printed at start)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="set an environment variable for every worker (repeatable)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
+                   help="set an environment variable for every worker (repeatable); KEY alone "
+                   "passes this shell's value, so that a secret is not typed on the command line")
     p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static",
                    help="static (default: node ranks in host order) or c10d (torch's dynamic rendezvous)")
     p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=int, default=120,
@@ -105,7 +107,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         ranks=parse_ranks(args.ranks),
         log_dir=args.log_dir,
         env={**comm.launch_env(args.grad_compression, args.bucket_mb, dist_backend=args.dist_backend,
-                                framework=args.framework), **parse_env(args.env)},
+                                framework=args.framework), **parse_env(args.env, os.environ)},
         rdzv_backend=args.rdzv_backend,
         rdzv_timeout_s=args.rdzv_timeout,
         stop_grace_s=args.stop_grace,
@@ -211,7 +213,7 @@ def handle(args: argparse.Namespace) -> int:
         print(plan.to_json())
         return 0
     make_run_dir(plan.run_dir, given=args.log_dir)
-    (Path(plan.run_dir) / "plan.json").write_text(plan.to_json())
+    write_private(Path(plan.run_dir) / "plan.json", plan.to_json())
     where = ", ".join(node.host for node in plan.nodes)
     kind = "TensorFlow" if plan.framework == "tensorflow" else plan.backend
     print(

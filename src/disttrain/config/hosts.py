@@ -16,11 +16,15 @@ from ..errors import UsageError
 # The rendezvous port on the first host when --master-port is not given (torchrun's default).
 DEFAULT_MULTIHOST_PORT = 29500
 
+# A user or host may not start with "-": ssh would read "-V" or "-oProxyCommand=..." as an option.
 _HOST = re.compile(
-    r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?"
-    r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._-]+))"
-    r"(?::(?P<port>\d+))?$"
+    r"^(?:(?P<user>[A-Za-z0-9._][A-Za-z0-9._-]*)@)?"
+    r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._][A-Za-z0-9._-]*))"
+    r"(?::(?P<port>\d{1,5}))?$"
 )
+SSH_DEFAULT_PORT = 22
+# More processes than any one machine runs; beyond it a slots= value is a typo, not a plan.
+MAX_SLOTS = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +41,9 @@ class Host:
 
 
 def parse_host(text: str, *, slots: int | None = None, where: str = "--hosts") -> Host:
+    if text.strip().startswith("-"):
+        raise UsageError(f"{where}: {text!r} starts with '-', which ssh would read as an option; "
+                         "use [user@]host[:port]")
     match = _HOST.match(text.strip())
     if not match:
         raise UsageError(f"{where}: {text!r} is not a host; use [user@]host[:port]")
@@ -46,12 +53,13 @@ def parse_host(text: str, *, slots: int | None = None, where: str = "--hosts") -
     return Host(name=match["v6"] or match["name"], user=match["user"], port=port, slots=slots)
 
 
-def _unique(hosts: list[Host], where: str) -> tuple[Host, ...]:
-    seen: set[tuple[str, int | None]] = set()
+def unique_hosts(hosts: list[Host], where: str) -> tuple[Host, ...]:
+    """``hosts`` as a tuple, refusing one machine named twice (``node0`` and ``node0:22`` too)."""
+    seen: set[tuple[str, int]] = set()
     for host in hosts:
-        key = (host.name, host.port)
+        key = (host.name.lower(), host.port or SSH_DEFAULT_PORT)
         if key in seen:
-            raise UsageError(f"{where}: host {host.name!r} is listed twice; list each host once")
+            raise UsageError(f"{where}: host {host.name!r} (ssh port {key[1]}) is listed twice; list each host once")
         seen.add(key)
     if not hosts:
         raise UsageError(f"{where}: no hosts given")
@@ -60,14 +68,17 @@ def _unique(hosts: list[Host], where: str) -> tuple[Host, ...]:
 
 def parse_hosts(text: str) -> tuple[Host, ...]:
     """``node0,node1`` or ``root@10.0.0.1:2222,node1``."""
-    return _unique([parse_host(part) for part in text.split(",") if part.strip()], "--hosts")
+    return unique_hosts([parse_host(part) for part in text.split(",") if part.strip()], "--hosts")
 
 
 def parse_hostfile(path: str | Path) -> tuple[Host, ...]:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise UsageError(f"--hostfile {path}: cannot read it ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--hostfile {path}: not UTF-8 text (byte {err.start}); "
+                         "write one [user@]host[:port] [slots=N] per line") from None
     hosts = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
@@ -78,8 +89,11 @@ def parse_hostfile(path: str | Path) -> tuple[Host, ...]:
         slots = None
         for option in options:
             key, _, value = option.partition("=")
-            if key != "slots" or not value.isdigit() or int(value) < 1:
-                raise UsageError(f"{where}: {option!r} is not understood; the only option is slots=N (N >= 1)")
+            if key != "slots" or not value.isascii() or not value.isdigit() or not 1 <= int(value) <= MAX_SLOTS:
+                raise UsageError(f"{where}: {option!r} is not understood; the only option is slots=N "
+                                 f"(1 <= N <= {MAX_SLOTS})")
+            if slots is not None:
+                raise UsageError(f"{where}: slots= is given twice; give it once")
             slots = int(value)
         hosts.append(parse_host(host_text, slots=slots, where=where))
-    return _unique(hosts, str(path))
+    return unique_hosts(hosts, str(path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
@@ -52,12 +53,19 @@ def parse_ranks(raw: str) -> tuple[int, ...] | None:
     return tuple(sorted(ranks))
 
 
-def parse_env(items: list[str]) -> dict[str, str]:
+def parse_env(items: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``--env KEY=VALUE``, or ``--env KEY`` for KEY's value in ``environ`` (the launcher's
+    environment), so that a secret need not be typed where shell history and ``ps`` keep it."""
     env: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not _ENV_NAME.match(key):
-            raise UsageError(f"--env takes KEY=VALUE with a valid variable name, got {item!r}")
+        if not _ENV_NAME.match(key):
+            raise UsageError(f"--env takes KEY=VALUE or KEY with a valid variable name, got {item!r}")
+        if not sep:
+            if environ is None or key not in environ:
+                raise UsageError(f"--env {key}: {key} is not set in this environment; "
+                                 f"export it first or give --env {key}=VALUE")
+            value = environ[key]
         env[key] = value
     return env
 

@@ -38,7 +38,8 @@ class Backend(Protocol):
     def place(self, launch: LaunchSpec, *, instances: tuple[str, ...], run_id: str, run_dir: str,
               paths: list[str], cwd: str) -> Placement: ...
 
-    def launch(self, plan: LaunchPlan, *, cwd: str, transcript: TextIO) -> AgentsOutcome: ...
+    def launch(self, plan: LaunchPlan, *, cwd: str, transcript: TextIO,
+               prefixes: list[list[str]] | None = None) -> AgentsOutcome: ...
 
 
 class LocalBackend:
@@ -60,8 +61,11 @@ class LocalBackend:
         return Placement(plan=plan, ifnames=("lo",) * n, where=(here.hostname,) * n,
                          gpus=(gpus,) * n, cpus=(cpus,) * n)
 
-    def launch(self, plan, *, cwd, transcript) -> AgentsOutcome:
-        commands = [agent_argv(plan, node.node_rank, sys.executable) for node in plan.nodes]
+    def launch(self, plan, *, cwd, transcript, prefixes=None) -> AgentsOutcome:
+        # prefixes: per instance, what runs its agent in a private /opt/ml (jobs.optml), or []
+        prefixes = prefixes or [[] for _ in plan.nodes]
+        commands = [[*prefixes[node.node_rank], *agent_argv(plan, node.node_rank, sys.executable)]
+                    for node in plan.nodes]
         return run_agents(plan, commands, cwd=cwd, transcript=transcript)
 
 
@@ -80,7 +84,8 @@ class SshBackend:
                          where=tuple(h.name for h in self.hosts),
                          gpus=tuple(f["cuda_devices"] for f in facts), cpus=tuple(f["cpus"] for f in facts))
 
-    def launch(self, plan, *, cwd, transcript) -> AgentsOutcome:
+    def launch(self, plan, *, cwd, transcript, prefixes=None) -> AgentsOutcome:
+        # prefixes are always empty here: a private /opt/ml is made for backend local only
         from ..workerenv import forwarded_env
 
         return launch_hosts(plan, self.hosts, python=self.python, options=self.options, cwd=cwd,

@@ -9,7 +9,9 @@
         input/data/<channel>/          linked to a local input, or to the staged copy
         model/                         SM_MODEL_DIR  -> model.tar.gz
         output/data/                   SM_OUTPUT_DATA_DIR -> output.tar.gz
-        output/failure                 the root cause, when the job failed
+        output/intermediate/           SM_OUTPUT_INTERMEDIATE_DIR
+        output/success | failure       how it ended (failure: the root cause)
+        checkpoints/                   checkpoint_local_path (/opt/ml/checkpoints)
       algo-2/ ...
       channels/<channel>/              inputs copied from URLs, once for all instances
       code/                            source_dir when it was a tarball
@@ -63,11 +65,25 @@ class InstancePaths:
         return self.root / "output" / "data"
 
     @property
+    def output_intermediate(self) -> Path:
+        return self.root / "output" / "intermediate"
+
+    @property
     def failure(self) -> Path:
         return self.root / "output" / "failure"
 
+    @property
+    def success(self) -> Path:
+        return self.root / "output" / "success"
+
+    @property
+    def checkpoints(self) -> Path:
+        """``/opt/ml/checkpoints``: checkpoint_local_path's default, synced to checkpoint_s3_uri."""
+        return self.root / "checkpoints"
+
     def create(self) -> None:
-        for folder in (self.config, self.data, self.model, self.output_data):
+        for folder in (self.config, self.data, self.model, self.output_data, self.output_intermediate,
+                       self.checkpoints):
             folder.mkdir(parents=True, exist_ok=True)
 
 

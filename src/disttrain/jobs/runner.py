@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -25,12 +24,15 @@ from ..backends.ssh_launch import AgentsOutcome
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan
+from ..private import write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
+from . import container  # SageMaker's container around the script (hooks marked "container:")
 from .backends import Backend, Placement, make_backend
+from .distribution import parse_distribution, processes_per_instance
 from .layout import JobLayout, instance_names
 from .results import final_metrics, upload_artifacts
-from .sagemaker import hyperparameter_args, sm_env, write_config
-from .spec import JobSpec
+from .sagemaker import hyperparameter_args
+from .spec import JobSpec, check_name
 from .staging import check_inputs, stage_channels, stage_source
 
 
@@ -52,20 +54,25 @@ def jobs_home() -> Path:
     return disttrain_home()
 
 
-def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None) -> JobRecord:
+def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None,
+            job_name: str | None = None) -> JobRecord:
     """Run ``spec`` to the end and return its record (Completed, Failed or Stopped).
 
     Bad input (a missing channel or entry point) raises UsageError before anything is
     recorded; an error after that (staging, launching, uploading) is recorded as the job's
-    failure and raised.
+    failure and raised. ``job_name``: the run's full name (an estimator's ``fit(job_name=)``);
+    default: the spec's name with a timestamp.
     """
+    if job_name is not None:
+        check_name(job_name, "job_name")
     check_inputs(spec)
+    container.preflight(spec)  # container: mpirun, Keras, mount namespace (before anything is recorded)
     backend = make_backend(spec)
     owned = not isinstance(store, JobStore)
     db = JobStore(store) if owned else store
     try:
         home = jobs_home()
-        name = new_job_name(spec.name)
+        name = job_name or new_job_name(spec.name)
         layout = JobLayout(home / "jobs" / name, instance_names(spec.instance_count))
         record = db.create(
             name=name, spec=spec.to_record(), job_dir=str(layout.root), log_dir=str(layout.logs),
@@ -79,32 +86,34 @@ def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None)
 
 
 def launch_spec(spec: JobSpec, layout: JobLayout, cwd: Path) -> LaunchSpec:
-    """What every instance runs: the entry point with the hyperparameters as ``--key value``."""
+    """What every instance runs: the entry point with the hyperparameters as the toolkit passes them.
+
+    container: ``distribution`` sets the processes per instance, and TF_CONFIG only for
+    multi_worker_mirrored_strategy (parameter_server writes its own, see container.instance_plan).
+    """
+    dist = parse_distribution(spec.distribution, framework=spec.framework)
     return LaunchSpec(
         entry=spec.entry_point,
         script_args=tuple(hyperparameter_args(spec.hyperparameters)),
-        nproc_per_node=spec.processes_per_instance,
+        nproc_per_node=processes_per_instance(dist, spec.processes_per_instance),
         max_restarts=spec.max_restarts,
         env=dict(spec.env),
         log_dir=str(layout.logs),
         checkpoint_dir=str(layout.checkpoints),
-        framework=spec.framework,
+        framework="tensorflow" if dist.kind == "multi_worker_mirrored_strategy" else "pytorch",
     )
 
 
 def with_sagemaker_env(spec: JobSpec, layout: JobLayout, placement: Placement, cwd: Path) -> LaunchPlan:
-    """Instance K (the plan's node K) gets SageMaker's SM_* variables and its /opt/ml config files."""
-    nodes = []
-    for node, host, ifname, gpus, cpus in zip(placement.plan.nodes, layout.hosts, placement.ifnames,
-                                              placement.gpus, placement.cpus):
-        write_config(layout.instance(host), host=host, hosts=layout.hosts, ifname=ifname,
-                     hyperparameters=spec.hyperparameters, channels=spec.inputs)
-        sagemaker = sm_env(layout=layout, host=host, hyperparameters=spec.hyperparameters,
-                           channels=spec.inputs, entry_point=spec.entry_point, source_dir=str(cwd),
-                           num_gpus=gpus, num_cpus=cpus, ifname=ifname)
-        # The spec's own env wins, as --env does for `disttrain run`.
-        nodes.append(replace(node, env={**node.env, **sagemaker, **spec.env}))
-    return replace(placement.plan, nodes=tuple(nodes))
+    """Instance K (the plan's node K) gets SageMaker's SM_* variables and its /opt/ml config files
+    (the Slurm path: no private /opt/ml)."""
+    venv_python = layout.root / "venv" / "bin" / "python"  # requirements.txt was installed (container.prepare)
+    ready = container.Prepared(distribution=parse_distribution(spec.distribution, framework=spec.framework),
+                               python=str(venv_python) if venv_python.exists() else None)
+    plan, _ = container.instance_plan(spec, layout, placement.plan, job_name=placement.plan.run_id, cwd=cwd,
+                                      ready=ready, ifnames=placement.ifnames, gpus=placement.gpus,
+                                      cpus=placement.cpus)
+    return plan
 
 
 def _started() -> float:
@@ -119,6 +128,8 @@ class _Run:
         self.spec, self.store, self.record, self.layout = spec, store, record, layout
         self.backend, self.output_path = backend, output_path
         self.transcript: TextIO | None = None
+        self.ready: container.Prepared | None = None
+        self.watch: container.Watch | None = None
 
     @property
     def id(self) -> int:
@@ -153,10 +164,14 @@ class _Run:
                  f"{spec.backend} backend; job dir: {layout.root}")
         cwd = stage_source(spec, layout)
         stage_channels(spec, layout, self.say)
+        self.ready = container.prepare(spec, layout, cwd, self.say)  # container: venv, checkpoints, /opt/ml
         if spec.backend == "slurm":
             from .slurm import submit_and_follow  # the instances are placed inside the allocation
 
-            outcome = submit_and_follow(self, cwd)
+            # container: metrics, checkpoint sync and max_run (which here also counts time in the queue)
+            self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
+            with self.watch:
+                outcome = submit_and_follow(self, cwd)
         else:
             outcome = self._place_and_launch(cwd)
         return self._finish(outcome)
@@ -167,17 +182,32 @@ class _Run:
             launch_spec(spec, layout, cwd), instances=layout.hosts, run_id=self.record.name,
             run_dir=str(layout.logs), paths=[str(cwd / spec.entry_point), str(layout.root)], cwd=str(cwd),
         )
-        plan = with_sagemaker_env(spec, layout, placement, cwd)
-        (layout.logs / "plan.json").write_text(plan.to_json())
+        plan, prefixes = container.instance_plan(  # container: SM_* contract, distribution, private /opt/ml
+            spec, layout, placement.plan, job_name=self.record.name, cwd=cwd, ready=self.ready,
+            ifnames=placement.ifnames, gpus=placement.gpus, cpus=placement.cpus)
+        write_private(layout.logs / "plan.json", plan.to_json())
         hosts = [{"instance": i, "host": w} for i, w in zip(layout.hosts, placement.where)]
         self.store.transition(self.id, JobState.RUNNING, hosts=hosts)
-        self.say(f"disttrain: {plan.world_size} worker(s) ({plan.backend}) on {', '.join(layout.hosts)}, "
+        how = {"mpi": "mpirun", "none": "once per instance"}.get(self.ready.distribution.kind, plan.backend)
+        self.say(f"disttrain: {plan.world_size} worker(s) ({how}) on {', '.join(layout.hosts)}, "
                  f"rendezvous {plan.master_addr}:{plan.master_port}; logs: {layout.logs}")
-        return self.backend.launch(plan, cwd=str(cwd), transcript=self.transcript)
+        self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
+        with self.watch:  # container: metrics, checkpoint sync, max_run
+            if self.ready.distribution.kind == "mpi":  # container: mpirun instead of the agents
+                return container.launch_mpi(plan, prefixes, layout=layout, spec=spec, ready=self.ready, cwd=cwd,
+                                            transcript=self.transcript)
+            return self.backend.launch(plan, cwd=str(cwd), transcript=self.transcript, prefixes=prefixes)
 
     def _finish(self, outcome: AgentsOutcome) -> JobRecord:
         layout = self.layout
         metrics = final_metrics(layout.logs)
+        series = self.store.metric_series(self.id)
+        if series:  # container: metric_definitions' last values
+            metrics = {**(metrics or {}), **{name: points[-1][1] for name, points in series.items()}}
+        container.write_events(layout, series)
+        timed_out = self.watch.failure() if self.watch else None
+        if timed_out:
+            return self._end(JobState.FAILED, outcome.exit_code or 1, metrics=metrics, failure=timed_out)
         if outcome.signal:
             return self._end(JobState.STOPPED, outcome.exit_code, metrics=metrics,
                              failure=f"stopped by {signal.Signals(outcome.signal).name}")
@@ -188,6 +218,7 @@ class _Run:
         self.store.transition(self.id, JobState.UPLOADING, metrics=metrics)
         artifacts = upload_artifacts(layout, output_path=self.output_path, job_name=self.record.name,
                                      storage_options=self.spec.storage_options)
+        container.mark_success(layout)
         return self._end(JobState.COMPLETED, 0, metrics=metrics, artifacts=artifacts)
 
     def _end(self, state: JobState, exit_code: int, *, failure: str | None = None, **fields) -> JobRecord:

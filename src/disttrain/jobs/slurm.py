@@ -57,7 +57,7 @@ def submit_and_follow(run: _Run, cwd: Path) -> AgentsOutcome:
     python = spec.python or sys.executable
     step = layout.logs / STEP_FILE
     _write_atomic(step, json.dumps({"name": run.record.name, "job_dir": str(layout.root), "cwd": str(cwd),
-                                    "spec": spec.to_record()}, indent=2))
+                                    "spec": spec.to_dict()}, indent=2))  # whole: the step runs it
     script = render_sbatch(LaunchSpec(entry=spec.entry_point), spec.slurm_options(job_name=run.record.name),
                            run_dir=str(layout.logs), python=python, cwd=str(cwd),
                            command=[python, "-m", "disttrain", "job", "_in-allocation", str(step)])

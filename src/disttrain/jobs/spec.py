@@ -9,15 +9,17 @@ from any working directory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config.hosts import parse_host
+from ..config.hosts import parse_host, unique_hosts
 from ..errors import UsageError
+from ..private import mask_secrets
 
 FRAMEWORKS = ("pytorch", "tensorflow")
 BACKENDS = ("local", "ssh", "slurm")
@@ -36,7 +38,6 @@ MAX_BASE_NAME = 63 - RUN_SUFFIX_LEN
 _CHANNEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 _HP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SECRET = re.compile(r"key|secret|token|password|credential", re.I)
 
 
 def is_url(location: str) -> bool:
@@ -77,6 +78,14 @@ class JobSpec:
     # Passed to fsspec for inputs and output_path, e.g. {"anon": true} for a public bucket.
     # An S3-compatible endpoint is set the AWS way: AWS_ENDPOINT_URL in the environment.
     storage_options: dict[str, Any] = field(default_factory=dict)
+    # --- SageMaker estimator arguments (disttrain.sagemaker; usable in YAML too) ---
+    instance_type: str = "local"  # local, local_gpu or ml.*: all run on the placement above
+    distribution: dict[str, Any] = field(default_factory=dict)  # see jobs/distribution.py
+    max_run: int | None = None  # seconds; then the job is stopped and Failed (MaxRuntimeExceeded)
+    metric_definitions: list[dict[str, str]] = field(default_factory=list)  # [{Name, Regex}]
+    checkpoint_s3_uri: str | None = None  # any fsspec URL, restored before and synced during the job
+    checkpoint_local_path: str | None = None  # default /opt/ml/checkpoints (the instance's own)
+    private_opt_ml: str = "auto"  # auto | required | off: each instance sees its folder at /opt/ml
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -112,8 +121,9 @@ class JobSpec:
             raise UsageError("slurm is only used with backend: slurm")
         if self.backend == "slurm":
             self.slurm_options(job_name=self.name)  # checked now, naming the key
-        for index, host in enumerate(self.hosts):
-            parse_host(_string(f"hosts[{index}]", host), where=f"hosts[{index}]")
+        if self.hosts:
+            unique_hosts([parse_host(_string(f"hosts[{index}]", host), where=f"hosts[{index}]")
+                          for index, host in enumerate(self.hosts)], "hosts")
         if self.backend == "ssh":
             if not self.hosts:
                 raise UsageError("backend ssh needs hosts: a list like [node0, user@node1:2222]")
@@ -138,6 +148,25 @@ class JobSpec:
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             raise UsageError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         _mapping("storage_options", self.storage_options)
+        self._check_sagemaker()
+
+    def _check_sagemaker(self) -> None:
+        from .distribution import parse_distribution
+        from .metrics import check_definitions
+
+        _string("instance_type", self.instance_type)
+        _mapping("distribution", self.distribution)
+        parse_distribution(self.distribution, framework=self.framework)
+        if self.max_run is not None and (not _is_int(self.max_run) or self.max_run < 1):
+            raise UsageError(f"max_run must be a positive number of seconds, got {self.max_run!r}")
+        check_definitions(self.metric_definitions)
+        if self.checkpoint_s3_uri is not None:
+            _string("checkpoint_s3_uri", self.checkpoint_s3_uri)
+        if self.checkpoint_local_path is not None and not Path(
+                _string("checkpoint_local_path", self.checkpoint_local_path)).is_absolute():
+            raise UsageError(f"checkpoint_local_path must be an absolute path like /opt/ml/checkpoints, "
+                             f"got {self.checkpoint_local_path!r}")
+        _choice("private_opt_ml", self.private_opt_ml, ("auto", "required", "off"))
 
     def slurm_options(self, *, job_name: str):
         """The sbatch request: one node per instance, and the ``slurm`` keys."""
@@ -172,10 +201,9 @@ class JobSpec:
         return data
 
     def to_record(self) -> dict[str, Any]:
-        """:meth:`to_dict` for the job history: credentials in storage_options are not kept."""
-        data = self.to_dict()
-        data["storage_options"] = {k: "***" if _SECRET.search(k) else v for k, v in self.storage_options.items()}
-        return data
+        """:meth:`to_dict` for the job history: values of secret-looking keys (env, nested
+        storage_options, hyperparameters) are not kept."""
+        return mask_secrets(self.to_dict())
 
 
 KNOWN_KEYS = tuple(f.name for f in dataclasses.fields(JobSpec))
@@ -213,20 +241,45 @@ def spec_from_mapping(data: Any, *, base_dir: str | os.PathLike, source: str = "
 
 
 def load_spec(path: str | os.PathLike) -> JobSpec:
-    """Read a YAML job spec."""
+    """Read a YAML job spec: UTF-8, each key once, nested no deeper than a person would write."""
     import yaml
 
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise UsageError(f"cannot read job spec {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{path}: not UTF-8 text (byte {err.start}); save the job spec as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise UsageError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    except RecursionError:
+        raise UsageError(f"{path}: nested too deeply to be a job spec") from None
     return spec_from_mapping(data, base_dir=Path(path).resolve().parent, source=str(path))
+
+
+@functools.cache
+def _unique_key_loader() -> type:
+    """PyYAML's SafeLoader, refusing a key given twice (plain PyYAML keeps the last silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, Hashable):
+                    continue  # PyYAML itself refuses an unhashable key, in its words
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice; give it once", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def _local_absolute(value: Any, base: Path, key: str) -> Any:

@@ -8,6 +8,8 @@ model=model, optimizer=opt)``. The layout is described in :mod:`.checkpoint_layo
 from __future__ import annotations
 
 import pickle
+import re
+import threading
 import time
 import warnings
 from collections import OrderedDict
@@ -19,19 +21,25 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DisttrainError, UsageError
+from . import sharded
 from .checkpoint_layout import (
     MARKER,
+    SHARDED_DIR,
     STATE_FILE,
     CheckpointLayout,
+    begin,
     commit,
+    discard,
     listed_files,
     prune,
+    publish,
+    read_marker,
     write_durably,
 )
 from .context import Context, context
 from .data import unwrap
 
-__all__ = ["save", "load_latest", "latest", "CheckpointLayout"]
+__all__ = ["save", "load_latest", "latest", "export", "wait", "CheckpointLayout"]
 
 # What torch.load(weights_only=True) accepts back, so save() can refuse the rest up front.
 # Exact types: a subclass (an IntEnum, a named tuple) is pickled by class name and refused.
@@ -41,7 +49,8 @@ _PLAIN_CONTAINERS = {dict, OrderedDict, list, tuple}
 
 
 def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3,
-         rank_state: dict[str, Any] | None = None, **state: Any) -> Path | None:
+         rank_state: dict[str, Any] | None = None, asynchronous: bool = False,
+         **state: Any) -> Path | None:
     """Save ``state`` as the checkpoint for ``step``; call it on every rank.
 
     Objects with ``state_dict()`` (model -- DDP or compiled --, optimizer, scheduler) are
@@ -54,6 +63,13 @@ def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3
     ``rank_state`` holds what differs between ranks (their RNG states): plain values,
     passed by every rank or by none. Rank 0 gathers them and writes one file per rank
     into the same directory, so they are committed with the rest or not at all.
+
+    A model prepared with ``strategy="fsdp"`` (and the optimizers saved with it) is saved
+    through ``torch.distributed.checkpoint``: every rank writes its own shard, and a
+    checkpoint resumes on any number of ranks. ``asynchronous=True`` (sharded models only)
+    returns once the state is copied, and the files are written while training goes on;
+    the checkpoint counts (gets its marker) when all are written. The next save, and the
+    end of the process, wait for it; so does :func:`wait`.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise UsageError(f"checkpoint.save(step={step!r}): step must be an integer >= 0")
@@ -67,17 +83,28 @@ def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3
     if rank_state is not None:
         _check_saveable("rank_state", rank_state, plain_only=True)
     rank_states = _gather(ctx, rank_state)
+    wait()  # an asynchronous checkpoint still being written comes first
+    by_shard = sharded.split(state, ctx.runtime)
+    if by_shard:
+        return _save_sharded(layout, step, keep_last, state, by_shard, rank_states, ctx,
+                             asynchronous=asynchronous)
+    if asynchronous:
+        raise UsageError("checkpoint.save(asynchronous=True) writes sharded models only "
+                         "(prepare(..., strategy='fsdp')); drop it for this model")
     path, error, failure = None, None, None
     if ctx.is_main:
         try:
             payload = {"step": step, **{name: _saveable(v) for name, v in state.items()}}
             path = _write(layout, step, payload, rank_states, ctx)
             prune(layout, keep_last)
-        except OSError as err:
-            error = _write_error(layout.root, err)
-            failure = err
         except Exception as err:  # re-raised below, once the other ranks know
-            error, failure = f"{type(err).__name__}: {err}", err
+            # torch.save turns a full disk into "RuntimeError ... unexpected pos": the OSError
+            # behind it (ENOSPC) is what the user needs to hear about.
+            os_error = _os_error(err)
+            if os_error is not None:
+                error, failure = _write_error(layout.root, os_error), os_error
+            else:
+                error, failure = f"{type(err).__name__}: {err}", err
     # The broadcast is also the barrier: no rank returns before the checkpoint exists.
     error = _from_main(ctx, error)
     if isinstance(failure, OSError):
@@ -106,6 +133,8 @@ def load_latest(directory: str | PathLike[str], *, map_location: Any = None,
     ctx = context()
     layout = CheckpointLayout(Path(directory))
     location = "cpu" if map_location is None else map_location
+    wait()  # a checkpoint this process is still writing must not be half-read
+    by_shard = sharded.split(objects, ctx.runtime)
     candidates = _complete(layout)
     step, state = _load_newest(candidates, ctx.rank, location, weights_only)
     agreed = _agree_on_step(ctx, -1 if step is None else step, layout.root)
@@ -119,9 +148,33 @@ def load_latest(directory: str | PathLike[str], *, map_location: Any = None,
         if state is None:
             raise DisttrainError(
                 f"rank {ctx.rank} cannot read checkpoint step {agreed} in {layout.root}")
+    path = layout.step_dir(agreed)
+    _check_strategy(path, "fsdp" if by_shard else "ddp")
     for name, obj in objects.items():
-        _restore(name, obj, state, layout.step_dir(agreed))
+        if name not in by_shard:
+            _restore(name, obj, state, path)
+    if by_shard:
+        sharded.read(by_shard, path / SHARDED_DIR)
     return state
+
+
+def _check_strategy(path: Path, expected: str) -> None:
+    """A sharded checkpoint holds no model in ``state.pt``, an unsharded one no shards:
+    loading across strategies would fail deep in torch, so say it plainly."""
+    try:
+        written = read_marker(path).get("strategy", "ddp")
+    except (OSError, ValueError) as err:
+        raise DisttrainError(f"cannot read checkpoint {path}/{MARKER}: {err}") from err
+    if written != expected:
+        raise UsageError(
+            f"checkpoint {path} was written with strategy={written!r} but this run prepares "
+            f"the model with strategy={expected!r}: pass strategy={written!r} to prepare() "
+            "to resume it, or use a new checkpoint directory")
+
+
+def holds_sharded(objects: dict[str, Any]) -> bool:
+    """Whether saving ``objects`` writes a sharded checkpoint (an FSDP model among them)."""
+    return bool(sharded.split(objects, context().runtime))
 
 
 def latest(directory: str | PathLike[str]) -> Path | None:
@@ -183,16 +236,170 @@ def _gather(ctx: Context, rank_state: dict | None) -> list[dict] | None:
 def _write(layout: CheckpointLayout, step: int, payload: dict, rank_states: list[dict] | None,
            ctx: Context) -> Path:
     def write_files(directory: Path) -> list[str]:
-        write_durably(directory / STATE_FILE, lambda f: torch.save(payload, f))
-        files = [STATE_FILE]
-        for rank, values in enumerate(rank_states or ()):
-            name = layout.rank_file(rank)
-            write_durably(directory / name, lambda f, v=values: torch.save(v, f))
-            files.append(name)
-        return files
+        return _write_plain(layout, directory, payload, rank_states)
 
-    meta = {"world_size": ctx.world_size, "time": time.time(), "torch": torch.__version__}
-    return commit(layout, step, write_files, meta)
+    return commit(layout, step, write_files, _meta(ctx, "ddp", []))
+
+
+def _meta(ctx: Context, strategy: str, sharded_names: list[str]) -> dict:
+    return {"world_size": ctx.world_size, "time": time.time(), "torch": torch.__version__,
+            "strategy": strategy, "sharded": sharded_names}
+
+
+def _write_plain(layout: CheckpointLayout, directory: Path, payload: dict,
+                 rank_states: list[dict] | None) -> list[str]:
+    write_durably(directory / STATE_FILE, lambda f: torch.save(payload, f))
+    files = [STATE_FILE]
+    for rank, values in enumerate(rank_states or ()):
+        name = layout.rank_file(rank)
+        write_durably(directory / name, lambda f, v=values: torch.save(v, f))
+        files.append(name)
+    return files
+
+
+def _save_sharded(layout: CheckpointLayout, step: int, keep_last: int | None,
+                  state: dict[str, Any], by_shard: dict[str, Any],
+                  rank_states: list[dict] | None, ctx: Context, *,
+                  asynchronous: bool) -> Path | None:
+    """Every rank writes its shards into rank 0's temporary directory; rank 0 adds the
+    plain values, then the marker, then renames -- after every rank's write succeeded."""
+    temp, error = None, None
+    if ctx.is_main:
+        try:
+            temp = begin(layout, step)
+            plain = {name: v for name, v in state.items() if name not in by_shard}
+            payload = {"step": step, **{name: _saveable(v) for name, v in plain.items()}}
+            files = _write_plain(layout, temp, payload, rank_states)
+        except OSError as err:
+            error = _write_error(layout.root, err)
+            if temp is not None:
+                discard(temp)
+    box = _from_main(ctx, (None if temp is None else str(temp), error))
+    if box[1] is not None:
+        raise DisttrainError(box[1])
+    target = Path(box[0]) / SHARDED_DIR
+    meta = _meta(ctx, "fsdp", sorted(by_shard))
+
+    def finish() -> Path | None:
+        if not ctx.is_main:
+            return None
+        final = publish(layout, step, Path(box[0]), [*files, SHARDED_DIR], meta)
+        prune(layout, keep_last)
+        return final
+
+    if asynchronous:
+        group = _async_group(ctx)
+        future = sharded.write_async(by_shard, target, group)
+        ctx.runtime.pending_save = _PendingSave(future, finish, Path(box[0]), ctx.is_main)
+        return layout.step_dir(step) if ctx.is_main else None
+    failure = None
+    try:
+        sharded.write(by_shard, target)  # raises on every rank when any rank failed
+    except sharded.FAILURES as err:
+        failure = err
+    path, error = None, None
+    if ctx.is_main and failure is not None:
+        discard(Path(box[0]))
+        error = f"cannot write a checkpoint in {layout.root}: {sharded.first_line(failure)}"
+    elif ctx.is_main:
+        try:
+            path = finish()
+        except OSError as err:
+            error = _write_error(layout.root, err)
+    error = _from_main(ctx, error)
+    if error is not None:
+        raise DisttrainError(error) from failure
+    return path
+
+
+class _PendingSave:
+    """An asynchronous sharded checkpoint: DCP's future, and rank 0's commit after it."""
+
+    def __init__(self, future: Any, finish: Any, temp: Path, is_main: bool) -> None:
+        self._future = future
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._temp = temp
+        # Rank 0 commits as soon as the files are written, not at the next save: a run
+        # killed in between keeps this checkpoint.
+        if is_main:
+            threading.Thread(target=self._commit, args=(finish,), daemon=True,
+                             name="disttrain-checkpoint-commit").start()
+        else:
+            self._done.set()
+
+    def _commit(self, finish: Any) -> None:
+        try:
+            self._future.result()
+            finish()
+        except BaseException as err:
+            self._error = err
+            discard(self._temp)
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        self._future.result()
+        self._done.wait()
+        if self._error is not None:
+            raise DisttrainError(f"the asynchronous checkpoint in {self._temp.parent} was not "
+                                 f"written: {self._error}") from self._error
+
+
+def wait() -> None:
+    """Wait until an asynchronous checkpoint is written and committed (if one is)."""
+    runtime = context().runtime
+    pending, runtime.pending_save = runtime.pending_save, None
+    if pending is not None:
+        pending.wait()
+
+
+def _async_group(ctx: Context) -> Any:
+    """A gloo group of its own for the background writes' collectives, so that they never
+    interleave with the training's on the default group."""
+    if not ctx.distributed:
+        return None
+    if ctx.runtime.async_group is None:
+        ctx.runtime.async_group = dist.new_group(backend="gloo")
+    return ctx.runtime.async_group
+
+
+def export(path: str | PathLike[str], model: Any) -> Path | None:
+    """Write ``model``'s whole state dict to the single file ``path`` (for inference);
+    call it on every rank: a sharded model is gathered, rank 0 writes. Returns ``path`` on
+    rank 0. The file is written under a temporary name and renamed, so a crash leaves no
+    half-written file; ``torch.load(path, weights_only=True)`` reads it back."""
+    ctx = context()
+    target = Path(path)
+    prepared = ctx.runtime.prepared(model)
+    if prepared is not None and prepared.strategy == "fsdp":
+        full = sharded.full_model_state(model)
+    else:
+        full = unwrap(model).state_dict() if ctx.is_main else {}
+    error = None
+    if ctx.is_main:
+        temp = target.with_name(f".{target.name}.tmp")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_durably(temp, lambda f: torch.save(full, f))
+            temp.replace(target)
+        except OSError as err:
+            temp.unlink(missing_ok=True)
+            error = f"cannot write {target}: {err.strerror or err}"
+    error = _from_main(ctx, error)
+    if error is not None:
+        raise DisttrainError(error)
+    return target if ctx.is_main else None
+
+
+def _os_error(err: BaseException | None) -> OSError | None:
+    """``err`` itself or the OSError it was raised while handling (torch wraps them)."""
+    seen = 0
+    while err is not None and seen < 10:
+        if isinstance(err, OSError):
+            return err
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
 
 
 def _write_error(root: Path, err: OSError) -> str:
@@ -202,7 +409,8 @@ def _write_error(root: Path, err: OSError) -> str:
     return f"cannot write checkpoint directory {root}{where}: {err.strerror or err}"
 
 
-def _from_main(ctx: Context, error: str | None) -> str | None:
+def _from_main(ctx: Context, error: Any) -> Any:
+    """Rank 0's ``error`` (any picklable value) on every rank; also a barrier."""
     if not ctx.distributed:
         return error
     box = [error]
@@ -221,7 +429,7 @@ def _load(path: Path, rank: int, location: Any, weights_only: bool) -> dict | No
             f"skipping checkpoint {path}: {STATE_FILE} is not a disttrain state", stacklevel=3)
         return None
     try:
-        rank_files = [name for name in listed_files(path) if name != STATE_FILE]
+        rank_files = [name for name in listed_files(path) if name.startswith("rank_")]
     except (OSError, ValueError) as err:
         warnings.warn(f"skipping checkpoint {path}: unreadable {MARKER}: {err}", stacklevel=3)
         return None
@@ -245,14 +453,17 @@ def _load_file(path: Path, name: str, location: Any, weights_only: bool) -> Any:
         return torch.load(path / name, map_location=location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         message = str(err)
-        if weights_only and "Unsupported global" in message:
-            # Refused, not damaged: falling back would quietly skip a checkpoint that
-            # holds code to run, hostile or not; the user must decide.
-            reason = message[message.index("Unsupported global"):].split(". ")[0]
+        # A pickle runs code only through a global it imports: naming one is a refusal, not
+        # damage (torch words it "Unsupported global: GLOBAL x" or "... GLOBAL x whose module
+        # y is blocked"). Falling back to an older checkpoint would quietly hide that this one
+        # holds code to run, hostile or not; the user must decide.
+        wanted = re.search(r"GLOBAL ([\w.]+)", message) if weights_only else None
+        if wanted:
             raise DisttrainError(
-                f"checkpoint {path} holds objects that weights_only=True refuses to load "
-                f"({reason}); if you trust it, pass weights_only=False to load_latest()"
-            ) from err
+                f"checkpoint {path / name} refused: it tries to load {wanted[1]}, which weights_only=True blocks (nothing was "
+                f"run); to resume from an older one, move {path.name} out of {path.parent}; if you trust it, "
+                "pass weights_only=False"
+            ) from None
         warnings.warn(
             f"skipping damaged checkpoint {path}: {message.splitlines()[0]}", stacklevel=3)
         return None
@@ -293,4 +504,11 @@ def _restore(name: str, obj: Any, state: dict, path: Path) -> None:
     if name not in state:
         held = ", ".join(sorted(k for k in state if k != "step")) or "nothing else"
         raise DisttrainError(f"checkpoint {path} has no {name!r} to restore (it holds {held})")
-    target.load_state_dict(state[name])
+    try:
+        target.load_state_dict(state[name])
+    except (RuntimeError, ValueError, KeyError) as err:
+        # torch lists every missing and unexpected key over many lines: one is enough.
+        raise DisttrainError(
+            f"checkpoint {path} holds a {name!r} that does not fit this "
+            f"{type(target).__name__} ({sharded.first_line(err)}): resume from this "
+            "model's own checkpoint directory, or start a new one") from err

@@ -7,6 +7,8 @@
             state.pt            what rank 0 saved (model, optimizer, ..., step)
             rank_00000.pt       each rank's own values (RNG states), when saved with them
             rank_00001.pt
+            sharded/            FSDP models and their optimizers: torch.distributed.checkpoint,
+                                one file per rank written by that rank (strategy "fsdp")
             COMPLETE            marker, written last; JSON metadata listing the files
         .tmp-step_00000200-4242/   being written by process 4242; never read
 
@@ -14,7 +16,8 @@ A step directory counts only when it holds the marker, and it only gets its fina
 through ``os.rename`` after everything in it was written and fsynced, so a crash at any
 point leaves either the old set of checkpoints or the new one. Rank 0 writes every file,
 the per-rank ones included (gathered from the other ranks first), so one rename commits
-them together.
+them together -- except the shards of a sharded model, which each rank writes into rank
+0's temporary directory before rank 0 writes the marker and renames.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from typing import BinaryIO
 
 STATE_FILE = "state.pt"
 MARKER = "COMPLETE"
+# torch.distributed.checkpoint's directory (every rank's shard plus .metadata), in
+# checkpoints of sharded models only.
+SHARDED_DIR = "sharded"
 FORMAT = 1
 
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -111,19 +117,38 @@ def commit(layout: CheckpointLayout, step: int, write_files: Callable[[Path], li
     comes after them, and the rename last. A checkpoint already at this step (a resumed run
     saving the same step again) is replaced.
     """
+    temp = begin(layout, step)
+    try:
+        files = write_files(temp)
+    except BaseException:
+        discard(temp)
+        raise
+    return publish(layout, step, temp, files, meta)
+
+
+def begin(layout: CheckpointLayout, step: int) -> Path:
+    """A fresh temporary directory for the checkpoint of ``step``."""
     layout.root.mkdir(parents=True, exist_ok=True)
     temp = layout.temp_dir(step)
     if temp.exists():  # a previous writer with our pid (pid reuse) died here
         shutil.rmtree(temp)
     temp.mkdir()
+    return temp
+
+
+def discard(temp: Path) -> None:
+    # A full disk is the usual cause of a failed write: give the space back now.
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def publish(layout: CheckpointLayout, step: int, temp: Path, files: list[str], meta: dict) -> Path:
+    """Mark the checkpoint written in ``temp`` complete and give it its final name."""
     try:
-        files = write_files(temp)
         marker = json.dumps({"format": FORMAT, "step": step, "files": files, **meta}, indent=1)
         write_durably(temp / MARKER, lambda f: f.write(marker.encode()))
         _fsync_dir(temp)
     except BaseException:
-        # A full disk is the usual cause: give the space back now, not at the next save.
-        shutil.rmtree(temp, ignore_errors=True)
+        discard(temp)
         raise
     final = layout.step_dir(step)
     if final.exists():
@@ -138,9 +163,17 @@ def commit(layout: CheckpointLayout, step: int, write_files: Callable[[Path], li
     return final
 
 
+def read_marker(path: Path) -> dict:
+    """The metadata in the marker of the checkpoint in ``path``."""
+    meta = json.loads((path / MARKER).read_text())
+    if not isinstance(meta, dict):
+        raise ValueError("not a JSON object")
+    return meta
+
+
 def listed_files(path: Path) -> list[str]:
     """The file names the marker of the checkpoint in ``path`` lists."""
-    return list(json.loads((path / MARKER).read_text()).get("files", []))
+    return list(read_marker(path).get("files", []))
 
 
 def prune(layout: CheckpointLayout, keep_last: int | None) -> list[Path]:

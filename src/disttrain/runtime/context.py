@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -21,6 +21,7 @@ from ..errors import DisttrainError
 from ..placement import choose_backend, choose_device
 from ..workerenv import CONNECT_TIMEOUT, WorkerEnv
 from . import heartbeat
+from .state import Runtime
 
 CONNECT_FAILED_EXIT = 75  # EX_TEMPFAIL: the network, not the script, is at fault
 
@@ -82,6 +83,9 @@ class Context:
     backend: str | None  # None for a world of one: there is no process group
     is_main: bool
     distributed: bool
+    # What the runtime remembers (prepared models, tracked loaders, the training state):
+    # mutable, so outside equality; it lives and dies with this context.
+    runtime: Runtime = field(default_factory=Runtime, compare=False, repr=False)
 
 
 def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) -> Context:
@@ -111,12 +115,25 @@ def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) ->
     )
 
 
+# The one module global of the runtime: the context, which owns all other state.
 _current: Context | None = None
-# Only a group this module created is destroyed by shutdown(); a user's own stays theirs.
-_owns_group = False
 _atexit_registered = False
 # Long enough for a descheduled gloo thread to run; exit is slower by this much, once.
 _DRAIN_S = 0.1
+
+
+class _OneLineErrors:
+    """An uncaught DisttrainError (a refused checkpoint, a full disk) is one line, as the CLI
+    prints it: its message is the whole story, a traceback through disttrain's code is noise."""
+
+    def __init__(self, previous) -> None:
+        self.previous = previous
+
+    def __call__(self, kind, value, tb) -> None:
+        if isinstance(value, DisttrainError):
+            print(f"disttrain: error: {value}", file=sys.stderr, flush=True)
+        else:
+            self.previous(kind, value, tb)
 
 
 def init(*, backend: str | None = None, timeout_s: float | None = None) -> Context:
@@ -128,7 +145,7 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
     A plain ``python train.py`` is a world of one: nothing is set up.
     Later calls return the first Context; their arguments are ignored.
     """
-    global _current, _owns_group, _atexit_registered
+    global _current, _atexit_registered
     if _current is not None:
         if backend is not None and _current.backend not in (None, backend):
             warnings.warn(
@@ -159,8 +176,10 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
                                         world_size=env.world_size, timeout=timeout, **extra)
         if env.run_dir:
             sys.excepthook = hook
-        _owns_group = True
+        ctx.runtime.owns_group = True
     heartbeat.start(env)
+    if env.run_dir and not isinstance(sys.excepthook, _OneLineErrors):  # under disttrain's launcher
+        sys.excepthook = _OneLineErrors(sys.excepthook)
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
@@ -171,6 +190,11 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
 def context() -> Context:
     """The current :class:`Context`, initialising with defaults on first use."""
     return _current if _current is not None else init()
+
+
+def current_runtime() -> Runtime | None:
+    """The current context's runtime state, or None before :func:`init` (initialises nothing)."""
+    return _current.runtime if _current is not None else None
 
 
 def current_rank() -> int:
@@ -194,13 +218,27 @@ def shutdown() -> None:
     has failed, a barrier would hang this one for the whole process-group timeout, and
     its own work object would need draining too.
     """
-    global _current, _owns_group
+    global _current
+    owns_group = _current is not None and _current.runtime.owns_group
+    if _current is not None:
+        _finish_pending(_current.runtime)
     threads_may_run = dist.is_initialized() or (_current is not None and _current.distributed)
     if threads_may_run:
         gc.collect()
-    if _owns_group and dist.is_initialized():
+    if owns_group and dist.is_initialized():
         dist.destroy_process_group()
     if threads_may_run:
         time.sleep(_DRAIN_S)
-    _owns_group = False
     _current = None
+
+
+def _finish_pending(runtime: Runtime) -> None:
+    """Wait for an asynchronous checkpoint still being written, so that exiting does not
+    cut it short (it would not count, but the run would lose its last checkpoint)."""
+    pending, runtime.pending_save = runtime.pending_save, None
+    if pending is not None:
+        try:
+            pending.wait()
+        except Exception as err:  # the process is ending: say so, do not raise from atexit
+            sys.stderr.write(f"disttrain: rank {current_rank()}: the last checkpoint was not "
+                             f"written: {err}\n")

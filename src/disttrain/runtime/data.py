@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any
 
 import torch
@@ -20,25 +19,31 @@ from torch.utils.data import (
 )
 
 from ..errors import UsageError
-from . import comm, heartbeat, loop, preemption, steptimer
-from .context import Context, context
-from .device import batch_target, ddp_device_ids, move_to, non_blocking_for, pin_memory_for
+from . import heartbeat, loop, preemption, steptimer
+from .context import Context, context, current_runtime
+from .device import batch_target, move_to, non_blocking_for, pin_memory_for
 from .samplers import EvalShardSampler
-
-# The DDP models prepare() made; weak, so that a model the script drops is freed as usual.
-_prepared_models: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+from .strategy import PrepareOptions, wrap_model
 
 # DistributedSampler's own default, used when the loader carries no generator.
 DEFAULT_SEED = 0
 
 
 def prepare(model: torch.nn.Module | None, optimizer: Any, *dataloaders: DataLoader,
-            grad_compression: str | None = None, bucket_mb: float | None = None) -> tuple:
+            **options: Any) -> tuple:
     """``(model, optimizer, *loaders)`` ready for this process, in the order given.
 
-    The model moves to the context's device and, with more than one process, is wrapped in
-    ``DistributedDataParallel``; the optimizer passes through (parameters keep their
-    identity when moved, so it may be built before or after). Each loader is rebuilt with
+    The model moves to the context's device and, with more than one process, is spread
+    over the ranks by ``strategy``: ``"ddp"`` (the default) wraps it in
+    ``DistributedDataParallel``; ``"fsdp"`` shards its parameters, gradients and optimizer
+    state with FSDP2's ``fully_shard``, block by block (``blocks=``: the module classes, or
+    a predicate, to shard as units; default: the model's repeated blocks).
+    ``mixed_precision``: None (float32), ``"bf16"`` (CPU or GPU) or ``"fp16"`` (GPU; step
+    through :func:`disttrain.accumulate`, which scales the loss). The forward then runs in
+    the low dtype and returns float32 outputs. The optimizer passes through (parameters
+    keep their identity when moved, so it may be built before or after; with ``"fsdp"``
+    an optimizer built before must be passed here, to be pointed at the sharded
+    parameters). Each loader is rebuilt with
     a sampler that gives this rank its share: a shuffling loader (training) gets a
     ``DistributedSampler`` padded so all ranks run the same number of steps, a sequential
     one (evaluation) an :class:`EvalShardSampler` that sees each sample exactly once.
@@ -48,9 +53,9 @@ def prepare(model: torch.nn.Module | None, optimizer: Any, *dataloaders: DataLoa
     ``grad_compression`` (``"fp16"``, ``"bf16"``, ``"powersgd"``) and ``bucket_mb`` set how
     DDP sends gradients (:mod:`.comm`; default: ``disttrain run --grad-compression``).
     """
+    settings = PrepareOptions.from_kwargs(options)
     ctx = context()
-    settings = comm.CommSettings.resolve(grad_compression, bucket_mb)  # bad input: before any work
-    prepared = _prepare_model(model, ctx, settings) if model is not None else None
+    prepared = _prepare_model(model, ctx, settings, optimizer) if model is not None else None
     loaders = tuple(_prepare_loader(dl, ctx, position=i) for i, dl in enumerate(dataloaders))
     return (prepared, optimizer, *loaders)
 
@@ -66,17 +71,11 @@ def unwrap(model: Any) -> Any:
             return model
 
 
-def _prepare_model(model: torch.nn.Module, ctx: Context,
-                   settings: comm.CommSettings = comm.CommSettings()) -> torch.nn.Module:
-    if isinstance(model, DistributedDataParallel):
-        return model
-    model = model.to(ctx.device)
-    if not ctx.distributed:
-        return model
-    ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(ctx.device), **settings.ddp_kwargs(ctx.backend))
-    comm.attach(ddp, settings, backend=ctx.backend)
-    _prepared_models.add(ddp)
-    return ddp
+def _prepare_model(model: torch.nn.Module, ctx: Context, options: PrepareOptions,
+                   optimizer: Any) -> torch.nn.Module:
+    if isinstance(model, DistributedDataParallel) or ctx.runtime.prepared(model) is not None:
+        return model  # prepared already
+    return wrap_model(model, ctx, options, optimizer)
 
 
 class PreparedLoader(DataLoader):
@@ -96,7 +95,7 @@ class PreparedLoader(DataLoader):
         # training DDP on it, the rank with the extra batch would wait forever in backward.
         # Under torch's Join, ranks that ran out shadow the others' collectives instead.
         uneven = isinstance(self.sampler, EvalShardSampler)
-        joined = [m for m in _prepared_models if m.training] if uneven else []
+        joined = _training_ddp_models() if uneven else []
         return steptimer.timed(self._steps(batches, self.target, joined), self)
 
     @staticmethod
@@ -106,6 +105,13 @@ class PreparedLoader(DataLoader):
             for batch in batches:
                 heartbeat.beat()  # each batch is progress, for the launcher's hang watchdog
                 yield batch if target is None else move_to(batch, target, non_blocking=non_blocking)
+
+
+def _training_ddp_models() -> list[DistributedDataParallel]:
+    # Join only knows DDP; an FSDP model must not see uneven batches (documented).
+    runtime = current_runtime()
+    models = list(runtime.models) if runtime is not None else []
+    return [m for m in models if isinstance(m, DistributedDataParallel) and m.training]
 
 
 def shard_sampler(loader: DataLoader, *, rank: int, world_size: int, position: int = 0) -> Sampler:

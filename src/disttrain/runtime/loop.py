@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 
 from torch.utils.data import DataLoader
 
 from ..errors import UsageError
-
-# Weak, so that a loader the script drops (and its worker processes) is freed as usual.
-_tracked: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+from .context import context, current_runtime
 
 
 def track(loader: DataLoader) -> DataLoader:
@@ -19,13 +16,19 @@ def track(loader: DataLoader) -> DataLoader:
     :func:`~disttrain.prepare` does this for the loaders it returns; call it yourself for
     a loader you sharded with your own ``DistributedSampler``.
     """
-    _tracked.add(loader)
+    context().runtime.loaders.add(loader)
     return loader
+
+
+def tracked() -> list[DataLoader]:
+    """The loaders :func:`epochs` reshuffles (those of the current context)."""
+    runtime = current_runtime()
+    return list(runtime.loaders) if runtime is not None else []
 
 
 def set_epoch(epoch: int) -> None:
     """Tell the sampler (and batch sampler) of every tracked loader which epoch starts."""
-    for loader in list(_tracked):
+    for loader in tracked():
         for sampler in (loader.sampler, loader.batch_sampler):
             if callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(epoch)
@@ -43,10 +46,9 @@ def epochs(n: int, *, start: int | None = None) -> Iterator[int]:
     if n < 0:
         raise UsageError(f"epochs(n={n}): n cannot be negative")
     if start is None:
-        from .resume import current  # resume builds on this module
-
-        state = current()
-        if state is not None:
+        runtime = current_runtime()
+        state = runtime.training if runtime is not None else None
+        if state is not None:  # the TrainingState of disttrain.resume()
             yield from state.epochs(n)
             return
         start = 0

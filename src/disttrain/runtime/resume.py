@@ -45,7 +45,7 @@ from torch.utils.data import (
 from ..errors import DisttrainError, UsageError
 from ..workerenv import CHECKPOINT_DIR, WorkerEnv
 from . import checkpoint, comm, loop, preemption, rng
-from .context import Context, context
+from .context import Context, context, current_runtime
 from .data import unwrap, with_sampler
 from .samplers import EvalShardSampler
 
@@ -57,11 +57,9 @@ _RESERVED = ("step", "progress", "rank_state")
 # cut from a fresh iteration of it.
 _REPEATABLE = (DistributedSampler, SequentialSampler, EvalShardSampler)
 
-_current: TrainingState | None = None
-
 
 def resume(directory: str | PathLike[str] | None = None, *, every: int | None = None,
-           keep_last: int | None = 3, weights_only: bool = True,
+           keep_last: int | None = 3, weights_only: bool = True, asynchronous: bool = False,
            **objects: Any) -> TrainingState:
     """Load the newest complete checkpoint in ``directory`` (if any) into ``objects``;
     return the :class:`TrainingState` that continues from it. Call it on every rank.
@@ -72,9 +70,14 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     saved or loaded and the state only counts. ``every`` is the number of steps between
     checkpoints (default ``$DISTTRAIN_CHECKPOINT_EVERY``, else 0: at the end of each
     epoch); ``keep_last`` and ``weights_only`` are :func:`checkpoint.save`'s and
-    :func:`checkpoint.load_latest`'s.
+    :func:`checkpoint.load_latest`'s; so is ``asynchronous`` (sharded models: training goes
+    on while the checkpoint is written; the save on SIGTERM is always synchronous).
+
+    A model prepared with ``strategy="fsdp"`` is checkpointed shard by shard and resumes
+    on any number of ranks; the position in the epoch is kept as samples consumed, so no
+    sample of the interrupted epoch is skipped or trained twice (beyond the padding that
+    makes the samples divide among the new number of ranks).
     """
-    global _current
     ctx = context()
     env = WorkerEnv.from_environ()
     directory = directory if directory is not None else env.checkpoint_dir
@@ -87,20 +90,25 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     kept = {name: obj for name, obj in objects.items() if obj is not None}
     for name, obj in kept.items():
         _check_object(name, obj)
-    if _current is not None:
-        _current.close()
+    if asynchronous and not checkpoint.holds_sharded(kept):
+        raise UsageError("resume(asynchronous=True) writes sharded models in the background; "
+                         "prepare the model with strategy='fsdp', or drop asynchronous")
+    if ctx.runtime.training is not None:
+        ctx.runtime.training.close()
     state = TrainingState(Path(directory) if directory else None, every=every,
                           keep_last=keep_last, objects=kept, ctx=ctx)
+    state.asynchronous = asynchronous
     if state.directory is not None:
         state._load(weights_only)
         state._watch_sigterm()
-    _current = state
+    ctx.runtime.training = state
     return state
 
 
 def current() -> TrainingState | None:
     """The state the last :func:`resume` returned (what ``disttrain.epochs`` follows)."""
-    return _current
+    runtime = current_runtime()
+    return runtime.training if runtime is not None else None
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,7 @@ class TrainingState:
         self.directory = directory
         self.every = every
         self.keep_last = keep_last
+        self.asynchronous = False
         self.step = 0
         self.epoch = 0
         self.epoch_step = 0
@@ -169,7 +178,7 @@ class TrainingState:
         if self.every == 0 and self.directory is not None:
             self._checkpoint()
 
-    def save(self) -> Path | None:
+    def save(self, *, asynchronous: bool | None = None) -> Path | None:
         """Checkpoint now, as of the last finished step; call it on every rank.
 
         A run resumed from it starts with the next step -- or, saved after an epoch's last
@@ -188,6 +197,7 @@ class TrainingState:
         generator = getattr(self._loader, "generator", None)
         path = checkpoint.save(
             self.directory, step=self.step, keep_last=self.keep_last,
+            asynchronous=self.asynchronous if asynchronous is None else asynchronous,
             rank_state={**rng.capture([generator]), **comm.rank_state()}, progress=progress,
             **self._objects,
         )
@@ -196,12 +206,11 @@ class TrainingState:
 
     def close(self) -> None:
         """Stop handling SIGTERM; :func:`resume` does it for the state it replaces."""
-        global _current
         if self._vote is not None:
             preemption.uninstall()
             self._vote = None
-        if _current is self:
-            _current = None
+        if self._ctx.runtime.training is self:
+            self._ctx.runtime.training = None
 
     # -- inside ------------------------------------------------------------------------
 
@@ -310,7 +319,7 @@ class TrainingState:
             return
         stop = self._vote() if self._vote is not None else False
         if stop or (self.every and self.step % self.every == 0):
-            self._checkpoint()
+            self._checkpoint(asynchronous=False if stop else None)
         if stop:
             if self._ctx.is_main:
                 print(f"disttrain: SIGTERM: stopped after step {self.step}, saved in "
@@ -318,11 +327,11 @@ class TrainingState:
                       "the next run resumes there", file=sys.stderr, flush=True)
             raise SystemExit(preemption.PREEMPTED_EXIT)
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, asynchronous: bool | None = None) -> None:
         if self._saved_step == self.step:
             return
         try:
-            self.save()
+            self.save(asynchronous=asynchronous)
         except DisttrainError as err:
             # A full disk or an unwritable directory: one line, not a traceback through
             # the user's `for` loop, which does not look like it writes anything.

@@ -120,7 +120,7 @@ def run_all(spec: BenchSpec) -> list[report.Measurement]:
 def expected_threads(spec: BenchSpec, nproc: int) -> int | None:
     """OMP threads per process as ``disttrain run`` sets them here: the user's setting
     (``--env`` or this environment), else cores / processes. Unknown on other hosts."""
-    value = parse_env(list(spec.env)).get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    value = parse_env(list(spec.env), os.environ).get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
     if value:
         return int(value) if value.isdigit() else None
     if spec.hosts:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DisttrainError, UsageError
+from ..private import make_private
 from .states import JobState, allowed
 
 STORE_ENV = "DISTTRAIN_STORE"
@@ -52,6 +53,13 @@ CREATE TABLE IF NOT EXISTS events (
     time REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
+CREATE TABLE IF NOT EXISTS metrics (
+    job_id INTEGER NOT NULL REFERENCES jobs(id),
+    name TEXT NOT NULL,
+    time REAL NOT NULL,
+    value REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS metrics_job ON metrics(job_id, name);
 """
 # Columns added since the first release: a store written by an older disttrain gains them.
 _ADDED = {"slurm_job_id": "TEXT"}
@@ -109,6 +117,7 @@ class JobStore:
         self.path = Path(path) if path else default_store_path()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_private(self.path)  # job specs hold env values; SQLite gives -wal/-shm the same mode
             # isolation_level=None: transactions are begun explicitly, and kept short.
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
             self._db.row_factory = sqlite3.Row
@@ -211,6 +220,20 @@ class JobStore:
         """Newest first."""
         rows = self._db.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit or -1,)).fetchall()
         return [_record(row) for row in rows]
+
+    def add_metrics(self, job_id: int, rows: list[tuple[str, float, float]]) -> None:
+        """Points of a job's metric time series: (name, time, value)."""
+        if rows:
+            with self._write() as db:
+                db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?)", [(job_id, *row) for row in rows])
+
+    def metric_series(self, job_id: int) -> dict[str, list[tuple[float, float]]]:
+        """Every series of a job, by name, in time order."""
+        series: dict[str, list[tuple[float, float]]] = {}
+        for row in self._db.execute(
+                "SELECT name, time, value FROM metrics WHERE job_id = ? ORDER BY name, time, rowid", (job_id,)):
+            series.setdefault(row["name"], []).append((row["time"], row["value"]))
+        return series
 
     def integrity(self) -> str:
         return self._db.execute("PRAGMA integrity_check").fetchone()[0]

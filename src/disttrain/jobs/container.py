@@ -1,0 +1,220 @@
+"""What a SageMaker container does around the script, for a job's instances on your machines.
+
+The runner calls three hooks, in order:
+
+- :func:`prepare` (while Staging): ``requirements.txt`` into the job's own environment,
+  checkpoints restored from ``checkpoint_s3_uri``, whether a private ``/opt/ml`` can be made;
+- :func:`instance_plan` (once placed): each instance's ``SM_*`` contract and config files,
+  the distribution's worker command, and the argv prefix that gives it its own ``/opt/ml``;
+- :class:`Watch` (around the launch): metrics, checkpoint sync, ``max_run``;
+  then :func:`write_events` (TensorBoard files) and :func:`mark_success` (``output/success``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..errors import UsageError
+from ..plan.launch import LaunchPlan
+from .checkpoints import Syncer, local_dir, restore
+from .distribution import Distribution, parse_distribution, ps_tf_config
+from .layout import JobLayout
+from .metrics import MetricWatcher, write_tensorboard
+from .optml import namespace_tool, prefix
+from .requirements import isolated_python
+from .sagemaker import Instance, sm_env, write_config
+from .spec import JobSpec
+
+PS_SHIM = "disttrain.jobs.psshim"
+MAX_RUNTIME = "MaxRuntimeExceeded"
+
+
+@dataclass
+class Prepared:
+    """What :func:`prepare` found, for the later hooks."""
+
+    distribution: Distribution
+    python: str | None = None  # the job's venv interpreter (requirements.txt), else the launcher's
+    namespace: str | None = None  # "unshare" | "bwrap" | None
+    notes: list[str] = field(default_factory=list)
+
+
+def preflight(spec: JobSpec) -> None:
+    """What this machine must have for the job, checked before anything is recorded: mpirun for
+    distribution mpi, a Keras whose fit works for multi_worker_mirrored_strategy, a mount
+    namespace when private_opt_ml is required."""
+    dist = parse_distribution(spec.distribution, framework=spec.framework)
+    if dist.kind == "mpi":
+        if spec.backend != "local":
+            raise UsageError(f"distribution mpi runs the instances of backend local only (this job: {spec.backend}); "
+                             "use torch_distributed, or run mpirun yourself")
+        from .mpi import find_mpirun
+
+        find_mpirun()
+    if dist.kind == "multi_worker_mirrored_strategy" and spec.instance_count > 1:
+        _check_keras(spec)
+    if spec.private_opt_ml == "required":
+        _namespace(spec, lambda _line: None)
+
+
+def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], None]) -> Prepared:
+    dist = parse_distribution(spec.distribution, framework=spec.framework)
+    ready = Prepared(distribution=dist)
+    if dist.note():
+        say(dist.note())
+    ready.namespace = _namespace(spec, say)
+    ready.python = isolated_python(cwd, layout.root / "venv", say)
+    if spec.checkpoint_s3_uri:
+        for inst in layout.instances:
+            count = restore(spec.checkpoint_s3_uri, local_dir(inst, spec.checkpoint_local_path),
+                            spec.storage_options)
+        say(f"disttrain: restored {count} checkpoint file(s) from {spec.checkpoint_s3_uri}" if count else
+            f"disttrain: no checkpoints at {spec.checkpoint_s3_uri} yet; starting fresh")
+    return ready
+
+
+def _check_keras(spec: JobSpec) -> None:
+    """Keras 3's model.fit fails under MultiWorkerMirroredStrategy: say so now, not after 40 lines
+    of tensors. TF_USE_LEGACY_KERAS set by the user (e.g. 0 for a custom strategy.run loop) wins."""
+    from ..tfconfig import LEGACY_KERAS, have_tf_keras, tensorflow_version
+
+    if LEGACY_KERAS in {**os.environ, **spec.env} or have_tf_keras():
+        return
+    raise UsageError(f"distribution multi_worker_mirrored_strategy: tf.keras here is Keras 3, whose model.fit fails "
+                     f"under that strategy; install Keras 2 (disttrain selects it for the workers): pip install "
+                     f"--no-deps tf-keras=={tensorflow_version()} (a custom strategy.run loop: set environment "
+                     f"TF_USE_LEGACY_KERAS=0)")
+
+
+def _namespace(spec: JobSpec, say: Callable[[str], None]) -> str | None:
+    if spec.private_opt_ml == "off":
+        return None
+    if spec.backend != "local":
+        why = f"a private /opt/ml is made for backend local only (this job: {spec.backend})"
+    else:
+        tool, why = namespace_tool()
+        if tool:
+            return tool
+    if spec.private_opt_ml == "required":
+        raise UsageError(f"private_opt_ml: required, but {why}; scripts with literal /opt/ml paths need it "
+                         "(or set private_opt_ml: auto and read the SM_* variables)")
+    say(f"disttrain: no private /opt/ml ({why}); scripts reading SM_* run, literal /opt/ml paths do not")
+    return None
+
+
+def instance_plan(spec: JobSpec, layout: JobLayout, plan: LaunchPlan, *, job_name: str, cwd: Path,
+                  ready: Prepared, ifnames, gpus, cpus) -> tuple[LaunchPlan, list[list[str]]]:
+    """Instance K (the plan's node K): its SM_* variables and config files, and its argv prefix."""
+    dist = ready.distribution
+    nodes, prefixes = [], []
+    addresses = [node.address or plan.master_addr for node in plan.nodes]
+    for k, (node, host, ifname, ngpu, ncpu) in enumerate(zip(plan.nodes, layout.hosts, ifnames, gpus, cpus)):
+        inst = Instance(job_name=job_name, host=host, hosts=layout.hosts, instance_type=spec.instance_type,
+                        ifname=ifname, num_gpus=ngpu, num_cpus=ncpu, entry_point=spec.entry_point,
+                        module_dir=str(cwd), hyperparameters=spec.hyperparameters,
+                        framework_params=dist.framework_params, channels=tuple(spec.inputs))
+        paths = layout.instance(host)
+        write_config(inst, paths)
+        env = sm_env(inst, paths)
+        # The toolkit puts the code folder on PYTHONPATH, so the script imports its neighbours.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(cwd), node.env.get("PYTHONPATH")
+                                                          or os.environ.get("PYTHONPATH"))))
+        if dist.kind == "parameter_server":
+            env["DISTTRAIN_PS_TF_CONFIG"] = ps_tf_config(addresses, plan.master_port, k, ps_task=False)
+            env["DISTTRAIN_PS_TASK_TF_CONFIG"] = ps_tf_config(addresses, plan.master_port, k, ps_task=True)
+        if spec.framework == "tensorflow":
+            from ..tfconfig import have_tf_keras, keras_env
+
+            env.update(keras_env({**os.environ, **node.env, **spec.env}, have_tf_keras=have_tf_keras()))
+        # The spec's own env wins, as --env does for `disttrain run`.
+        nodes.append(replace(node, env={**node.env, **env, **spec.env}))
+        stage = layout.root / ".mounts" / host
+        prefixes.append(prefix(ready.namespace, str(paths.root), str(stage)) if ready.namespace else [])
+    argv = list(plan.argv)
+    if ready.python:
+        argv[0] = ready.python
+    if dist.kind == "parameter_server":  # python -u SCRIPT ARGS → python -u -m psshim SCRIPT ARGS
+        argv = [argv[0], "-u", "-m", PS_SHIM, *argv[2:]]
+    return replace(plan, nodes=tuple(nodes), argv=tuple(argv)), prefixes
+
+
+def launch_mpi(plan: LaunchPlan, prefixes: list[list[str]], *, layout: JobLayout, spec: JobSpec, ready: Prepared,
+               cwd: Path, transcript):
+    """distribution mpi: one mpirun, each instance's ranks with that instance's environment."""
+    from .mpi import find_mpirun, mpirun_argv, run_mpirun, write_instance_env
+
+    envs = [write_instance_env(layout.logs / "mpi" / f"{host}.env.json", dict(node.env))
+            for host, node in zip(layout.hosts, plan.nodes)]
+    argv = mpirun_argv(mpirun=find_mpirun(), ranks_per_instance=ready.distribution.processes_per_host or 1,
+                       instance_envs=envs, prefixes=prefixes, worker_argv=plan.argv,
+                       custom_mpi_options=ready.distribution.custom_mpi_options, as_root=os.geteuid() == 0)
+    (layout.logs / "mpi" / "mpirun.json").write_text(json.dumps(argv, indent=1))  # what ran, for `jobs show`
+    return run_mpirun(argv, cwd=str(cwd), transcript=transcript, hosts=layout.hosts,
+                      ranks_per_instance=ready.distribution.processes_per_host or 1)
+
+
+class Watch:
+    """Around the launch: metrics from the live output, checkpoint sync, the ``max_run`` limit."""
+
+    def __init__(self, spec: JobSpec, layout: JobLayout, store_path: Path, job_id: int,
+                 say: Callable[[str], None]) -> None:
+        self.spec, self.layout, self.say = spec, layout, say
+        self.metrics = MetricWatcher(spec.metric_definitions, layout.transcript, store_path, job_id)
+        self.syncer = (Syncer(spec.checkpoint_s3_uri, self._checkpoint_dirs(), spec.storage_options, say)
+                       if spec.checkpoint_s3_uri else None)
+        self.timed_out = False
+        self._timer: threading.Timer | None = None
+
+    def _checkpoint_dirs(self) -> list[Path]:
+        return list(dict.fromkeys(local_dir(i, self.spec.checkpoint_local_path) for i in self.layout.instances))
+
+    def _expire(self) -> None:
+        self.timed_out = True
+        self.say(f"disttrain: {MAX_RUNTIME}: the job ran for max_run={self.spec.max_run} s; stopping it")
+        os.kill(os.getpid(), signal.SIGTERM)  # the launch stops every instance, as on `jobs stop`
+
+    def __enter__(self) -> Watch:
+        self.metrics.__enter__()
+        if self.syncer:
+            self.syncer.__enter__()
+        if self.spec.max_run:
+            self._timer = threading.Timer(self.spec.max_run, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer:
+            self._timer.cancel()
+        self.metrics.__exit__(*exc)
+        if self.metrics.error:
+            self.say(self.metrics.error)
+        if self.syncer:
+            self.syncer.__exit__(*exc)
+            uploaded = self.syncer.sync()  # the last files, after every process ended
+            self.say(f"disttrain: checkpoints synced to {self.spec.checkpoint_s3_uri} ({uploaded} file(s) at the end)")
+
+    def failure(self) -> str | None:
+        if self.timed_out:
+            return (f"{MAX_RUNTIME}: the job was stopped after max_run={self.spec.max_run} s "
+                    "(raise max_run, or checkpoint and resume)")
+        return None
+
+
+def write_events(layout: JobLayout, series: dict) -> None:
+    """The job's metric series as TensorBoard event files in its folder (when TensorBoard is installed)."""
+    if series:
+        write_tensorboard(series, layout.root / "tensorboard")
+
+
+def mark_success(layout: JobLayout) -> None:
+    """``output/success`` on every instance, as SageMaker's toolkit writes it after the script."""
+    for inst in layout.instances:
+        if inst.output.is_dir():
+            inst.success.write_text("")

@@ -1,0 +1,61 @@
+"""What stays private: files that may hold a user's secrets are 0600, and records mask them.
+
+A job's ``env:`` often carries an API token, its ``storage_options`` a cloud key. The files
+that hold them whole (a plan, a Slurm step, the job store) are readable by their owner only;
+what is kept for people to read later (a job's record, ``jobs show``) shows ``***`` instead
+of any value whose key looks secret, at any depth.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# Words of a key (API_TOKEN, aws_secret_access_key, secretKey) that make its value a secret.
+# Whole words, so that max_tokens, tokenizer or keyframes stay readable in a record.
+SECRET_WORDS = frozenset({"key", "apikey", "secret", "token", "password", "passwd", "pwd", "passphrase",
+                          "credential", "credentials"})
+_WORD_BREAK = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
+MASK = "***"
+
+
+def is_secret_key(key: str) -> bool:
+    return any(word.lower() in SECRET_WORDS for word in _WORD_BREAK.split(key))
+
+
+def mask_secrets(value: Any) -> Any:
+    """``value`` with every mapping entry whose key looks secret replaced by ``***``."""
+    if isinstance(value, Mapping):
+        return {k: MASK if isinstance(k, str) and is_secret_key(k) else mask_secrets(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [mask_secrets(v) for v in value]
+    return value
+
+
+def write_private(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` as a 0600 file, atomically (a reader sees all of it or none)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mkstemp makes it 0600
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def make_private(path: str | os.PathLike) -> None:
+    """Create ``path`` empty as 0600 if it does not exist; make it 0600 if it does and is ours."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        if os.stat(path).st_uid == os.getuid():
+            os.chmod(path, 0o600)
+    except OSError:
+        pass  # the caller's own open reports an unusable path, in its words

@@ -1,0 +1,142 @@
+"""The state of sharded models and their optimizers, through ``torch.distributed.checkpoint``.
+
+An FSDP model's parameters and its optimizer's moments exist only as shards, one per
+rank; gathering them on rank 0 to write one file would need the whole model in one
+process -- what sharding avoids. DCP has every rank write its own shard, records where
+each piece of each tensor lies (``.metadata``), and on loading gives every rank the
+pieces its own shards need, whatever the number of ranks that wrote them: a checkpoint of
+8 ranks resumes on 4. State dicts are taken with ``torch.distributed.checkpoint.state_dict``,
+which keys the optimizer's state by parameter name rather than by position, so that it
+reshards too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ..errors import DisttrainError, UsageError
+from .state import Runtime
+
+
+def split(objects: dict[str, Any], runtime: Runtime) -> dict[str, Any]:
+    """The objects to save through DCP: with a model prepared with ``strategy="fsdp"``,
+    every model and optimizer; otherwise none (the rank-0 file holds everything)."""
+    if not any(_is_fsdp(obj, runtime) for obj in objects.values()):
+        return {}
+    return {name: obj for name, obj in objects.items()
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))}
+
+
+
+def _is_fsdp(obj: Any, runtime: Runtime) -> bool:
+    prepared = runtime.prepared(obj) if isinstance(obj, torch.nn.Module) else None
+    return prepared is not None and prepared.strategy == "fsdp"
+
+
+def state_dicts(objects: dict[str, Any]) -> dict[str, Any]:
+    """Each object's state dict, keyed by its name, as DCP saves and loads them."""
+    owners = _owners(objects)
+    out: dict[str, Any] = {}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            out[name] = get_model_state_dict(obj)
+        else:
+            out[name] = get_optimizer_state_dict(owners[name], obj)
+    return out
+
+
+def write(objects: dict[str, Any], directory: Path) -> None:
+    """Every rank writes its shards of ``objects`` into ``directory`` (a collective)."""
+    with _single_process_quiet():
+        dcp.save(state_dicts(objects), checkpoint_id=directory)
+
+
+def write_async(objects: dict[str, Any], directory: Path, group: Any) -> Any:
+    """Like :func:`write`, but the files are written in the background: the state is
+    copied (staged) first, so training may change it right away. Returns the future;
+    its result on rank 0 means every rank's files and the metadata are written."""
+    return dcp.async_save(state_dicts(objects), checkpoint_id=directory, process_group=group)
+
+
+def read(objects: dict[str, Any], directory: Path) -> None:
+    """Load ``objects`` from the shards in ``directory``, resharded for this world."""
+    owners = _owners(objects)
+    wanted = state_dicts(objects)
+    try:
+        with _single_process_quiet():
+            dcp.load(wanted, checkpoint_id=directory)
+    except FAILURES as err:
+        raise DisttrainError(
+            f"checkpoint {directory.parent} does not fit this run's "
+            f"{'/'.join(objects)}: {first_line(err)}; resume from a checkpoint directory "
+            "of this model (or start a new one)") from err
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            set_model_state_dict(obj, wanted[name])
+        else:
+            set_optimizer_state_dict(owners[name], obj, wanted[name])
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on the CPU of rank 0 (empty on the others); a
+    collective for a sharded model."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def _owners(objects: dict[str, Any]) -> dict[str, torch.nn.Module]:
+    """For each optimizer in ``objects``, the model whose parameters it steps."""
+    models = [m for m in objects.values() if isinstance(m, torch.nn.Module)]
+    owners = {}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            continue
+        mine = {id(p) for group in obj.param_groups for p in group["params"]}
+        owner = next((m for m in models if mine & {id(p) for p in m.parameters()}), None)
+        if owner is None:
+            raise UsageError(
+                f"checkpoint: the optimizer {name!r} steps none of the models saved with it; "
+                "a sharded checkpoint saves an optimizer together with its model")
+        owners[name] = owner
+    return owners
+
+
+# DCP gathers every rank's failure into a CheckpointException, a BaseException.
+FAILURES = (Exception, CheckpointException)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """A world of one has no process group: DCP then works in this process alone, which is
+    what is meant here, and says so in a warning at every call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def first_line(err: BaseException) -> str:
+    """The telling line of a (often multi-line) torch error message, shortened."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, (inner, _) = min(err.failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {first_line(inner)}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith(("Traceback", "File "))]
+    if not lines:
+        return type(err).__name__
+    # "Error(s) in loading state_dict for Net:" says nothing the next line does not.
+    telling = next((line for line in lines if not line.endswith(":")), lines[0])
+    return telling[:300]

@@ -1,0 +1,16 @@
+"""``from disttrain.sagemaker.pytorch import PyTorch`` (the SDK's ``sagemaker.pytorch``)."""
+
+from __future__ import annotations
+
+from .estimator import Framework
+
+
+class PyTorch(Framework):
+    """The SDK's PyTorch estimator; ``distribution`` may be torch_distributed, pytorchddp,
+    smdistributed (run as torch_distributed) or mpi."""
+
+    framework = "pytorch"
+    default_base_name = "pytorch-training"
+
+
+__all__ = ["PyTorch"]

@@ -1,0 +1,122 @@
+"""The CUDA paths, run for real on a GPU; the whole module is skipped without CUDA.
+
+What a GPU user relies on: one device per local rank, batches copied from pinned memory
+without blocking, bf16 autocast, fp16 with a gradient scaler, FSDP on one GPU (and on two
+when there are two), and a resume that is bit-exact with CUDA's own random generator in
+play (dropout on the GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import run_ranks, run_single
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+TRAIN = SCRIPTS / "sharded_train.py"
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def steps(out: Path, rank: int = 0) -> list[dict]:
+    return [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def ok(result) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture
+def gpu_ctx(monkeypatch):
+    """A world of one on the GPU, in this process."""
+    import disttrain
+    from disttrain.runtime import context as context_module
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(context_module, "_current", None)
+    yield disttrain.init()
+    disttrain.shutdown()
+
+
+def test_device_pinned_loader_and_non_blocking_batches(gpu_ctx):
+    import disttrain
+    from torch.utils.data import DataLoader, TensorDataset
+
+    assert gpu_ctx.device == torch.device("cuda:0")
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.arange(32)), batch_size=8, shuffle=True)
+    model, _, data = disttrain.prepare(torch.nn.Linear(4, 2), None, data)
+    assert next(model.parameters()).device.type == "cuda"
+    assert data.pin_memory
+    x, y = next(iter(data))
+    assert x.device == gpu_ctx.device and y.device == gpu_ctx.device
+
+
+def test_bf16_autocast_runs_the_forward_in_bf16_and_returns_float32(gpu_ctx):
+    import disttrain
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    model, _ = disttrain.prepare(model, None, mixed_precision="bf16")
+    out = model(torch.randn(4, 8, device="cuda"))
+    assert seen == [torch.bfloat16] and out.dtype == torch.float32
+
+
+def test_fp16_steps_through_a_grad_scaler(gpu_ctx):
+    import disttrain
+
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = disttrain.prepare(model, opt, mixed_precision="fp16")
+    step = disttrain.accumulate(model, opt, 2)
+    assert step.scaler is not None and step.scaler.is_enabled()
+    before = model.weight.detach().clone()
+    for _ in range(2):
+        with step:
+            step.backward(model(torch.randn(4, 8, device="cuda")).pow(2).mean())
+    assert step.stepped and not torch.equal(before, model.weight.detach())
+    assert step.state_dict()["scaler"]["scale"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_on_one_gpu_resumes_bit_exact_with_cuda_dropout(tmp_path):
+    args = ["--strategy", "fsdp", "--precision", "bf16", "--dropout", "0.2"]
+    ok(run_single(TRAIN, [tmp_path / "reference", *args], timeout=200))
+    ckpt = ["--ckpt", tmp_path / "ckpt", "--every", "3"]
+    assert run_single(TRAIN, [tmp_path / "run", *args, *ckpt, "--die-at", "11"], timeout=200).returncode != 0
+    again = run_single(TRAIN, [tmp_path / "run", *args, *ckpt], timeout=200)
+    ok(again)
+    assert "resuming from step 9" in again.stderr
+    a, b = weights(tmp_path / "reference"), weights(tmp_path / "run")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_two_gpus_fsdp_and_ddp_reach_the_same_loss_over_nccl(tmp_path):
+    for strategy in ("ddp", "fsdp"):
+        ok(run_ranks(TRAIN, 2, [tmp_path / strategy, "--strategy", strategy, "--epochs", "1",
+                                "--dropout", "0"], timeout=250))
+    for a, b in zip(steps(tmp_path / "ddp"), steps(tmp_path / "fsdp")):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+
+
+def test_fp16_is_refused_on_cpu_even_with_a_gpu_present():
+    from disttrain.errors import UsageError
+    from disttrain.runtime.precision import resolve
+
+    assert resolve("fp16", torch.device("cuda:0")).needs_scaler
+    with pytest.raises(UsageError, match="needs a CUDA GPU"):
+        resolve("fp16", torch.device("cpu"))

@@ -1,0 +1,194 @@
+"""FSDP, mixed precision, accumulation and sharded checkpoints, for real: 2 ranks over gloo
+under ``disttrain run`` (and 1 rank as plain python), driving scripts/sharded_train.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import run_ranks, run_single
+
+SCRIPT = Path(__file__).parent / "scripts" / "sharded_train.py"
+
+
+def train(nproc: int, out: Path, *args, timeout: float = 150) -> subprocess.CompletedProcess:
+    argv = [out, *args]
+    if nproc == 1:
+        return run_single(SCRIPT, argv, timeout=timeout)
+    return run_ranks(SCRIPT, nproc, argv, timeout=timeout)
+
+
+def steps(out: Path, rank: int = 0) -> list[dict]:
+    return [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def model(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def assert_close(a: dict, b: dict, **tol) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], **tol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_and_ddp_reach_the_same_loss(tmp_path):
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        out = tmp_path / strategy
+        assert_ok(train(2, out, "--strategy", strategy, "--epochs", "1", "--dropout", "0"))
+        runs[strategy] = out
+    ddp, fsdp = steps(runs["ddp"]), steps(runs["fsdp"])
+    assert len(ddp) == len(fsdp) == 8
+    for a, b in zip(ddp, fsdp):
+        assert a["idx"] == b["idx"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    assert_close(model(runs["ddp"]), model(runs["fsdp"]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_bf16_fsdp_trains_close_to_float32(tmp_path):
+    assert_ok(train(2, tmp_path / "fp32", "--strategy", "fsdp", "--epochs", "1", "--dropout", "0"))
+    assert_ok(train(2, tmp_path / "bf16", "--strategy", "fsdp", "--epochs", "1", "--dropout", "0",
+                    "--precision", "bf16"))
+    full, low = steps(tmp_path / "fp32"), steps(tmp_path / "bf16")
+    assert all(s["dtype"] == "torch.float32" for s in low)  # outputs come back in float32
+    assert [s["loss"] for s in low] != [s["loss"] for s in full]  # bf16 did compute
+    for a, b in zip(full, low):
+        assert b["loss"] == pytest.approx(a["loss"], abs=0.05)
+    assert all(v.dtype == torch.float32 for v in model(tmp_path / "bf16").values())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_accumulating_4_steps_equals_one_step_of_4x_batch(tmp_path, strategy):
+    common = ["--strategy", strategy, "--epochs", "1", "--dropout", "0", "--clip", "0.5"]
+    assert_ok(train(2, tmp_path / "acc", *common, "--accumulate", "4", "--batch-size", "2"))
+    assert_ok(train(2, tmp_path / "big", *common, "--batch-size", "8"))
+    acc, big = steps(tmp_path / "acc"), steps(tmp_path / "big")
+    assert len(acc) == 16 and len(big) == 4
+    # The 4 micro-batches of each optimizer step are the big batch's samples.
+    for i, step in enumerate(big):
+        assert sum((s["idx"] for s in acc[4 * i:4 * i + 4]), []) == step["idx"]
+        assert acc[4 * i + 3]["grad_norm"] == pytest.approx(step["grad_norm"], rel=1e-4)
+    assert_close(model(tmp_path / "acc"), model(tmp_path / "big"), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp-async"])
+def test_sigkill_mid_epoch_then_resume_is_bit_exact(tmp_path, strategy):
+    strategy, _, mode = strategy.partition("-")
+    common = ["--strategy", strategy, "--ckpt", tmp_path / "ckpt", "--every", "3",
+              *(["--asynchronous"] if mode == "async" else [])]
+    assert_ok(train(2, tmp_path / "reference", "--strategy", strategy))
+    killed = train(2, tmp_path / "run", *common, "--die-at", "11")  # step 9 is saved
+    assert killed.returncode != 0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step_00000003", "step_00000006", "step_00000009"]
+    again = train(2, tmp_path / "run", *common)
+    assert_ok(again)
+    assert "resuming from step 9" in again.stderr
+    reference, resumed = model(tmp_path / "reference"), model(tmp_path / "run")
+    assert reference.keys() == resumed.keys()
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+
+
+@pytest.mark.timeout(400)
+def test_one_rank_resumes_a_two_rank_fsdp_checkpoint_and_trains_every_sample_once(tmp_path):
+    common = ["--strategy", "fsdp", "--ckpt", tmp_path / "ckpt", "--every", "3"]
+    assert train(2, tmp_path / "two", *common, "--die-at", "11").returncode != 0
+    one = train(1, tmp_path / "one", *common)
+    assert_ok(one)
+    assert "saved by 2 ranks and is resumed by 1" in one.stderr
+    assert len([line for line in one.stderr.splitlines() if "cannot be bit-for-bit" in line]) == 1
+    before = [s for r in (0, 1) for s in steps(tmp_path / "two", r) if s["step"] < 9]
+    after = steps(tmp_path / "one")
+    assert after[0]["step"] == 9
+    for epoch in (0, 1):
+        seen = [i for s in before + after if s["epoch"] == epoch for i in s["idx"]]
+        assert sorted(seen) == list(range(64)), f"epoch {epoch}"
+    assert set(model(tmp_path / "one")) >= {"inp.weight", "blocks.3.down.bias", "out.weight"}
+
+
+def one_line_error(result: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    assert result.returncode == code, result.stderr[-3000:]
+    # One line per rank (under disttrain run each carries its "[rankN] " prefix).
+    lines = {line.split("] ", 1)[-1] for line in result.stderr.splitlines()
+             if line.split("] ", 1)[-1].startswith("sharded_train:")}
+    lines = sorted(lines)
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    for word in words:
+        assert word in lines[0]
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("args", "words"), [
+    (["--strategy", "zero3"], ["unknown strategy", "'fsdp'"]),
+    (["--precision", "fp8"], ["unknown precision", "'bf16'"]),
+    (["--precision", "fp16"], ["needs a CUDA GPU", "'bf16'"]),
+])
+def test_bad_options_are_one_line(tmp_path, args, words):
+    one_line_error(train(1, tmp_path / "out", *args, "--epochs", "1"), 2, *words)
+
+
+@pytest.mark.timeout(400)
+def test_checkpoint_of_another_strategy_or_model_is_refused_and_kept(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert_ok(train(2, tmp_path / "first", "--strategy", "fsdp", "--epochs", "1", "--ckpt", ckpt))
+    saved = sorted(p.name for p in ckpt.iterdir())
+    one_line_error(train(2, tmp_path / "ddp", "--strategy", "ddp", "--ckpt", ckpt), 2,
+                   "strategy='fsdp'", "strategy='ddp'")
+    one_line_error(train(2, tmp_path / "wide", "--strategy", "fsdp", "--model", "wide",
+                         "--ckpt", ckpt), 1, "does not fit")
+    assert sorted(p.name for p in ckpt.iterdir()) == saved
+    assert_ok(train(2, tmp_path / "again", "--strategy", "fsdp", "--epochs", "2", "--ckpt", ckpt))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 720 KiB filesystem: room for one small checkpoint, not two."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=720k", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.timeout(300)
+def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, small_disk):
+    ckpt = small_disk / "ckpt"
+    result = train(2, tmp_path / "out", "--strategy", "fsdp", "--ckpt", ckpt, "--every", "3")
+    assert result.returncode != 0
+    assert "No space left on device" in result.stderr and "Traceback" not in result.stderr, \
+        result.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000003"]
+    resumed = train(1, tmp_path / "resumed", "--strategy", "fsdp", "--epochs", "1",
+                    "--ckpt", ckpt, "--every", "0")
+    assert "resuming from step 3" in resumed.stderr
+
+
+@pytest.mark.timeout(120)
+def test_unwritable_checkpoint_directory_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = train(1, tmp_path / "out", "--strategy", "fsdp", "--epochs", "1",
+                   "--ckpt", blocker / "ckpt", "--every", "2")
+    assert result.returncode == 1, result.stderr[-3000:]
+    # Found when resume() first looks into it, before any training.
+    lines = [line for line in result.stderr.splitlines()
+             if "checkpoint directory" in line and "Not a directory" in line]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert str(blocker) in lines[0]

@@ -78,7 +78,7 @@ _NAME_RE = re.compile(rf"^{PREFIX}(\d+)x(\d+)(?:n\d+|sw)$")
 _counter = itertools.count()
 _live: "set[Cluster]" = set()
 
-REQUIRED_TOOLS = ("ip", "nsenter", "iptables", "ssh", "ssh-keygen")
+REQUIRED_TOOLS = ("ip", "nsenter", "iptables", "ssh", "ssh-keygen", "tc")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -192,6 +192,42 @@ def reap_stale() -> list[str]:
         if _run(["ip", "netns", "del", path.name], check=False).returncode == 0:
             reaped.append(path.name)
     return reaped
+
+
+# --------------------------------------------------------------------------- link shaping
+
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+
+
+def rate_bits(rate: str) -> float:
+    """``"1gbit"`` -> 1e9 bits per second (tc's decimal units)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]+)\s*", rate.lower())
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"rate {rate!r}: a number and one of {', '.join(_UNITS)}, e.g. 1gbit")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def tbf_burst(rate: str) -> str:
+    """tbf's bucket: 1 ms of traffic at ``rate``, at least 64 kB. Large enough that the
+    rate is reached (a bucket below rate/HZ starves the queue), small enough that a burst
+    of small messages does not pass unshaped."""
+    return f"{max(64 * 1024, int(rate_bits(rate) / 8 / 1000))}b"
+
+
+@lru_cache(maxsize=None)
+def netem_available() -> bool:
+    """Whether ``tc qdisc add ... netem`` works here (tried on a dummy link in a throwaway
+    namespace)."""
+    probe = f"{PREFIX}{os.getpid()}netem"
+    if _run(["ip", "netns", "add", probe], check=False).returncode != 0:
+        return False
+    try:
+        _run(["ip", "-n", probe, "link", "add", "d0", "type", "dummy"], check=False)
+        r = _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "d0", "root", "netem",
+                  "delay", "1ms"], check=False)
+        return r.returncode == 0
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
 
 
 # --------------------------------------------------------------------------- can we?
@@ -621,6 +657,41 @@ class Cluster:
         for chain, side in (("INPUT", "-i"), ("OUTPUT", "-o")):
             _run(self.ns_exec(nd, ["iptables", "-w", "-I", chain, "1", side, nd.ifname, "-j", "DROP"]))
         self.kill_all(nd, include_sshd=True, grace=0)
+
+    # ---- a real network's limits (tc in the node's namespace; gone with it)
+
+    def shape(self, rate: str | None, *, delay_ms: float = 0, burst: str | None = None,
+              nodes: "Iterable[str | int | Node] | None" = None) -> None:
+        """Limit what every node (or ``nodes``) sends on its interface to ``rate`` (tc units:
+        ``"1gbit"``, ``"100mbit"``); ``None`` removes the limit. Both directions of a link are
+        then limited, as on a real NIC. Uses the ``tbf`` qdisc; ``burst`` defaults to 1 ms of
+        traffic at the rate (at least 64 kB), so short messages cannot pass at memory speed.
+
+        ``delay_ms`` adds one-way latency through ``netem``, which some kernels lack (this
+        machine's does): then :class:`RigError` says so, and nothing is changed."""
+        targets = [self.node(n) for n in (nodes if nodes is not None else self.nodes)]
+        if delay_ms and not netem_available():
+            raise RigError("link delay needs the kernel's netem qdisc, which this kernel lacks "
+                           "(`tc qdisc add ... netem` fails): shape the rate only")
+        for nd in targets:
+            _run(self.ns_exec(nd, ["tc", "qdisc", "del", "dev", nd.ifname, "root"]), check=False)
+            if rate is None and not delay_ms:
+                continue
+            if delay_ms:  # netem for the delay, tbf under it for the rate
+                _run(self.ns_exec(nd, ["tc", "qdisc", "add", "dev", nd.ifname, "root", "handle",
+                                       "1:", "netem", "delay", f"{delay_ms}ms"]))
+                if rate is None:
+                    continue
+                where = ["parent", "1:1", "handle", "10:"]
+            else:
+                where = ["root"]
+            _run(self.ns_exec(nd, ["tc", "qdisc", "add", "dev", nd.ifname, *where, "tbf", "rate",
+                                   rate, "burst", burst or tbf_burst(rate), "latency", "100ms"]))
+
+    def qdisc(self, node: "str | int | Node") -> str:
+        """``tc qdisc show`` of the node's interface (what shape() set)."""
+        nd = self.node(node)
+        return _run(self.ns_exec(nd, ["tc", "qdisc", "show", "dev", nd.ifname])).stdout
 
     # ---- fault injection (iptables in the node's namespace; gone with it)
 

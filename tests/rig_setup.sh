@@ -10,6 +10,7 @@ declare -A NEED=(
   [/usr/bin/ssh]=openssh-client
   [/usr/bin/ssh-keygen]=openssh-client
   [/usr/sbin/ip]=iproute2
+  [/usr/sbin/tc]=iproute2  # link shaping (Cluster.shape)
   [/usr/sbin/iptables]=iptables
   [/usr/bin/fuser]=psmisc
   [/usr/bin/nsenter]=util-linux

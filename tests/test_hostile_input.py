@@ -177,9 +177,9 @@ def test_a_34_kb_hyperparameter_reaches_the_script(tmp_path):
 def test_ssh_reads_a_host_name_as_a_name_even_past_the_checks():
     """Defence in depth: were a '-' name to slip past parse_host, "--" before the destination keeps
     ssh from taking it as an option (``ssh ... -V -- cmd`` printed ssh's version and exited 0)."""
-    from disttrain.ssh import ssh_argv
-    from disttrain.launch.ssh import master_address
     from disttrain.config.hosts import Host
+    from disttrain.launch.ssh import master_address
+    from disttrain.ssh import ssh_argv
 
     hostile = Host(name="-V")
     argv = ssh_argv(hostile, ["true"], options=["ConnectTimeout=3"])

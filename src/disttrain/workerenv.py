@@ -19,6 +19,9 @@ CHECKPOINT_EVERY = "DISTTRAIN_CHECKPOINT_EVERY"
 PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
 CONNECT_TIMEOUT = "DISTTRAIN_CONNECT_TIMEOUT"
 HEARTBEAT_DIR = "DISTTRAIN_HEARTBEAT_DIR"
+# ``disttrain run --grad-compression`` / ``--bucket-mb``: prepare()'s defaults (runtime.comm).
+GRAD_COMPRESSION = "DISTTRAIN_GRAD_COMPRESSION"
+BUCKET_MB = "DISTTRAIN_BUCKET_MB"
 # TensorFlow workers: the cluster's ``host:port`` list in task order, and the node's first
 # task; disttrain.tfconfig turns them into each worker's TF_CONFIG.
 TF_WORKERS = "DISTTRAIN_TF_WORKERS"
@@ -27,6 +30,9 @@ TF_FIRST_TASK = "DISTTRAIN_TF_FIRST_TASK"
 BENCH_STEPS = "DISTTRAIN_BENCH_STEPS"
 BENCH_WARMUP = "DISTTRAIN_BENCH_WARMUP"
 BENCH_EXIT = "DISTTRAIN_BENCH_EXIT"
+# Set by ``disttrain bench --comm``: DDP exchanges no gradients (torch's no-op hook), to time
+# the same steps without communication.
+BENCH_NO_SYNC = "DISTTRAIN_BENCH_NO_SYNC"
 BENCH_MARKER = "disttrain-bench:"  # rank 0's result line on stdout starts with it
 DEFAULT_PG_TIMEOUT_S = 300
 
@@ -65,6 +71,17 @@ def forwarded_env(environ: Mapping[str, str], *, everything: bool = True) -> dic
         for key, value in environ.items()
         if key not in NOT_FORWARDED_NAMES and not key.startswith(NOT_FORWARDED_PREFIXES)
     }
+
+
+def comm_env(grad_compression: str | None, bucket_mb: float | None) -> dict[str, str]:
+    """The variables that carry ``--grad-compression`` / ``--bucket-mb`` to every worker
+    (through the launch spec's ``env``, which reaches every host and Slurm node)."""
+    env = {}
+    if grad_compression:
+        env[GRAD_COMPRESSION] = grad_compression
+    if bucket_mb is not None:
+        env[BUCKET_MB] = f"{bucket_mb:g}"
+    return env
 
 
 def launcher_env(
@@ -145,6 +162,10 @@ class WorkerEnv:
     heartbeat_dir: str | None = None
     pg_timeout_s: float = float(DEFAULT_PG_TIMEOUT_S)
     connect_timeout_s: float = 120.0
+    # prepare()'s defaults, as given (validated by disttrain.runtime.comm).
+    grad_compression: str | None = None
+    bucket_mb: str | None = None
+    bench_no_sync: bool = False
 
     @property
     def launched(self) -> bool:
@@ -172,4 +193,7 @@ class WorkerEnv:
             heartbeat_dir=environ.get(HEARTBEAT_DIR) or None,
             pg_timeout_s=float(environ.get(PG_TIMEOUT) or DEFAULT_PG_TIMEOUT_S),
             connect_timeout_s=float(environ.get(CONNECT_TIMEOUT) or 120.0),
+            grad_compression=environ.get(GRAD_COMPRESSION) or None,
+            bucket_mb=environ.get(BUCKET_MB) or None,
+            bench_no_sync=environ.get(BENCH_NO_SYNC) == "1",
         )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config.launch import parse_env
 from ..errors import UsageError
-from ..scaling import plot, report
+from ..scaling import comm, plot, report
 from ..scaling.bench import (
     BenchSpec,
     busy_before,
@@ -79,6 +79,11 @@ def _add_options(p: argparse.ArgumentParser, default) -> None:
                    help="also draw speed-up against the ideal line (needs disttrain[plot])")
     p.add_argument("--dry-run", action="store_true", default=default(False),
                    help="print the `disttrain run` command of every count and exit")
+    p.add_argument("--comm", action="store_true", default=default(False),
+                   help="also split each multi-process step into compute and communication (a run "
+                   "without gradient sync), try gradient compressions, and say whether to use one")
+    p.add_argument("--link-gbit", type=float, default=default(None), metavar="G",
+                   help="with --comm: the link's rate in Gbit/s, to compare with the all-reduce bound")
     p.add_argument("-m", "--module", action="store_true", default=default(False),
                    help="treat SCRIPT as a Python module, like `python -m`")
     # Passed through to every `disttrain run`.
@@ -165,17 +170,25 @@ def handle(args: argparse.Namespace) -> int:
             print("\n".join(shlex.join(c) for c in commands))
         return 0
     notes = context_notes(busy=None if spec.hosts else busy_before())
+    if args.link_gbit is not None and not args.link_gbit > 0:
+        raise UsageError(f"--link-gbit must be more than 0, got {args.link_gbit:g}")
     measurements = run_all(spec)
+    comm_results = comm.measure(spec, link_gbit=args.link_gbit, plain={
+        m.nproc: m.samples_per_s for m in measurements if m.ok}) if args.comm else []
     rows = report.scaling(measurements)
     cpus, gpus = machine_facts(measurements, local=not spec.hosts)
     hosts = max(1, len(spec.hosts))
     recommendation = report.recommend(rows, cpus=cpus, gpus=gpus, hosts=hosts)
     title = headline(spec, cpus, gpus)
     if args.json:
-        print(json.dumps(report.to_json(rows, recommendation, **json_context(spec, cpus, gpus),
-                                        notes=notes), indent=2))
+        data = report.to_json(rows, recommendation, **json_context(spec, cpus, gpus), notes=notes)
+        if args.comm:
+            data["communication"] = [r.to_json() for r in comm_results]
+        print(json.dumps(data, indent=2))
     else:
         print(report.format_table(rows, recommendation, hosts=hosts, title=title))
+        for result in comm_results:
+            print("\n".join(result.lines()))
         for note in notes:
             print(f"note: {note}")
     if args.plot:

@@ -23,6 +23,7 @@ from ..config.launch import (
 from ..errors import UsageError
 from ..home import run_folder
 from ..launch import Context, RunFolderEvents
+from ..runtime import comm
 from . import launchers
 from .common import add_host_args
 
@@ -77,6 +78,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where disttrain.resume() saves and finds checkpoints (DISTTRAIN_CHECKPOINT_DIR)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="steps between checkpoints for disttrain.resume() (0: at each epoch's end)")
+    p.add_argument("--grad-compression", default=None, metavar="none|fp16|bf16|powersgd[:R]",
+                   help="how DDP compresses gradients for the all-reduce, for scripts using "
+                   "disttrain.prepare (DISTTRAIN_GRAD_COMPRESSION; see `disttrain bench --comm`)")
+    p.add_argument("--bucket-mb", default=None, metavar="MB",
+                   help="DDP's gradient bucket size in MB for disttrain.prepare (default 25)")
     p.add_argument("--stop-grace", dest="stop_grace", type=int, default=DEFAULT_STOP_GRACE_S,
                    help=f"seconds workers get to exit after SIGTERM before SIGKILL (default {DEFAULT_STOP_GRACE_S})")
     add_host_args(p)
@@ -106,7 +112,8 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         max_restarts=args.max_restarts,
         ranks=parse_ranks(args.ranks),
         log_dir=args.log_dir,
-        env=parse_env(args.env, os.environ),
+        env={**comm.launch_env(args.grad_compression, args.bucket_mb, dist_backend=args.dist_backend,
+                                framework=args.framework), **parse_env(args.env, os.environ)},
         rdzv_backend=args.rdzv_backend,
         rdzv_timeout_s=args.rdzv_timeout,
         stop_grace_s=args.stop_grace,

@@ -50,6 +50,8 @@ def prepare(model: torch.nn.Module | None, optimizer: Any, *dataloaders: DataLoa
     The shuffle seed, which must be the same on every rank, is that of the loader's
     ``generator`` when it has one (``generator=torch.Generator().manual_seed(s)``), else 0.
     On a GPU the returned loaders pin memory and yield batches already on the device.
+    ``grad_compression`` (``"fp16"``, ``"bf16"``, ``"powersgd"``) and ``bucket_mb`` set how
+    DDP sends gradients (:mod:`.comm`; default: ``disttrain run --grad-compression``).
     """
     settings = PrepareOptions.from_kwargs(options)
     ctx = context()

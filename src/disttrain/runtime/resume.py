@@ -44,7 +44,7 @@ from torch.utils.data import (
 
 from ..errors import DisttrainError, UsageError
 from ..workerenv import CHECKPOINT_DIR, WorkerEnv
-from . import checkpoint, loop, preemption, rng
+from . import checkpoint, comm, loop, preemption, rng
 from .context import Context, context, current_runtime
 from .data import unwrap, with_sampler
 from .samplers import EvalShardSampler
@@ -198,7 +198,8 @@ class TrainingState:
         path = checkpoint.save(
             self.directory, step=self.step, keep_last=self.keep_last,
             asynchronous=self.asynchronous if asynchronous is None else asynchronous,
-            rank_state=rng.capture([generator]), progress=progress, **self._objects,
+            rank_state={**rng.capture([generator]), **comm.rank_state()}, progress=progress,
+            **self._objects,
         )
         self._saved_step = self.step
         return path
@@ -308,6 +309,7 @@ class TrainingState:
     def _restore_generators(self, point: _ResumePoint, loader: Any) -> None:
         if point.rank_state is not None:
             rng.restore(point.rank_state, [getattr(loader, "generator", None)])
+            comm.restore_rank_state(point.rank_state)  # PowerSGD's error feedback
 
     def _end_step(self, loader: Any) -> None:
         self.step += 1

@@ -39,6 +39,7 @@ import torch
 from ..errors import UsageError
 from ..workerenv import BENCH_EXIT, BENCH_STEPS, BENCH_WARMUP, WorkerEnv
 from ..workerenv import BENCH_MARKER as MARKER
+from . import comm
 
 T = TypeVar("T")
 
@@ -196,6 +197,7 @@ class StepTimer:
             "cpus": usable_cpus(),
             "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
             "complete": complete,
+            "gradient_bytes": comm.gradient_bytes_seen(),
         }
 
 

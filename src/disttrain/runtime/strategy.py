@@ -17,6 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UsageError
+from . import comm
 from . import precision as precision_mod
 from .context import Context
 from .device import ddp_device_ids
@@ -41,6 +42,10 @@ class PrepareOptions:
     # fsdp: the modules sharded one by one (classes, or a predicate on a module); None:
     # the model's repeated blocks (see default_blocks()).
     blocks: Any = None
+    # DDP's gradient communication (runtime.comm); None: `disttrain run --grad-compression`
+    # / `--bucket-mb` (DISTTRAIN_GRAD_COMPRESSION / DISTTRAIN_BUCKET_MB), else plain fp32.
+    grad_compression: str | None = None
+    bucket_mb: float | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -51,6 +56,15 @@ class PrepareOptions:
         if self.blocks is not None and self.strategy != "fsdp":
             raise UsageError("prepare(blocks=...) chooses FSDP's units: pass it with "
                              "strategy='fsdp', or drop it")
+        if self.comm_settings.compression != "none" and self.strategy != "ddp":
+            raise UsageError(f"grad_compression={self.comm_settings.compression!r} is a DDP communication "
+                             f"hook; strategy={self.strategy!r} does not run it: use strategy='ddp' "
+                             "or leave the compression unset")
+
+    @property
+    def comm_settings(self) -> comm.CommSettings:
+        """The communication settings, validated (bad names and sizes raise here)."""
+        return comm.CommSettings.resolve(self.grad_compression, self.bucket_mb)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PrepareOptions:
@@ -77,9 +91,13 @@ def wrap_model(model: torch.nn.Module, ctx: Context, options: PrepareOptions,
 
 
 def wrap_ddp(model: torch.nn.Module, ctx: Context, options: PrepareOptions) -> DistributedDataParallel:
-    """The one place a model becomes ``DistributedDataParallel`` (communication hooks and
-    bucket options belong here)."""
-    return DistributedDataParallel(model, device_ids=ddp_device_ids(ctx.device))
+    """The one place a model becomes ``DistributedDataParallel``, with its communication
+    hook and bucket size (:mod:`.comm`)."""
+    settings = options.comm_settings
+    ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(ctx.device),
+                                  **settings.ddp_kwargs(ctx.backend))
+    comm.attach(ddp, settings, backend=ctx.backend)
+    return ddp
 
 
 def wrap_fsdp(model: torch.nn.Module, ctx: Context, precision: precision_mod.Precision,

@@ -1,0 +1,49 @@
+"""A job made to be bound one way, for `disttrain bench --comm`'s split.
+
+``--kind wire``: a 4 MB weight matrix and almost no arithmetic, so a step is the all-reduce;
+``--kind compute``: a few hundred parameters behind a long chain of fixed (untrained)
+matrix products, so a step is arithmetic. Usage: comm_bound.py --kind K [--batch-size B]
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import disttrain
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--kind", choices=("wire", "compute"), required=True)
+parser.add_argument("--batch-size", type=int, default=8)
+args = parser.parse_args()
+
+
+class Compute(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mix", torch.randn(256, 256) / 16)  # not trained: nothing to send
+        self.head = torch.nn.Linear(256, 10)
+
+    def forward(self, x):
+        for _ in range(60):
+            x = torch.tanh(x @ self.mix)
+        return self.head(x)
+
+
+disttrain.init()
+torch.manual_seed(0)
+if args.kind == "wire":
+    model, width = torch.nn.Linear(1024, 1024), 1024
+else:
+    model, width = Compute(), 256
+data = TensorDataset(torch.randn(4096, width), torch.randint(0, 10, (4096,)))
+loader = DataLoader(data, batch_size=args.batch_size if args.kind == "wire" else 256, shuffle=True)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+model, optimizer, loader = disttrain.prepare(model, optimizer, loader)
+for _epoch in disttrain.epochs(100):
+    for X, y in loader:
+        loss = F.cross_entropy(model(X)[:, :10], y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()

@@ -158,3 +158,27 @@ def test_doctor_without_hosts_checks_this_machine(tmp_path):
     assert rows["master port"]["status"] == "ok"
     missing = disttrain("doctor", "--path", "nothere.py", cwd=tmp_path)
     assert missing.returncode == 1 and "nothere.py not found" in missing.stdout
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_started_by_hand_form_one_job(tmp_path):
+    """torchrun-style: the same command on each node, only --node-rank differs."""
+    script = tmp_path / "sum.py"
+    script.write_text("import torch, torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "t = torch.ones(1); dist.all_reduce(t); print('sum', int(t.item()))\n"
+                      "dist.destroy_process_group()\n")
+    port = str(_free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "disttrain", "run", "--nnodes", "2", "--node-rank", str(rank), "--master-addr",
+         "127.0.0.1", "--master-port", port, "--rdzv-timeout", "60", "-n", "1", str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+        for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err
+        assert "sum 2" in out

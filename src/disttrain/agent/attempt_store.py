@@ -37,7 +37,7 @@ class AttemptStores:
         hosts_rank0 = any(env.get("RANK") == "0" for env in envs.values())
         if self.plan.nnodes == 1:  # one node: nobody else to tell
             return f"127.0.0.1:{free_port('0.0.0.0')}"
-        key = f"/disttrain/{self.plan.run_id}/attempt_{attempt}/store"
+        key = f"/disttrain/{self.plan.rendezvous_id}/attempt_{attempt}/store"
         store = self._store()
         if hosts_rank0:
             endpoint = f"{self.node.address or self.plan.master_addr}:{free_port('0.0.0.0')}"

@@ -83,6 +83,15 @@ class LaunchPlan:
     env_forwarded: dict[str, str] = dataclasses.field(default_factory=dict)
     env_set: dict[str, str] = dataclasses.field(default_factory=dict)
 
+    @property
+    def rendezvous_id(self) -> str:
+        """The key the nodes meet under. A plan made for every node (--hosts, Slurm, a job) carries
+        one run id; nodes started by hand (``--nnodes 2 --node-rank K``) each made their own, so
+        there the rendezvous endpoint, which every node was given alike, names the job."""
+        if len(self.nodes) == self.nnodes:
+            return self.run_id
+        return f"disttrain-{self.master_addr}-{self.master_port}"
+
     def to_json(self, indent: int | None = 2) -> str:
         """What may be shown and kept (``--dry-run``, ``plan.json``): the user's variables by name only."""
         data = dataclasses.asdict(self)

@@ -40,7 +40,7 @@ from .flow import run_agents, start, stop
 from .sync import sync_all
 
 PROBE_TIMEOUT_S = 30
-CONTROL_PERSIST_S = 30  # an idle control master outlives its last session this long (a crashed launcher's)
+CONTROL_PERSIST_S = 5  # an idle control master outlives its last session this long (a SIGKILLed launcher's too): bridges the steps of one run, no more
 
 
 def master_address(host: Host, options: Sequence[str]) -> str:

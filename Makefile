@@ -23,12 +23,13 @@ $(VENV)/.demo: pyproject.toml constraints.txt
 	$(PY) tests/install_check.py
 	touch $@
 
-# tf-keras (Keras 2, whose model.fit works under MultiWorkerMirroredStrategy) goes in with --no-deps:
-# its requirement on the full `tensorflow` would install that beside tensorflow-cpu.
+# The tensorflow extra is tensorflow + tf-keras (Keras 2, whose model.fit works under
+# MultiWorkerMirroredStrategy). A venv made before held tensorflow-cpu, whose files the same
+# `tensorflow` folder would share: it goes first.
 $(VENV)/.test: $(VENV)/.demo
-	@echo "== installing the test extras: pytest, hypothesis, moto + s3fs, matplotlib, tensorflow-cpu (~1.5 GB, 1-3 min)"
+	@echo "== installing the test extras: pytest, hypothesis, moto + s3fs, matplotlib, tensorflow + tf-keras (~2 GB, 1-3 min)"
+	-$(PY) -m pip uninstall -y -q tensorflow-cpu 2>/dev/null
 	$(PIP) -q -e '.[test,plot,tensorflow]'
-	$(PIP) -q --no-deps tf-keras
 	$(PY) tests/install_check.py
 	touch $@
 

@@ -1,7 +1,7 @@
 """``disttrain run --framework tensorflow``: real TensorFlow workers, real collectives.
 
 TensorFlow takes seconds to start, so each run checks several things at once. Skipped only
-when TensorFlow is not importable (``make setup`` installs tensorflow-cpu and tf-keras).
+when TensorFlow is not importable (``make setup`` installs tensorflow and tf-keras).
 """
 
 from __future__ import annotations

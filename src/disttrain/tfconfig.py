@@ -97,6 +97,13 @@ def have_tf_keras() -> bool:
     return importlib.util.find_spec("tf_keras") is not None
 
 
+def keras2_install_hint() -> str:
+    """How to get tf-keras: the extra brings it with ``tensorflow``; beside ``tensorflow-cpu`` it must
+    come without its dependencies, or pip installs the full ``tensorflow`` over it."""
+    return (f"pip install 'disttrain[tensorflow]' (with tensorflow-cpu installed: "
+            f"pip install --no-deps tf-keras=={tensorflow_version()})")
+
+
 def tensorflow_version() -> str:
     import importlib.metadata  # not at the top: the shim runs before every worker
 
@@ -130,7 +137,7 @@ def prepare_node(node_env: Mapping[str, str], *, host: str, nproc: int, world_si
         print(
             f"disttrain: tf-keras is not installed on {host}, so tf.keras is Keras 3, whose model.fit fails "
             "under MultiWorkerMirroredStrategy (custom strategy.run loops work); for model.fit: "
-            f"pip install --no-deps tf-keras=={tensorflow_version()}",
+            f"{keras2_install_hint()}",
             file=report_to, flush=True,
         )
     return keras_env(environ, have_tf_keras=legacy_available)
@@ -168,8 +175,8 @@ def run_keras3_guarded(argv: list[str]) -> None:
             raise
         sys.stdout.flush()
         print(f"disttrain: Keras 3's model.fit does not work under MultiWorkerMirroredStrategy (an upstream Keras "
-              f"problem); install Keras 2 and disttrain selects it: pip install --no-deps "
-              f"tf-keras=={tensorflow_version()} (or train with a custom strategy.run loop)",
+              f"problem); install Keras 2 and disttrain selects it: {keras2_install_hint()} "
+              "(or train with a custom strategy.run loop)",
               file=sys.stderr, flush=True)
         sys.exit(1)
 

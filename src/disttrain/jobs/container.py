@@ -81,14 +81,13 @@ def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], No
 def _check_keras(spec: JobSpec) -> None:
     """Keras 3's model.fit fails under MultiWorkerMirroredStrategy: say so now, not after 40 lines
     of tensors. TF_USE_LEGACY_KERAS set by the user (e.g. 0 for a custom strategy.run loop) wins."""
-    from ..tfconfig import LEGACY_KERAS, have_tf_keras, tensorflow_version
+    from ..tfconfig import LEGACY_KERAS, have_tf_keras, keras2_install_hint
 
     if LEGACY_KERAS in {**os.environ, **spec.env} or have_tf_keras():
         return
     raise UsageError(f"distribution multi_worker_mirrored_strategy: tf.keras here is Keras 3, whose model.fit fails "
-                     f"under that strategy; install Keras 2 (disttrain selects it for the workers): pip install "
-                     f"--no-deps tf-keras=={tensorflow_version()} (a custom strategy.run loop: set environment "
-                     f"TF_USE_LEGACY_KERAS=0)")
+                     f"under that strategy; install Keras 2 (disttrain selects it for the workers): "
+                     f"{keras2_install_hint()} (a custom strategy.run loop: set environment TF_USE_LEGACY_KERAS=0)")
 
 
 def _namespace(spec: JobSpec, say: Callable[[str], None]) -> str | None:

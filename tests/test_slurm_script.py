@@ -74,7 +74,7 @@ def test_every_launch_spec_field_survives_json():
         backend="gloo", nnodes=2, node_rank=1, log_dir="/l",
         master_addr="10.0.0.1", master_port=23456, max_restarts=1, ranks=(0, 2), env={"A": "1", "B": "x y"},
         rdzv_backend="c10d", rdzv_timeout_s=30, stop_grace_s=5, hang_timeout_s=60, checkpoint_dir="/ck",
-        checkpoint_every=0, framework="tensorflow", forward_env=False,
+        checkpoint_every=0, framework="tensorflow", forward_env=False, grad_compression="powersgd:4", bucket_mb=8.0,
     )
     for f in dataclasses.fields(LaunchSpec):
         if f.default is f.default_factory is dataclasses.MISSING:  # entry: required

@@ -97,6 +97,8 @@ def launcher_env(
     hang_timeout_s: int = 0,
     tf_workers: Sequence[str] = (),
     tf_first_task: int = 0,
+    grad_compression: str | None = None,
+    bucket_mb: float | None = None,
 ) -> dict[str, str]:
     """Variables a node's agent exports to its workers, on top of torch elastic's own.
 
@@ -104,7 +106,7 @@ def launcher_env(
     is kept. The user's own variables (forwarded, ``--env``) are not
     here: they are the plan's ``env_forwarded``/``env_set``, whose values are never printed.
     """
-    env = {BACKEND: backend, RUN_DIR: run_dir}
+    env = {BACKEND: backend, RUN_DIR: run_dir, **comm_env(grad_compression, bucket_mb)}
     if checkpoint_dir:
         env[CHECKPOINT_DIR] = checkpoint_dir
     if checkpoint_every is not None:

@@ -112,8 +112,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         max_restarts=args.max_restarts,
         ranks=parse_ranks(args.ranks),
         log_dir=args.log_dir,
-        env={**comm.launch_env(args.grad_compression, args.bucket_mb, dist_backend=args.dist_backend,
-                                framework=args.framework), **parse_env(args.env, os.environ)},
+        env=parse_env(args.env, os.environ),
         rdzv_backend=args.rdzv_backend,
         rdzv_timeout_s=args.rdzv_timeout,
         stop_grace_s=args.stop_grace,
@@ -122,7 +121,15 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         checkpoint_every=args.checkpoint_every,
         framework=args.framework,
         forward_env=args.forward_env,
+        **comm_settings(args),
     )
+
+
+def comm_settings(args: argparse.Namespace) -> dict:
+    """--grad-compression/--bucket-mb, checked before anything starts (runtime.comm knows the rules)."""
+    comm.launch_env(args.grad_compression, args.bucket_mb, dist_backend=args.dist_backend, framework=args.framework)
+    return {"grad_compression": args.grad_compression or None,
+            "bucket_mb": comm.parse_bucket_mb(args.bucket_mb, flag="--bucket-mb")}
 
 
 def make_run_dir(run_dir: str, *, given: str | None) -> None:

@@ -100,6 +100,9 @@ class LaunchSpec:
     checkpoint_dir: str | None = None  # absolute: workers on other hosts start elsewhere
     checkpoint_every: int | None = None
     framework: str = "pytorch"
+    # --grad-compression / --bucket-mb: prepare()'s defaults in every worker (runtime.comm checks them).
+    grad_compression: str | None = None
+    bucket_mb: float | None = None
     # The launching shell's environment goes to every rank (minus host- and session-specific
     # variables, see workerenv.forwarded_env); False: only the communication settings.
     forward_env: bool = True

@@ -196,6 +196,8 @@ def make_plan(
                 hang_timeout_s=spec.hang_timeout_s,
                 tf_workers=tf_workers,
                 tf_first_task=first,
+                grad_compression=spec.grad_compression,
+                bucket_mb=spec.bucket_mb,
             ),
             workers=tuple(
                 WorkerPlan(

@@ -42,6 +42,8 @@ THIS = Path(__file__).resolve()
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "src"))
 
+from multinode import reaped_cpu  # noqa: E402  (bench/ is on sys.path: this file's folder)
+
 from disttrain.runtime.comm import POWERSGD_START  # noqa: E402
 from disttrain.scaling.comm import recommend_compression  # noqa: E402
 
@@ -96,16 +98,6 @@ def machine_busy() -> float:
 def own_cpu() -> float:
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-def reaped_cpu(pid: int) -> float:
-    """CPU seconds of the children ``pid`` has reaped (an sshd: the remote agents and workers)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[13]) + int(fields[14])) / CLK_TCK
 
 
 def ours(cluster) -> float:

@@ -91,3 +91,35 @@ def assert_all_gone(procs: list[psutil.Process], timeout: float = 10) -> None:
     for proc in alive:  # leave nothing behind even when the assertion fails
         proc.kill()
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real S3-protocol server (moto) on loopback, for jobs' s3:// channels, outputs and checkpoints."""
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    from disttrain.net import free_port
+
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    try:
+        host, port = server._server.server_address[:2]
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch):
+    """(filesystem, a fresh bucket) on the moto server; the AWS_* variables point every client there."""
+    import s3fs
+
+    from disttrain.net import free_port
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(key, value)
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+    bucket = f"b{free_port()}"
+    fs.mkdir(bucket)
+    return fs, bucket

@@ -20,7 +20,6 @@ import yaml
 
 from conftest import SCRIPTS, assert_all_gone, cli_env, descendants, disttrain
 from disttrain.jobs import Job
-from disttrain.net import free_port
 from disttrain.store import JobStore
 
 NOTE = "a b; $(touch /tmp/pwned-job) 'q' \"dq\" `x` | & > <"
@@ -204,35 +203,6 @@ def test_jobs_stop_ends_a_running_job_and_its_processes(tmp_path, env, data):
 
 
 # --- S3: a real S3-protocol server (moto) on loopback, reached through s3fs -------------------
-
-S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                  "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    try:
-        host, port = server._server.server_address[:2]
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def s3(s3_endpoint, monkeypatch):
-    import s3fs
-
-    for key, value in {**S3_CREDENTIALS, "AWS_ENDPOINT_URL": s3_endpoint}.items():
-        monkeypatch.setenv(key, value)
-    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
-    bucket = f"b{free_port()}"
-    fs.mkdir(bucket)
-    return fs, bucket
-
 
 @pytest.mark.timeout(150)
 def test_channel_and_output_on_s3(tmp_path, env, data, s3):

@@ -221,36 +221,6 @@ def test_checkpoints_restored_and_synced(sm_home, where, request):
         assert read() == "43"
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    from disttrain.net import free_port
-
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    try:
-        host, port = server._server.server_address[:2]
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def s3(s3_endpoint, monkeypatch):
-    import s3fs
-
-    from disttrain.net import free_port
-
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}.items():
-        monkeypatch.setenv(key, value)
-    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
-    bucket = f"b{free_port()}"
-    fs.mkdir(bucket)
-    return fs, bucket
-
-
 def tiny_wheel(folder: Path) -> Path:
     """A real wheel of one module, made by hand (no build backend, no network)."""
     import base64

@@ -156,11 +156,7 @@ def last_json(stdout: str) -> dict:
 
 def ssh_options(cluster) -> list[str]:
     """The rig's key and known-hosts choice, given to disttrain as --ssh-option only."""
-    out = []
-    for option in (f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
-                   "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"):
-        out += ["--ssh-option", option]
-    return out
+    return cluster.cli_ssh_args()
 
 
 def launcher_argv(cluster, config: str, script: list[str]) -> list[str]:

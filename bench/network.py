@@ -160,9 +160,7 @@ def train_once(cluster, model: str, config: str, port: int, args) -> dict:
     # `disttrain run --hosts` from node0 over the rig's ssh, as a user would start it.
     hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
     more = [] if config == "ddp" else ["--grad-compression", config]
-    ssh = [arg for option in (f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
-                              "UserKnownHostsFile=/dev/null", "LogLevel=ERROR")
-           for arg in ("--ssh-option", option)]
+    ssh = cluster.cli_ssh_args()
     argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "-n", "1", "--ranks", "0",
             "--master-port", str(port), "--no-preflight", *ssh,
             "--env", f"DISTTRAIN_BENCH_STEPS={steps}", "--env", f"DISTTRAIN_BENCH_WARMUP={warmup}",

@@ -354,6 +354,17 @@ class Cluster:
     def __getitem__(self, node: "str | int") -> Node:
         return self.node(node)
 
+    @property
+    def client_ssh_options(self) -> list[str]:
+        """The rig's key and known-hosts choice as ssh -o values: what a test hands disttrain as
+        ``--ssh-option``/``ssh_options`` (disttrain itself never adds them)."""
+        return [f"IdentityFile={self.ssh_key}", "StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null",
+                "LogLevel=ERROR"]
+
+    def cli_ssh_args(self) -> list[str]:
+        """``--ssh-option VALUE`` for each of :attr:`client_ssh_options`."""
+        return [arg for option in self.client_ssh_options for arg in ("--ssh-option", option)]
+
     def ns_id(self, node: "str | int | Node") -> tuple[int, int]:
         """(st_dev, st_ino) of the node's network namespace; stays valid after teardown."""
         return self._ns_ids[self.node(node).netns]

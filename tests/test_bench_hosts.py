@@ -20,10 +20,7 @@ cluster = cluster_fixture(2)
 def test_bench_the_resnet_example_across_two_hosts(cluster):
     """The AWS tutorial's shape, 2 nodes, from one command: each count runs on both hosts."""
     hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
-    ssh = []
-    for option in (f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
-                   "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"):
-        ssh += ["--ssh-option", option]
+    ssh = cluster.cli_ssh_args()
     argv = [sys.executable, "-m", "disttrain", "bench", str(RESNET), "--hosts", hosts, *ssh,
             "-n", "1", "--global-batch", "16", "--steps", "2", "--warmup", "1", "--json",
             "--env", "OMP_NUM_THREADS=1",

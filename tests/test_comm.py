@@ -124,9 +124,7 @@ def shaped(cluster):
 
 def run_hosts(cluster, *args: str, timeout: float = 200):
     hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
-    ssh = [arg for option in (f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
-                              "UserKnownHostsFile=/dev/null", "LogLevel=ERROR")
-           for arg in ("--ssh-option", option)]
+    ssh = cluster.cli_ssh_args()
     argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "-n", "1", "--no-preflight",
             *ssh, "--env", "OMP_NUM_THREADS=1", *args]
     return cluster.run_in("node0", argv, timeout=timeout, cwd=ROOT)
@@ -185,9 +183,7 @@ def test_powersgd_resumed_after_a_lost_host_ends_bit_exact(shaped, tmp_path):
 
 def bench_split(cluster, kind: str) -> dict:
     hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
-    ssh = [arg for option in (f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
-                              "UserKnownHostsFile=/dev/null", "LogLevel=ERROR")
-           for arg in ("--ssh-option", option)]
+    ssh = cluster.cli_ssh_args()
     argv = [sys.executable, "-m", "disttrain", "bench", "--hosts", hosts, "-n", "1", "--no-preflight",
             *ssh, "--env", "OMP_NUM_THREADS=1", "--comm", "--link-gbit", "0.05", "--steps", "4",
             "--warmup", "2", "--global-batch", "16", "--json", str(SCRIPTS / "comm_bound.py"),

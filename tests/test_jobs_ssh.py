@@ -28,8 +28,7 @@ def test_sagemaker_script_on_two_ssh_hosts(cluster, tmp_path):
     spec = {
         "name": "over-ssh", "entry_point": "sm_train.py", "source_dir": str(SCRIPTS),
         "launcher": "ssh", "hosts": [f"root@{node.ip}" for node in cluster.nodes],
-        "ssh_options": [f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
-                        "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"],
+        "ssh_options": cluster.client_ssh_options,
         "processes_per_instance": 1, "inputs": {"training": str(data)},
         "output_path": str(tmp_path / "artifacts"), "hyperparameters": {"epochs": 4, "lr": 0.5},
     }

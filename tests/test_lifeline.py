@@ -98,11 +98,8 @@ def test_sigkill_of_job_runner_leaves_no_agent_or_worker(tmp_path):
 @pytest.mark.timeout(150)
 def test_sigkill_of_run_over_ssh_leaves_nothing_on_any_host(cluster):
     hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
-    options = []
-    for option in (f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
-                   "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"):
-        options += ["--ssh-option", option]
-    argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "-n", "1", *options, str(SLEEPER)]
+    argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "-n", "1", *cluster.cli_ssh_args(),
+            str(SLEEPER)]
     launcher = cluster.popen_in("node0", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     _ready_pids(launcher, 2)
     os.kill(launcher.pid, signal.SIGKILL)

@@ -28,11 +28,7 @@ cluster = cluster_fixture(2)
 
 
 def ssh_options(cluster) -> list[str]:
-    options = []
-    for option in (f"IdentityFile={cluster.ssh_key}", "StrictHostKeyChecking=no",
-                   "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"):
-        options += ["--ssh-option", option]
-    return options
+    return cluster.cli_ssh_args()
 
 
 def launch_argv(cluster, *args: str, nproc: int | str = 1) -> list[str]:

@@ -127,7 +127,8 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
 
 def comm_settings(args: argparse.Namespace) -> dict:
     """--grad-compression/--bucket-mb, checked before anything starts (runtime.comm knows the rules)."""
-    comm.launch_env(args.grad_compression, args.bucket_mb, dist_backend=args.dist_backend, framework=args.framework)
+    comm.check_launch_settings(args.grad_compression, args.bucket_mb, dist_backend=args.dist_backend,
+                               framework=args.framework)
     return {"grad_compression": args.grad_compression or None,
             "bucket_mb": comm.parse_bucket_mb(args.bucket_mb, flag="--bucket-mb")}
 

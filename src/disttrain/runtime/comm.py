@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
-from ..workerenv import WorkerEnv, comm_env
+from ..workerenv import WorkerEnv
 
 if TYPE_CHECKING:  # torch is imported where it is used: the launcher validates with this module
     import torch
@@ -77,14 +77,14 @@ def parse_compression(raw: str | None) -> tuple[str, int]:
     return name, int(rank_text)
 
 
-def launch_env(grad_compression: str | None, bucket_mb: Any, *, dist_backend: str | None,
-               framework: str = "pytorch") -> dict[str, str]:
-    """``disttrain run --grad-compression/--bucket-mb``, validated before anything starts,
-    as the workers' variables."""
+def check_launch_settings(grad_compression: str | None, bucket_mb: Any, *, dist_backend: str | None,
+                          framework: str = "pytorch") -> None:
+    """``disttrain run --grad-compression/--bucket-mb``, refused before anything starts when they
+    cannot work (the launch spec carries them into the worker-env contract)."""
     name, _ = parse_compression(grad_compression)
     bucket = parse_bucket_mb(bucket_mb, flag="--bucket-mb")
     if name == "none" and bucket is None:
-        return comm_env(grad_compression, None)
+        return
     flag = "--grad-compression" if name != "none" else "--bucket-mb"
     if framework != "pytorch":
         raise UsageError(f"{flag} sets how PyTorch's DDP sends gradients; it does nothing with "
@@ -95,7 +95,6 @@ def launch_env(grad_compression: str | None, bucket_mb: Any, *, dist_backend: st
                          f"compression hooks need): use {' or '.join(HOOK_BACKENDS)}")
     if name == "powersgd":
         _check_single_bucket(bucket, dist_backend, flag="--bucket-mb")
-    return comm_env(grad_compression, bucket)
 
 
 def _check_single_bucket(bucket_mb: float | None, backend: str | None, flag: str = "bucket_mb") -> None:

@@ -104,3 +104,34 @@ def test_jobs_stop_cancels_a_running_slurm_job(slurm, tmp_path, env, data):  # n
     assert record["state"] == "Stopped" and record["failure"] == "stopped by SIGTERM"
     assert slurm.job_state(job_id) == "CANCELLED"
     slurm.assert_nothing_left()  # out of squeue, no process on either node
+
+
+@pytest.mark.timeout(240)
+def test_literal_opt_ml_is_private_to_each_slurm_instance(slurm, tmp_path, env):
+    """Each Slurm node's agent gives its instance's script its own folder at /opt/ml (both nodes
+    are namespaces of this one machine, so without it they would collide there)."""
+    from test_jobs_ssh import LITERAL_OPT_ML, opt_listing
+
+    from disttrain.agent.optml import namespace_tool
+
+    if namespace_tool()[0] is None:
+        pytest.skip(f"no mount namespace here: {namespace_tool()[1]}")
+    import textwrap
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "literal.py").write_text(textwrap.dedent(LITERAL_OPT_ML))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("hello\n")
+    spec = spec_file(tmp_path, "optml", entry_point="literal.py", source_dir=str(tmp_path / "src"), launcher="slurm",
+                     instance_count=2, private_opt_ml="required", inputs={"training": str(tmp_path / "data")},
+                     output_path=str(tmp_path / "artifacts"), slurm={"time": "10"})
+    before = opt_listing()
+    runner = job_run(slurm, spec, env)
+    out, err = runner.communicate(timeout=200)
+    assert runner.returncode == 0, err
+    assert opt_listing() == before  # the machine's /opt (and the absence of /opt/ml) untouched
+    job_dir = Path(show(env, 1)["job_dir"])
+    for host in ("algo-1", "algo-2"):
+        assert (job_dir / host / "model" / "who.txt").read_text() == f"{host} hello"
+        assert "ml" in json.loads((job_dir / host / "output" / "data" / "seen.json").read_text())["opt"]
+    slurm.assert_nothing_left()

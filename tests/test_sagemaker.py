@@ -19,7 +19,7 @@ import pytest
 
 from conftest import cli_env, disttrain
 from disttrain.errors import UsageError
-from disttrain.jobs.optml import namespace_tool
+from disttrain.agent.optml import namespace_tool
 from disttrain.store import JobStore
 
 pytestmark = pytest.mark.timeout(180)
@@ -305,7 +305,7 @@ def test_parameter_server_tf_config_per_instance(sm_home):
 def test_contract_units():
     from disttrain.jobs.distribution import Distribution, parse_distribution
     from disttrain.jobs.layout import InstancePaths
-    from disttrain.jobs.optml import prefix
+    from disttrain.agent.optml import prefix
     from disttrain.jobs.sagemaker import Instance, cmd_args, sm_env
 
     assert cmd_args({"b": {"y": 2, "x": 1}, "a-b": "s p", "sagemaker_program": "t.py"}) == \
@@ -325,8 +325,9 @@ def test_contract_units():
     assert parse_distribution({"mpi": {"enabled": True, "processes_per_host": 2}}, framework="pytorch") == \
         Distribution("mpi", processes_per_host=2)
     assert parse_distribution({"torch_distributed": {"enabled": False}}, framework="pytorch").kind == "none"
-    argv = prefix("bwrap", "/jobs/j/algo-1", "/jobs/j/.mounts/algo-1")
-    assert argv[:4] == ["bwrap", "--dev-bind", "/", "/"] and argv[-4:] == ["--bind", "/jobs/j/algo-1", "/opt/ml", "--"]
+    argv = prefix("bwrap", "/jobs/j/algo-1")
+    assert argv[:5] == ["bwrap", "--dev-bind", "/", "/", "--die-with-parent"]
+    assert argv[-4:] == ["--bind", "/jobs/j/algo-1", "/opt/ml", "--"]
     assert sys.executable  # the unshare prefix execs this interpreter
 
 
@@ -401,7 +402,7 @@ def test_bwrap_prefix_gives_an_unprivileged_user_its_own_opt_ml(world_tmp):
     import shutil
     import subprocess
 
-    from disttrain.jobs.optml import prefix
+    from disttrain.agent.optml import prefix
 
     if os.geteuid() != 0 or not shutil.which("bwrap") or not shutil.which("setpriv"):
         pytest.skip("needs root (to become nobody), bubblewrap and setpriv")
@@ -410,7 +411,7 @@ def test_bwrap_prefix_gives_an_unprivileged_user_its_own_opt_ml(world_tmp):
     os.chmod(inst, 0o777)
     before = opt_listing()
     argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-            *prefix("bwrap", str(inst), str(world_tmp / "stage")), "sh", "-c", "echo hi > /opt/ml/x && ls /opt"]
+            *prefix("bwrap", str(inst)), "sh", "-c", "echo hi > /opt/ml/x && ls /opt"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     if done.returncode and "namespace" in done.stderr:
         pytest.skip(f"no unprivileged user namespaces here: {done.stderr.strip()}")

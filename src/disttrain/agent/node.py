@@ -26,6 +26,7 @@ from ..workerenv import HEARTBEAT_DIR
 from . import lifeline
 from .attempt_store import AttemptStores
 from .logs import RankLogs
+from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
 from .watchdog import HANG_EXIT, Watchdog
@@ -155,6 +156,9 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
     env = plan.worker_env(node)
+    # A job instance's workers see its folder at /opt/ml; the tool is checked here, on their machine.
+    opt_ml = (instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.host,
+                              say=lambda line: print(line, file=report_to, flush=True)) if node.opt_ml else [])
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
@@ -164,7 +168,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         config.logs_specs.on_envs = AttemptStores(plan, node)
         try:
             # Each worker dies with this agent, even when it is SIGKILLed (see lifeline.py).
-            entry, *args = lifeline.wrap(plan.argv, python=plan.argv[0])
+            entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=plan.argv[0])
             elastic_launch(config, entry)(*args)
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)

@@ -3,9 +3,11 @@
 The runner calls three hooks, in order:
 
 - :func:`prepare` (while Staging): ``requirements.txt`` into the job's own environment,
-  checkpoints restored from ``checkpoint_s3_uri``, whether a private ``/opt/ml`` can be made;
+  checkpoints restored from ``checkpoint_s3_uri``, whether this machine can make a private
+  ``/opt/ml`` (for its own instances: launcher local and mpi);
 - :func:`instance_plan` (once placed): each instance's ``SM_*`` contract and config files,
-  the distribution's worker command, and the argv prefix that gives it its own ``/opt/ml``;
+  the distribution's worker command, and the folder its processes see at ``/opt/ml`` (made
+  private where they run: :mod:`disttrain.agent.optml`);
 - :class:`Watch` (around the launch): metrics, checkpoint sync, ``max_run``;
   then :func:`write_events` (TensorBoard files) and :func:`mark_success` (``output/success``).
 """
@@ -19,13 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..agent.optml import FIX, namespace_tool
 from ..errors import UsageError
 from ..plan.launch import LaunchPlan
 from .checkpoints import Syncer, local_dir, restore
 from .distribution import Distribution, parse_distribution, ps_tf_config
 from .layout import JobLayout
 from .metrics import MetricWatcher, write_tensorboard
-from .optml import namespace_tool, prefix
 from .requirements import isolated_python
 from .sagemaker import Instance, sm_env, write_config
 from .spec import JobSpec
@@ -40,14 +42,15 @@ class Prepared:
 
     distribution: Distribution
     python: str | None = None  # the job's venv interpreter (requirements.txt), else the launcher's
-    namespace: str | None = None  # "unshare" | "bwrap" | None
+    private_opt_ml: bool = True  # False: off, or this machine (launcher local/mpi) cannot make one
     notes: list[str] = field(default_factory=list)
 
 
 def preflight(spec: JobSpec) -> None:
     """What this machine must have for the job, checked before anything is recorded: mpirun for
     distribution mpi, a Keras whose fit works for multi_worker_mirrored_strategy, a mount
-    namespace when private_opt_ml is required."""
+    namespace when private_opt_ml is required and the instances run here (on other hosts, each
+    instance's agent checks its own machine)."""
     dist = parse_distribution(spec.distribution, framework=spec.framework)
     if dist.kind == "mpi":
         if spec.launcher != "local":
@@ -67,7 +70,7 @@ def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], No
     ready = Prepared(distribution=dist)
     if dist.note():
         say(dist.note())
-    ready.namespace = _namespace(spec, say)
+    ready.private_opt_ml = _namespace(spec, say)
     ready.python = isolated_python(cwd, layout.root / "venv", say)
     if spec.checkpoint_s3_uri:
         for inst in layout.instances:
@@ -90,27 +93,28 @@ def _check_keras(spec: JobSpec) -> None:
                      f"{keras2_install_hint()} (a custom strategy.run loop: set environment TF_USE_LEGACY_KERAS=0)")
 
 
-def _namespace(spec: JobSpec, say: Callable[[str], None]) -> str | None:
+def _namespace(spec: JobSpec, say: Callable[[str], None]) -> bool:
+    """Whether the instances get a private /opt/ml. Instances on this machine: checked here, once
+    for all of them, before anything is recorded; on hosts or Slurm nodes: by each one's agent."""
     if spec.private_opt_ml == "off":
-        return None
-    if spec.launcher != "local":
-        why = f"a private /opt/ml is made for launcher local only (this job: {spec.launcher})"
-    else:
+        return False
+    if spec.launcher == "local":  # distribution mpi included (it runs launcher local only)
         tool, why = namespace_tool()
-        if tool:
-            return tool
-    if spec.private_opt_ml == "required":
-        raise UsageError(f"private_opt_ml: required, but {why}; scripts with literal /opt/ml paths need it "
-                         "(or set private_opt_ml: auto and read the SM_* variables)")
-    say(f"disttrain: no private /opt/ml ({why}); scripts reading SM_* run, literal /opt/ml paths do not")
-    return None
+        if tool is None:
+            if spec.private_opt_ml == "required":
+                raise UsageError(f"private_opt_ml: required, but this machine cannot make a private /opt/ml "
+                                 f"({why}); {FIX} (or set private_opt_ml: auto and read the SM_* variables)")
+            say(f"disttrain: no private /opt/ml ({why}): scripts reading SM_* run, literal /opt/ml paths do not; "
+                f"to have them: {FIX}")
+            return False
+    return True
 
 
 def instance_plan(spec: JobSpec, layout: JobLayout, plan: LaunchPlan, *, job_name: str, cwd: Path,
-                  ready: Prepared, ifnames, gpus, cpus) -> tuple[LaunchPlan, list[list[str]]]:
-    """Instance K (the plan's node K): its SM_* variables and config files, and its argv prefix."""
+                  ready: Prepared, ifnames, gpus, cpus) -> LaunchPlan:
+    """Instance K (the plan's node K): its SM_* variables and config files, and its /opt/ml folder."""
     dist = ready.distribution
-    nodes, prefixes = [], []
+    nodes = []
     addresses = [node.address or plan.master_addr for node in plan.nodes]
     for k, (node, host, ifname, ngpu, ncpu) in enumerate(zip(plan.nodes, layout.hosts, ifnames, gpus, cpus)):
         inst = Instance(job_name=job_name, host=host, hosts=layout.hosts, instance_type=spec.instance_type,
@@ -131,15 +135,15 @@ def instance_plan(spec: JobSpec, layout: JobLayout, plan: LaunchPlan, *, job_nam
 
             env.update(keras_env({**os.environ, **node.env, **spec.env}, have_tf_keras=have_tf_keras()))
         # The spec's own env wins, as --env does for `disttrain run`.
-        nodes.append(replace(node, env={**node.env, **env, **spec.env}))
-        stage = layout.root / ".mounts" / host
-        prefixes.append(prefix(ready.namespace, str(paths.root), str(stage)) if ready.namespace else [])
+        nodes.append(replace(node, env={**node.env, **env, **spec.env},
+                             opt_ml=str(paths.root) if ready.private_opt_ml else None,
+                             opt_ml_required=spec.private_opt_ml == "required"))
     argv = list(plan.argv)
     if ready.python:
         argv[0] = ready.python
     if dist.kind == "parameter_server":  # python -u SCRIPT ARGS → python -u -m psshim SCRIPT ARGS
         argv = [argv[0], "-u", "-m", PS_SHIM, *argv[2:]]
-    return replace(plan, nodes=tuple(nodes), argv=tuple(argv)), prefixes
+    return replace(plan, nodes=tuple(nodes), argv=tuple(argv))
 
 
 class Watch:

@@ -111,35 +111,32 @@ def job_context(spec: JobSpec, layout: JobLayout, name: str, cwd: Path) -> Conte
 
 class JobStepEvents(Events):
     """A job's sink where the instances are placed: the SageMaker container around each one
-    (its SM_* variables and files, its private /opt/ml), the plan kept."""
+    (its SM_* variables and files, the folder it sees at /opt/ml), the plan kept."""
 
     def __init__(self, spec: JobSpec, layout: JobLayout, name: str, cwd: Path,
                  ready: container.Prepared | None = None) -> None:
         self.spec, self.layout, self.name, self.cwd = spec, layout, name, cwd
         self.ready = ready
-        self.prefixes: list[list[str]] = []
 
     @classmethod
     def from_step(cls, client: dict) -> JobStepEvents:
-        """Inside a Slurm allocation, from what :meth:`JobRun.step` shipped (no private /opt/ml there)."""
+        """Inside a Slurm allocation, from what :meth:`JobRun.step` shipped (each node's agent
+        makes its instance's private /opt/ml, as over ssh)."""
         cwd = Path(client["cwd"])
         spec = spec_from_mapping(client["spec"], base_dir=cwd, source="the launch step")
         layout = JobLayout(Path(client["job_dir"]), instance_names(spec.instance_count))
         venv_python = layout.root / "venv" / "bin" / "python"  # requirements.txt (container.prepare)
         ready = container.Prepared(distribution=parse_distribution(spec.distribution, framework=spec.framework),
-                                   python=str(venv_python) if venv_python.exists() else None)
+                                   python=str(venv_python) if venv_python.exists() else None,
+                                   private_opt_ml=spec.private_opt_ml != "off")
         return cls(spec, layout, client["name"], cwd, ready)
 
     def placed(self, plan: LaunchPlan, facts: Facts) -> LaunchPlan:
         nodes = facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,)
-        plan, self.prefixes = container.instance_plan(  # container: SM_* contract, distribution, /opt/ml
+        return container.instance_plan(  # container: SM_* contract, distribution, /opt/ml
             self.spec, self.layout, plan, job_name=self.name, cwd=self.cwd, ready=self.ready,
             ifnames=[f.socket_ifname or "lo" for f in nodes], gpus=[f.cuda_devices for f in nodes],
             cpus=[f.cpus for f in nodes])
-        return plan
-
-    def command_prefix(self, node_rank: int) -> list[str]:
-        return self.prefixes[node_rank] if node_rank < len(self.prefixes) else []
 
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
         write_private(self.layout.logs / "plan.json", plan.to_json())

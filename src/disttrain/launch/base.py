@@ -84,10 +84,6 @@ class Events:
         """Just before the agents start."""
         self.say(banner(plan, note))
 
-    def command_prefix(self, node_rank: int) -> list[str]:
-        """What a local agent runs under (a job instance's private /opt/ml); [] for most clients."""
-        return []
-
     def submitted(self, job_id: str, run_dir: str) -> None:
         """A batch launcher handed the job to its scheduler, which named it ``job_id``."""
 

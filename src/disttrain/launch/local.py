@@ -100,5 +100,5 @@ class LocalLauncher(Launcher):
             from ..agent.node import run_node  # torch's elastic agent: imported only to launch
 
             return Outcome(exit_code=run_node(plan, plan.nodes[0]))
-        commands = [[*events.command_prefix(node.node_rank), *agent_argv(sys.executable)] for node in plan.nodes]
+        commands = [agent_argv(sys.executable) for _ in plan.nodes]
         return run_agents(plan, commands, cwd=ctx.cwd, transcript=events.transcript)

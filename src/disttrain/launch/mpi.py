@@ -5,7 +5,8 @@ launches with Open MPI instead of torch's agents: a pure function turns the plac
 into one ``mpirun`` argv — one application context per instance, ``processes_per_host``
 ranks each — and a small wrapper (``python -m disttrain.launch.mpi ENV.json -- ...``) gives
 every rank its instance's environment (the ``SM_*`` contract) before ``exec``ing the script,
-inside the instance's private ``/opt/ml`` when one is made. As SageMaker's toolkit does,
+inside the instance's private ``/opt/ml`` (the same :mod:`disttrain.agent.optml` prefix a
+node's agent puts before its workers). As SageMaker's toolkit does,
 ``custom_mpi_options`` are added to mpirun's own arguments.
 
 Needs Open MPI (``apt-get install openmpi-bin``; mpi4py for the script: ``disttrain[mpi]``).
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from ..agent.optml import instance_prefix
 from ..atomic import write_atomic
 from ..errors import UsageError
 from ..plan.launch import LaunchPlan
@@ -165,8 +167,10 @@ class MpiLauncher(LocalLauncher):
         folder = Path(ctx.run_dir) / "mpi"
         envs = [write_instance_env(folder / f"{host}.env.json", dict(node.env))
                 for host, node in zip(self.instances, plan.nodes)]
+        prefixes = [instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.host, say=events.say)
+                    if node.opt_ml else [] for node in plan.nodes]  # the ranks run here, on this machine
         argv = mpirun_argv(mpirun=find_mpirun(), ranks_per_instance=self.ranks_per_instance, instance_envs=envs,
-                           prefixes=[events.command_prefix(node.node_rank) for node in plan.nodes],
+                           prefixes=prefixes,
                            worker_argv=plan.argv, custom_mpi_options=self.custom_mpi_options,
                            as_root=os.geteuid() == 0)
         write_atomic(folder / "mpirun.json", json.dumps(argv, indent=1))  # what ran, for `jobs show`

@@ -50,6 +50,10 @@ class NodePlan:
     nproc: int
     env: dict[str, str]
     workers: tuple[WorkerPlan, ...]
+    # A SageMaker job instance's folder, shown to this node's processes at /opt/ml through a
+    # mount namespace made on the node's own machine (see disttrain.agent.optml); None: no such thing.
+    opt_ml: str | None = None
+    opt_ml_required: bool = False  # no mount namespace on that machine: an error, not a note
 
     def shown_local_ranks(self, shown: tuple[int, ...] | None) -> set[int] | None:
         """Local ranks whose output reaches the terminal (None: all of them)."""

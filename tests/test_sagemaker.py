@@ -476,3 +476,102 @@ def test_mpirun_output_and_metric_definitions_units():
         check_definitions([{"Name": "x", "Regex": "("}])
     with pytest.raises(UsageError, match=r"metric_definitions\[0\] must be"):
         check_definitions([{"name": "x", "regex": "y"}])
+
+
+ANALYTICS_SCRIPT = """\
+    import time
+    for epoch, (loss, acc) in enumerate([(0.9, 0.5), (0.5, 0.7), (0.2, 0.9)]):
+        print(f"epoch {epoch} loss={loss} acc={acc}", flush=True)
+        time.sleep(1)
+"""
+
+
+def test_training_job_analytics_dataframe_as_the_sdk(sm_home):
+    """The SDK's TrainingJobAnalytics frame: timestamp (seconds since the metric's first point),
+    metric_name, value; metrics in the order of metric_definitions; without pandas, one line."""
+    pytest.importorskip("pandas")
+    import subprocess
+
+    from disttrain.sagemaker import Estimator, TrainingJobAnalytics
+    from disttrain.sagemaker.analytics import PANDAS_MISSING
+
+    write(sm_home / "src" / "epochs.py", ANALYTICS_SCRIPT)
+    est = Estimator(entry_point="epochs.py", source_dir="src", disttrain={"private_opt_ml": "off"},
+                    metric_definitions=[{"Name": "loss", "Regex": r"loss=([0-9.]+)"},
+                                        {"Name": "acc", "Regex": r"acc=([0-9.]+)"}])
+    est.fit(logs=False)
+    analytics = est.training_job_analytics
+    frame = analytics.dataframe()
+    assert list(frame.columns) == ["timestamp", "metric_name", "value"]
+    assert frame["metric_name"].tolist() == ["loss"] * 3 + ["acc"] * 3  # the definitions' order, not sorted
+    assert frame["value"].tolist() == [0.9, 0.5, 0.2, 0.5, 0.7, 0.9]
+    for name in ("loss", "acc"):
+        times = frame[frame["metric_name"] == name]["timestamp"].tolist()
+        assert times[0] == 0.0 and times == sorted(times)  # each metric from its own first point
+    assert analytics.dataframe() is frame and analytics.dataframe(force_refresh=True) is not frame  # cached
+    only = TrainingJobAnalytics(est.latest_training_job.name, metric_names=["acc"]).dataframe()
+    assert only["metric_name"].tolist() == ["acc"] * 3
+    analytics.export_csv(str(sm_home / "metrics.csv"))
+    assert (sm_home / "metrics.csv").read_text().splitlines()[0] == ",timestamp,metric_name,value"
+
+    hidden = ("import sys; sys.modules['pandas'] = None\n"  # as if pandas were not installed
+              "from disttrain.errors import UsageError\n"
+              "from disttrain.sagemaker import TrainingJobAnalytics\n"
+              "analytics = TrainingJobAnalytics(sys.argv[1])\n"
+              "print(len(analytics.series()['loss']))\n"
+              "try:\n    analytics.dataframe()\nexcept UsageError as err:\n    print(err)\n")
+    done = subprocess.run([sys.executable, "-c", hidden, est.latest_training_job.name], capture_output=True,
+                          text=True, timeout=60, env=cli_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["3", PANDAS_MISSING] and "pip install pandas" in PANDAS_MISSING
+
+
+LIVE_SCRIPT = """\
+    import os, sys, time
+    for step in range(3):
+        print(f"step {step} loss={1.0 / (step + 1):.4f}", flush=True)
+    go = sys.argv[sys.argv.index("--go") + 1]
+    while not os.path.exists(go):  # the test lets it end once it has seen the curve
+        time.sleep(0.1)
+    print("last loss=0.1", flush=True)
+"""
+
+
+def tensorboard_scalars(logdir: Path) -> list[tuple[str, int, float]]:
+    """What TensorBoard itself reads from the folder: (tag, step, value) of every scalar."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    return [(tag, s.step, round(s.value, 4)) for tag in events.Tags()["scalars"] for s in events.Scalars(tag)]
+
+
+def test_tensorboard_event_file_grows_while_the_job_runs(sm_home):
+    pytest.importorskip("tensorboard")
+    import time
+
+    from disttrain.sagemaker import Estimator
+
+    write(sm_home / "src" / "live.py", LIVE_SCRIPT)
+    go = sm_home / "go"
+    est = Estimator(entry_point="live.py", source_dir="src", hyperparameters={"go": str(go)},
+                    disttrain={"private_opt_ml": "off"},
+                    metric_definitions=[{"Name": "loss", "Regex": r"loss=([0-9.]+)"}])
+    est.fit(wait=False, logs=False)
+    job = est.latest_training_job
+    try:
+        logdir = Path(job.describe()["JobDir"]) / "tensorboard"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            seen = tensorboard_scalars(logdir) if logdir.is_dir() else []
+            if len(seen) >= 3:
+                break
+            time.sleep(0.5)
+        # the first points are there while the script still waits for the test
+        assert seen == [("loss", 0, 1.0), ("loss", 1, 0.5), ("loss", 2, 0.3333)]
+        assert job.describe()["TrainingJobStatus"] == "InProgress"
+    finally:
+        go.write_text("")
+        job.wait()  # it ends (and leaves no process) whatever was asserted above
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 1  # one file per job, nothing added at the end
+    assert tensorboard_scalars(logdir) == [("loss", 0, 1.0), ("loss", 1, 0.5), ("loss", 2, 0.3333), ("loss", 3, 0.1)]

@@ -8,8 +8,8 @@ The runner calls three hooks, in order:
 - :func:`instance_plan` (once placed): each instance's ``SM_*`` contract and config files,
   the distribution's worker command, and the folder its processes see at ``/opt/ml`` (made
   private where they run: :mod:`disttrain.agent.optml`);
-- :class:`Watch` (around the launch): metrics, checkpoint sync, ``max_run``;
-  then :func:`write_events` (TensorBoard files) and :func:`mark_success` (``output/success``).
+- :class:`Watch` (around the launch): metrics (in the store and, live, in TensorBoard event
+  files), checkpoint sync, ``max_run``; then :func:`mark_success` (``output/success``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..plan.launch import LaunchPlan
 from .checkpoints import Syncer, local_dir, restore
 from .distribution import Distribution, parse_distribution, ps_tf_config
 from .layout import JobLayout
-from .metrics import MetricWatcher, write_tensorboard
+from .metrics import MetricWatcher
 from .requirements import isolated_python
 from .sagemaker import Instance, sm_env, write_config
 from .spec import JobSpec
@@ -152,7 +152,9 @@ class Watch:
     def __init__(self, spec: JobSpec, layout: JobLayout, store_path: Path, job_id: int,
                  say: Callable[[str], None]) -> None:
         self.spec, self.layout, self.say = spec, layout, say
-        self.metrics = MetricWatcher(spec.metric_definitions, layout.transcript, store_path, job_id)
+        # TensorBoard event files in the job folder: tensorboard --logdir ~/.disttrain/jobs shows every job
+        self.metrics = MetricWatcher(spec.metric_definitions, layout.transcript, store_path, job_id,
+                                     events_dir=layout.root / "tensorboard")
         self.syncer = (Syncer(spec.checkpoint_s3_uri, self._checkpoint_dirs(), spec.storage_options, say)
                        if spec.checkpoint_s3_uri else None)
         self.timed_out = False
@@ -192,12 +194,6 @@ class Watch:
             return (f"{MAX_RUNTIME}: the job was stopped after max_run={self.spec.max_run} s "
                     "(raise max_run, or checkpoint and resume)")
         return None
-
-
-def write_events(layout: JobLayout, series: dict) -> None:
-    """The job's metric series as TensorBoard event files in its folder (when TensorBoard is installed)."""
-    if series:
-        write_tensorboard(series, layout.root / "tensorboard")
 
 
 def mark_success(layout: JobLayout) -> None:

@@ -3,13 +3,16 @@
 The job's transcript (every rank's relayed lines) is followed while the job runs; each line
 that a definition's ``Regex`` matches adds a point (name, time, value) to the job store, the
 value being the regex's first group (the whole match when it has none), as SageMaker reads
-CloudWatch metrics from the log. After the job, the series are also written as TensorBoard
-event files in the job folder when TensorBoard is installed.
+CloudWatch metrics from the log. When TensorBoard is installed, each point is also appended to
+an event file in the job folder as it arrives, so ``tensorboard --logdir ~/.disttrain/jobs``
+shows a running job's curves growing.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -52,15 +55,64 @@ def match_line(definitions: Sequence[tuple[str, re.Pattern]], line: str) -> list
     return points
 
 
+class EventFile:
+    """A job's TensorBoard event file, appended and flushed as points arrive (step = the point's
+    number in its series).
+
+    tensorboard's own record writer over a plain file: its ``EventFileWriter`` opens files through
+    ``tf.io.gfile``, which imports TensorFlow where it is installed (seconds of CPU in the runner).
+    """
+
+    def __init__(self, logdir: Path) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._event, self._summary = Event, Summary
+        logdir.mkdir(parents=True, exist_ok=True)
+        # TensorBoard's own naming: it reads every file whose name holds "tfevents".
+        path = logdir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.0"
+        self.path = path
+        self._writer = RecordWriter(open(path, "ab"))
+        self._steps: dict[str, int] = {}
+        self._write(Event(wall_time=time.time(), step=0, file_version="brain.Event:2"))
+
+    @classmethod
+    def open(cls, logdir: Path) -> EventFile | None:
+        """None without TensorBoard (``pip install 'disttrain[tensorboard]'``): the store keeps the series."""
+        try:
+            return cls(logdir)
+        except ImportError:
+            return None
+
+    def _write(self, event) -> None:
+        self._writer.write(event.SerializeToString())
+
+    def add(self, rows: Sequence[tuple[str, float, float]]) -> None:
+        for name, when, value in rows:
+            step = self._steps.get(name, 0)
+            self._steps[name] = step + 1
+            self._write(self._event(wall_time=when, step=step, summary=self._summary(
+                value=[self._summary.Value(tag=name, simple_value=value)])))
+        self._writer.flush()  # a reader (tensorboard) sees every point as soon as it is matched
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricWatcher:
-    """Follows ``transcript`` in a thread; each matched point goes to the store at once.
+    """Follows ``transcript`` in a thread; each matched point goes to the store at once, and to
+    the TensorBoard event file in ``events_dir`` (opened at the first point).
 
     Its own store connection: SQLite connections stay in the thread that made them.
     """
 
-    def __init__(self, definitions: list[dict[str, str]], transcript: Path, store_path: Path, job_id: int) -> None:
+    def __init__(self, definitions: list[dict[str, str]], transcript: Path, store_path: Path, job_id: int,
+                 events_dir: Path | None = None) -> None:
         self.definitions = check_definitions(definitions)
         self.transcript, self.store_path, self.job_id = transcript, store_path, job_id
+        self.events_dir = events_dir
+        self._events: EventFile | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="disttrain-metrics", daemon=True)
         self.error: str | None = None
@@ -89,6 +141,9 @@ class MetricWatcher:
                     self._stop.wait(POLL_S)
         except Exception as err:  # metrics must never fail the job; say why they stopped
             self.error = f"disttrain: metrics stopped: {type(err).__name__}: {err}"
+        finally:
+            if self._events is not None:
+                self._events.close()
 
     def _read(self, store, offset: int, partial: bytes) -> tuple[int, bytes]:
         try:
@@ -104,25 +159,14 @@ class MetricWatcher:
         rows = [(name, now, value) for line in lines[:-1]
                 for name, value in match_line(self.definitions, line.decode(errors="replace"))]
         store.add_metrics(self.job_id, rows)
+        if rows and self.events_dir is not None:
+            if self._events is None:
+                self._events = EventFile.open(self.events_dir)
+                if self._events is None:
+                    self.events_dir = None  # no TensorBoard: do not try again
+            if self._events is not None:
+                self._events.add(rows)
         return offset + len(data), lines[-1]
-
-
-def write_tensorboard(series: dict[str, list[tuple[float, float]]], logdir: Path) -> bool:
-    """TensorBoard event files of every series (step = point number); False without TensorBoard."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-    except ImportError:
-        return False
-    if not series:
-        return False
-    writer = SummaryWriter(log_dir=str(logdir))
-    try:
-        for name, points in series.items():
-            for step, (when, value) in enumerate(points):
-                writer.add_scalar(name, value, global_step=step, walltime=when)
-    finally:
-        writer.close()
-    return True
 
 
 def plot_series(series: dict[str, list[tuple[float, float]]], png: Path, title: str) -> None:

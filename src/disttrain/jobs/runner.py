@@ -224,7 +224,6 @@ class JobRun(JobStepEvents):
         series = self.store.metric_series(self.id)
         if series:  # container: metric_definitions' last values
             metrics = {**(metrics or {}), **{name: points[-1][1] for name, points in series.items()}}
-        container.write_events(layout, series)
         timed_out = self.watch.failure() if self.watch else None
         if timed_out:
             return self._end(JobState.FAILED, outcome.exit_code or 1, metrics=metrics, failure=timed_out)

@@ -24,10 +24,12 @@ from .estimator import (
     TrainingJob,
     UnexpectedStatusException,
 )
+from .analytics import TrainingJobAnalytics
 from .inputs import TrainingInput
 from .pytorch import PyTorch
 from .session import get_execution_role
 from .tensorflow import TensorFlow
 
 __all__ = ["Estimator", "EstimatorBase", "Framework", "PyTorch", "TensorFlow", "TrainingInput", "TrainingJob",
+           "TrainingJobAnalytics",
            "UnexpectedStatusException", "RenamedArgumentWarning", "get_execution_role"]

@@ -1,32 +1,59 @@
-"""``estimator.training_job_analytics``: the job's metric series (``dataframe()`` with pandas)."""
+"""``estimator.training_job_analytics``: the job's metric series, as the SDK's ``TrainingJobAnalytics``.
+
+``dataframe()`` has the SDK's shape: columns ``timestamp`` (seconds since that metric's first
+point), ``metric_name`` and ``value``, one metric after the other in the order of the job's
+``metric_definitions``, each sorted by time. The SDK reads CloudWatch's per-minute averages;
+here every matched point is a row (the job store keeps them all). pandas is optional, as in
+the SDK: without it ``dataframe()`` says how to get it, and ``series()`` needs nothing.
+"""
 
 from __future__ import annotations
 
 from ..errors import UsageError
 
+PANDAS_MISSING = ("training_job_analytics.dataframe() needs pandas: pip install pandas "
+                  "(or use training_job_analytics.series(), which needs nothing)")
+
 
 class TrainingJobAnalytics:
-    def __init__(self, training_job_name: str, metric_names: list[str] | None = None) -> None:
+    """``TrainingJobAnalytics(training_job_name, metric_names=None)``; ``sagemaker_session`` is accepted
+    and unused, as everywhere in :mod:`disttrain.sagemaker`."""
+
+    def __init__(self, training_job_name: str, metric_names: list[str] | None = None,
+                 sagemaker_session=None) -> None:
         self.name = training_job_name
-        self.metric_names = metric_names
+        self.metric_names = list(metric_names) if metric_names else None
+        self._dataframe = None
+
+    def __repr__(self) -> str:
+        return f"<disttrain.sagemaker.TrainingJobAnalytics for {self.name}>"
 
     def series(self) -> dict[str, list[tuple[float, float]]]:
-        """{metric: [(time, value), ...]} from the job store."""
+        """{metric: [(time, value), ...]} from the job store, in the order of the job's metric_definitions."""
         from ..store import JobStore
 
         with JobStore() as store:
-            series = store.metric_series(store.get(self.name).id)
-        return {k: v for k, v in series.items() if not self.metric_names or k in self.metric_names}
+            record = store.get(self.name)
+            series = store.metric_series(record.id)
+        defined = [d["Name"] for d in record.spec.get("metric_definitions") or []]
+        names = self.metric_names or [*defined, *sorted(set(series) - set(defined))]
+        return {name: series[name] for name in names if name in series}  # the store keeps time order
+
+    def clear_cache(self) -> None:
+        self._dataframe = None
 
     def dataframe(self, force_refresh: bool = False):
-        """Columns ``timestamp`` (seconds since the first point), ``metric_name``, ``value``, as the SDK's."""
+        """The SDK's frame (cached, as there; ``force_refresh=True`` reads the store again)."""
         try:
             import pandas as pd
         except ImportError:
-            raise UsageError("training_job_analytics.dataframe() needs pandas: pip install pandas "
-                             "(or use .series())") from None
-        series = self.series()
-        start = min((points[0][0] for points in series.values()), default=0.0)
-        rows = [{"timestamp": t - start, "metric_name": name, "value": v}
-                for name, points in sorted(series.items()) for t, v in points]
-        return pd.DataFrame(rows, columns=["timestamp", "metric_name", "value"])
+            raise UsageError(PANDAS_MISSING) from None
+        if force_refresh:
+            self.clear_cache()
+        if self._dataframe is None:
+            rows = [(t - points[0][0], name, value) for name, points in self.series().items() for t, value in points]
+            self._dataframe = pd.DataFrame(rows, columns=["timestamp", "metric_name", "value"])
+        return self._dataframe
+
+    def export_csv(self, filename: str) -> None:
+        self.dataframe().to_csv(filename)

@@ -575,3 +575,49 @@ def test_tensorboard_event_file_grows_while_the_job_runs(sm_home):
         job.wait()  # it ends (and leaves no process) whatever was asserted above
     assert len(list(logdir.glob("events.out.tfevents.*"))) == 1  # one file per job, nothing added at the end
     assert tensorboard_scalars(logdir) == [("loss", 0, 1.0), ("loss", 1, 0.5), ("loss", 2, 0.3333), ("loss", 3, 0.1)]
+
+
+SM_ONLY_SCRIPT = """\
+    import os
+    with open(os.path.join(os.environ["SM_MODEL_DIR"], "who.txt"), "w") as fh:
+        fh.write(os.environ["SM_CURRENT_HOST"])
+"""
+
+
+def test_without_a_mount_namespace_one_line_names_the_fix_and_sm_scripts_run(sm_home):
+    """A machine that cannot make a mount namespace (here: neither unshare nor bwrap on PATH)."""
+    import subprocess
+
+    import yaml
+
+    write(sm_home / "src" / "sm_only.py", SM_ONLY_SCRIPT)
+    (sm_home / "bin").mkdir()
+    env = cli_env(PATH=str(sm_home / "bin"))
+    spec = {"name": "nons", "entry_point": "sm_only.py", "source_dir": str(sm_home / "src"), "instance_count": 2,
+            "output_path": str(sm_home / "out")}
+    (sm_home / "auto.yaml").write_text(yaml.safe_dump(spec))
+    (sm_home / "required.yaml").write_text(yaml.safe_dump({**spec, "private_opt_ml": "required"}))
+    done = disttrain("job", "run", str(sm_home / "auto.yaml"), env=env, timeout=150)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "private /opt/ml" in line]
+    assert len(said) == 1 and "apt-get install bubblewrap" in said[0] and "SM_* run" in said[0]
+    with JobStore() as store:
+        (record,) = store.list()
+    for host in ("algo-1", "algo-2"):  # the script that reads SM_* ran on both instances
+        assert (Path(record.job_dir) / host / "model" / "who.txt").read_text() == host
+    refused = disttrain("job", "run", str(sm_home / "required.yaml"), env=env, timeout=60)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "private_opt_ml: required, but this machine cannot make a private /opt/ml" in refused.stderr
+    with JobStore() as store:
+        assert len(store.list()) == 1  # nothing recorded for the refused job
+
+    # The same check where an ssh or Slurm instance runs: its agent's, on its own machine.
+    check = ("import sys\nfrom disttrain.agent.optml import instance_prefix\nfrom disttrain.errors import UsageError\n"
+             "print(instance_prefix('/jobs/j/algo-2', required=False, host='node1', say=print))\n"
+             "try:\n    instance_prefix('/jobs/j/algo-2', required=True, host='node1', say=print)\n"
+             "except UsageError as err:\n    print(err)\n")
+    agent = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60, env=env)
+    note, prefix, error = agent.stdout.splitlines()
+    assert note.startswith("disttrain: node1: no private /opt/ml (") and "apt-get install bubblewrap" in note
+    assert prefix == "[]"
+    assert error.startswith("private_opt_ml: required, but node1 cannot make a private /opt/ml") and "bubblewrap" in error

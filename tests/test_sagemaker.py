@@ -618,6 +618,6 @@ def test_without_a_mount_namespace_one_line_names_the_fix_and_sm_scripts_run(sm_
              "except UsageError as err:\n    print(err)\n")
     agent = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60, env=env)
     note, prefix, error = agent.stdout.splitlines()
-    assert note.startswith("disttrain: node1: no private /opt/ml (") and "apt-get install bubblewrap" in note
+    assert note.startswith("disttrain: no private /opt/ml on node1 (") and "apt-get install bubblewrap" in note
     assert prefix == "[]"
     assert error.startswith("private_opt_ml: required, but node1 cannot make a private /opt/ml") and "bubblewrap" in error

@@ -75,21 +75,29 @@ def prefix(tool: str, instance_dir: str) -> list[str]:
     return [*argv, "--bind", instance_dir, OPT_ML, "--"]
 
 
-def instance_prefix(instance_dir: str, *, required: bool, host: str, say) -> list[str]:
-    """On the machine the instance's processes run on: the prefix that gives them ``instance_dir``
-    at /opt/ml, or [] after one line saying why not (scripts reading SM_* still run). Required
-    (``private_opt_ml: required``) and impossible here: a UsageError naming the host and the fix."""
+def available(*, required: bool, where: str, say) -> bool:
+    """Whether this machine (``where``, for messages) can make a private /opt/ml. When it cannot:
+    one line through ``say`` (scripts reading SM_* still run), or, ``required``
+    (``private_opt_ml: required``), a UsageError naming the machine and the fix."""
     tool, why = namespace_tool()
     if tool:
-        return prefix(tool, instance_dir)
+        return True
     if required:
         from ..errors import UsageError  # here, not at the top: this file also runs bare, before workers
 
-        raise UsageError(f"private_opt_ml: required, but {host} cannot make a private /opt/ml ({why}); {FIX} "
+        raise UsageError(f"private_opt_ml: required, but {where} cannot make a private /opt/ml ({why}); {FIX} "
                          "(or set private_opt_ml: auto and read the SM_* variables)")
-    say(f"disttrain: {host}: no private /opt/ml ({why}): scripts reading SM_* run, literal /opt/ml paths "
+    say(f"disttrain: no private /opt/ml on {where} ({why}): scripts reading SM_* run, literal /opt/ml paths "
         f"do not; to have them: {FIX}")
-    return []
+    return False
+
+
+def instance_prefix(instance_dir: str, *, required: bool, host: str, say) -> list[str]:
+    """On the machine the instance's processes run on: the prefix that gives them ``instance_dir``
+    at /opt/ml, or [] (see :func:`available`)."""
+    if not available(required=required, where=host, say=say):
+        return []
+    return prefix(namespace_tool()[0], instance_dir)
 
 
 def _mount(*args: str) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..agent.optml import FIX, namespace_tool
+from ..agent.optml import available
 from ..errors import UsageError
 from ..plan.launch import LaunchPlan
 from .checkpoints import Syncer, local_dir, restore
@@ -99,14 +99,7 @@ def _namespace(spec: JobSpec, say: Callable[[str], None]) -> bool:
     if spec.private_opt_ml == "off":
         return False
     if spec.launcher == "local":  # distribution mpi included (it runs launcher local only)
-        tool, why = namespace_tool()
-        if tool is None:
-            if spec.private_opt_ml == "required":
-                raise UsageError(f"private_opt_ml: required, but this machine cannot make a private /opt/ml "
-                                 f"({why}); {FIX} (or set private_opt_ml: auto and read the SM_* variables)")
-            say(f"disttrain: no private /opt/ml ({why}): scripts reading SM_* run, literal /opt/ml paths do not; "
-                f"to have them: {FIX}")
-            return False
+        return available(required=spec.private_opt_ml == "required", where="this machine", say=say)
     return True
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import SCRIPTS, cli_env, disttrain
 from disttrain.cli.main import main
+from disttrain.config.launch import LaunchSpec
 from disttrain.scaling import report, runner
 from disttrain.scaling.report import Measurement, recommend, scaling
 
@@ -193,7 +194,7 @@ def test_a_count_that_hangs_is_stopped_with_everything_it_started(monkeypatch, t
         print("started", flush=True)
         time.sleep(120)
     """)
-    result = runner.run_count([sys.executable, "-c", launcher], timeout_s=2)
+    result = runner.run_count([sys.executable, "-c", launcher], LaunchSpec(entry="x.py"), timeout_s=2)
     assert result.timed_out and "started" in result.stdout
     worker = int(pid_file.read_text())
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
@@ -243,12 +244,11 @@ def test_threads_per_process_as_disttrain_run_sets_them(monkeypatch):
     from disttrain.scaling import bench
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    spec = bench.BenchSpec(script=TINY, module=False, script_args=(), counts=(1, 2), hosts=(),
-                           global_batch=8, batch_arg="--batch-size", steps=1, warmup=0,
-                           timeout_s=9, run_flags=())
+    spec = bench.BenchSpec(launch=LaunchSpec(entry=TINY), counts=(1, 2), hosts=(),
+                           global_batch=8, batch_arg="--batch-size", steps=1, warmup=0, timeout_s=9)
     assert bench.expected_threads(spec, 1) == usable_cpus()
     assert bench.expected_threads(spec, 2) == max(1, usable_cpus() // 2)
-    pinned = bench.BenchSpec(**{**spec.__dict__, "env": ("OMP_NUM_THREADS=3",)})
+    pinned = bench.BenchSpec(**{**spec.__dict__, "launch": LaunchSpec(entry=TINY, env={"OMP_NUM_THREADS": "3"})})
     assert bench.expected_threads(pinned, 2) == 3
     remote = bench.BenchSpec(**{**spec.__dict__, "hosts": ("a", "b")})
     assert bench.expected_threads(remote, 1) is None  # the workers will say
@@ -260,20 +260,34 @@ def test_plot_without_matplotlib_fails_before_running(capsys, monkeypatch):
     assert "--plot needs matplotlib" in line and "pip install 'disttrain[plot]'" in line
 
 
-def test_dry_run_passes_the_batch_and_host_flags_through(capsys):
+def test_dry_run_shows_each_counts_spec_and_host_flags_but_no_env_value(capsys):
     assert main(["bench", "-n", "1,2", "--hosts", "a,b", TINY, "--global-batch", "64",
-                 "--ssh-option", "Port=2222", "--env", "K=V", "--dry-run", "--json",
+                 "--ssh-option", "Port=2222", "--env", "K=s3cr3t", "--dry-run", "--json",
                  "--steps", "7", "--", "--samples", "10"]) == 0
-    commands = json.loads(capsys.readouterr().out)
-    assert len(commands) == 2
-    one, two = commands
-    assert one[1:6] == ["-m", "disttrain", "run", "-n", "1"]
-    assert "DISTTRAIN_BENCH_STEPS=7" in one and "DISTTRAIN_BENCH_WARMUP=5" in one
-    for flags in (["--hosts", "a,b"], ["--ssh-option", "Port=2222"], ["--env", "K=V"]):
-        assert any(one[i:i + 2] == flags for i in range(len(one)))
+    out = capsys.readouterr().out
+    assert "s3cr3t" not in out  # the spec travels on the count's stdin; printed by name only
+    one, two = json.loads(out)
+    assert one["command"][1:4] == ["-m", "disttrain", "run-spec"]
+    assert one["command"][4:] == ["--hosts", "a,b", "--ssh-option", "Port=2222"]
+    assert one["spec"]["nproc_per_node"] == 1 and two["spec"]["nproc_per_node"] == 2
+    assert one["spec"]["env"] == ["DISTTRAIN_BENCH_STEPS", "DISTTRAIN_BENCH_WARMUP", "K"]
+    assert one["spec"]["ranks"] == [0]
     # 64 over 2 hosts x 1, then 2 hosts x 2; the script's arguments last
-    assert one[-5:] == [TINY, "--batch-size", "32", "--samples", "10"]
-    assert two[-5:] == [TINY, "--batch-size", "16", "--samples", "10"]
+    assert one["spec"]["entry"] == TINY
+    assert one["spec"]["script_args"] == ["--batch-size", "32", "--samples", "10"]
+    assert two["spec"]["script_args"] == ["--batch-size", "16", "--samples", "10"]
+
+
+def test_a_count_gets_its_spec_values_on_stdin_not_argv():
+    from disttrain.scaling import bench
+
+    spec = bench.BenchSpec(launch=LaunchSpec(entry=TINY, env={"K": "v", "DISTTRAIN_BENCH_STEPS": "9"}), counts=(2,),
+                           hosts=(), global_batch=8, batch_arg="--batch-size", steps=3, warmup=1, timeout_s=9)
+    count = spec.count(2, grad_compression="fp16")
+    assert count.env == {"DISTTRAIN_BENCH_STEPS": "9", "DISTTRAIN_BENCH_WARMUP": "1", "K": "v"}  # the user's wins
+    assert (count.nproc_per_node, count.grad_compression, count.script_args) == (2, "fp16", ("--batch-size", "4"))
+    assert LaunchSpec.from_json(count.to_json()) == count
+    assert "v" not in " ".join(spec.command()[4:])
 
 
 def test_plot_is_drawn(tmp_path):

@@ -6,6 +6,7 @@ runs in node0 (the "login node"), as a user would run it there. One daemon set p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import signal
@@ -87,6 +88,47 @@ def test_mnist_on_two_slurm_nodes_reaches_the_loss_of_one_host(slurm, reference,
     assert slurm.job_state(job_id_of(result.stderr)) == "COMPLETED"
     plan = json.loads((run_dir / "plan.json").read_text())
     assert [n["env"]["GLOO_SOCKET_IFNAME"] for n in plan["nodes"]] == ["eth1", "eth1"]
+    slurm.assert_nothing_left()
+
+
+SECRET = "s3cr3t-Slurm-Value-41d7"  # a value no other file or process on the machine holds
+
+
+def env_report_run(slurm, tmp_path, *extra: str):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    env = slurm.env(DISTTRAIN_HOME=str(tmp_path / "home"), DT_OUT_DIR="/shared/x", DT_SECRET=SECRET,
+                    HOSTNAME="launcher-marker", PWD="/launcher-pwd-marker")
+    result = slurm.run_in("node0", disttrain_argv("--launcher", "slurm", "--nodes", "2", "-n", "1", *extra,
+                                                  "--env", "DT_SET=from-flag", str(SCRIPTS / "env_report.py"), str(out)),
+                          timeout=150, cwd=ROOT, env=env)
+    return result, read_ranks(out, prefix="env")
+
+
+@pytest.mark.timeout(200)
+def test_the_environment_rule_holds_under_slurm_and_secrets_stay_off_disk(slurm, tmp_path):
+    # --env DT_SECRET (the shell's value) puts the secret in the launch spec that the batch job carries.
+    result, ranks = env_report_run(slurm, tmp_path, "--env", "DT_SECRET")
+    assert result.returncode == 0, result.stderr
+    remote = ranks[1]
+    assert remote["out_dir"] == "/shared/x" and remote["set_by_env_flag"] == "from-flag"
+    assert remote["hostname"] != "launcher-marker" and remote["pwd"] != "/launcher-pwd-marker"
+    assert remote["home"] == str(Path.home()) and remote["path"]  # the node's own account variables
+    assert remote["secret_sha"] == hashlib.sha256(SECRET.encode()).hexdigest()
+    assert remote["secret_in_argv_of"] == [] and ranks[0]["secret_in_argv_of"] == []
+    assert SECRET not in result.stdout and SECRET not in result.stderr
+    run_dir = run_dir_of(result.stderr)
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert (run_dir / "plan.json") in files and not [p for p in files if SECRET.encode() in p.read_bytes()]
+    slurm.assert_nothing_left()
+
+
+@pytest.mark.timeout(200)
+def test_no_forward_env_under_slurm(slurm, tmp_path):
+    result, ranks = env_report_run(slurm, tmp_path, "--no-forward-env")
+    assert result.returncode == 0, result.stderr
+    assert ranks[1]["out_dir"] is None and ranks[1]["secret_sha"] is None
+    assert ranks[1]["set_by_env_flag"] == "from-flag" and ranks[1]["path"]
     slurm.assert_nothing_left()
 
 

@@ -9,6 +9,7 @@ place they are written, and :class:`WorkerEnv` is the one place any of them is r
 from __future__ import annotations
 
 import os
+import pwd
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ ESSENTIAL_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "LOGLEVEL")
 # Needed before the agent on another host can read its plan (its own import path): these
 # go on the remote command line; every other value travels with the plan on the agent's stdin.
 BOOTSTRAP_NAMES = ("PYTHONPATH",)
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # Debian's login PATH
 
 
 def forwarded_env(environ: Mapping[str, str], *, everything: bool = True) -> dict[str, str]:
@@ -71,6 +73,21 @@ def forwarded_env(environ: Mapping[str, str], *, everything: bool = True) -> dic
         for key, value in environ.items()
         if key not in NOT_FORWARDED_NAMES and not key.startswith(NOT_FORWARDED_PREFIXES)
     }
+
+
+def login_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a login on this host would have set and ``environ`` lacks: the account's HOME,
+    USER, LOGNAME and SHELL, and a default PATH. ssh gives an agent these itself; ``srun
+    --export`` of the bootstrap names only does not, and they are not forwarded (they
+    belong to the host and account, not the job)."""
+    try:
+        account = pwd.getpwuid(os.getuid())
+        login = {"HOME": account.pw_dir, "USER": account.pw_name, "LOGNAME": account.pw_name,
+                 "SHELL": account.pw_shell or "/bin/sh"}
+    except KeyError:  # a uid without a passwd entry (some containers)
+        login = {}
+    login["PATH"] = DEFAULT_PATH
+    return {key: value for key, value in login.items() if not environ.get(key)}
 
 
 def comm_env(grad_compression: str | None, bucket_mb: float | None) -> dict[str, str]:

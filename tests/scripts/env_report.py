@@ -28,6 +28,8 @@ record = {
     "secret_sha": hashlib.sha256(secret.encode()).hexdigest() if secret else None,
     "secret_in_argv_of": in_argv,
     "set_by_env_flag": os.environ.get("DT_SET"),
+    "home": os.environ.get("HOME"),
+    "path": os.environ.get("PATH"),
 }
 (Path(sys.argv[1]) / f"env{record['rank']}.json").write_text(json.dumps(record))
 print(f"rank {record['rank']} reported", flush=True)

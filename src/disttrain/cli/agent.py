@@ -14,6 +14,7 @@ from ..config.launch import LaunchSpec
 from ..errors import UsageError
 from ..launch import Context
 from ..plan.launch import plan_from_json
+from ..workerenv import login_env
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,9 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     receive.add_argument("dir", help="where the launcher's working directory is copied to")
     receive.set_defaults(handler=handle_receive)
 
-    # The one command of a Slurm batch script (disttrain.launch.slurm): runs in the allocation.
+    # The one command of a Slurm batch script (disttrain.launch.slurm): runs in the allocation,
+    # its step in the job's environment.
     step = sub.add_parser("launch-step")
-    step.add_argument("step_file")
     step.set_defaults(handler=handle_launch_step)
 
 
@@ -103,6 +104,7 @@ def _run_agent(message: dict, lines: _Lines) -> int:
     nodes = [n for n in plan.nodes if n.node_rank == message["node_rank"]]
     if not nodes:
         raise UsageError(f"the plan has no node rank {message['node_rank']}")
+    os.environ.update(login_env(os.environ))  # an agent started without a login (srun --export)
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     link = LauncherLink()
     _watch_stdin(lines, lambda word: link.request(word, plan))
@@ -111,7 +113,7 @@ def _run_agent(message: dict, lines: _Lines) -> int:
 
 def handle_launch_step(args: argparse.Namespace) -> int:
     """Inside a Slurm batch job: the spec the submitting side shipped, launched on the allocation."""
-    from ..launch.slurm import SlurmAllocationLauncher, record_outcome
+    from ..launch.slurm import STEP_ENV, SlurmAllocationLauncher, record_outcome
     from ..launch.slurm_env import SlurmAllocation
     from .steps import events_for_step
 
@@ -119,7 +121,11 @@ def handle_launch_step(args: argparse.Namespace) -> int:
     if alloc is None:
         raise UsageError("disttrain launch-step runs inside the Slurm job that `disttrain run --launcher slurm` "
                          "or `disttrain job run` submits")
-    step = json.loads(Path(args.step_file).read_text())
+    shipped = os.environ.pop(STEP_ENV, None)  # popped: not one of the user's variables to forward
+    if not shipped:
+        raise UsageError(f"disttrain launch-step: {STEP_ENV} is not in the job's environment; was the job "
+                         "submitted with --sbatch-arg=--export=NONE? Drop it (disttrain needs sbatch's --export=ALL)")
+    step = json.loads(shipped)
     spec = LaunchSpec.from_json(json.dumps(step["spec"]))
     run_dir = step["run_dir"]
     if alloc.restart_count:  # a requeued job: the first run's logs stay as they were

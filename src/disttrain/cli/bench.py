@@ -2,7 +2,8 @@
 
     disttrain bench train.py -n 1,2,4 [--global-batch 128] [--steps 20] [-- script args]
 
-Each count runs through ``disttrain run`` with the global batch kept constant (the script's
+Each count runs as ``disttrain run`` would (the launch spec shipped as JSON, see
+:mod:`disttrain.scaling.runner`) with the global batch kept constant (the script's
 per-process batch flag gets ``global batch / processes``, as the chapter halved it by
 hand), the steady-state samples/s are read from the runtime's step timer, and the table
 says which count to use here and why.
@@ -17,7 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..config.launch import parse_env
+from ..config.launch import LaunchSpec, parse_env
 from ..errors import UsageError
 from ..scaling import comm, plot, report
 from ..scaling.bench import (
@@ -78,7 +79,7 @@ def _add_options(p: argparse.ArgumentParser, default) -> None:
     p.add_argument("--plot", metavar="PNG", default=default(None),
                    help="also draw speed-up against the ideal line (needs disttrain[plot])")
     p.add_argument("--dry-run", action="store_true", default=default(False),
-                   help="print the `disttrain run` command of every count and exit")
+                   help="print every count's command and launch spec (--env values left out) and exit")
     p.add_argument("--comm", action="store_true", default=default(False),
                    help="also split each multi-process step into compute and communication (a run "
                    "without gradient sync), try gradient compressions, and say whether to use one")
@@ -126,33 +127,27 @@ def finish_parsing(args: argparse.Namespace) -> argparse.Namespace:
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     hosts = hosts_from_args(args)
-    parse_env(args.env, os.environ)  # a bad --env is reported now, not by the first count
-    flags: list[str] = []
+    launch = LaunchSpec(entry=args.script, is_module=args.module, script_args=tuple(args.script_args),
+                        backend=args.dist_backend, master_port=args.master_port, env=parse_env(args.env, os.environ))
+    where: list[str] = []  # the launcher's flags; everything else travels in the spec
     if args.hosts:
-        flags += ["--hosts", args.hosts]
+        where += ["--hosts", args.hosts]
     if args.hostfile:
-        flags += ["--hostfile", args.hostfile]
+        where += ["--hostfile", args.hostfile]
     for option in args.ssh_option:
-        flags += ["--ssh-option", option]
+        where += ["--ssh-option", option]
     if args.python != sys.executable:
-        flags += ["--python", args.python]
-    for setting in args.env:
-        flags += ["--env", setting]
-    if args.dist_backend:
-        flags += ["--dist-backend", args.dist_backend]
-    if args.master_port is not None:
-        flags += ["--master-port", str(args.master_port)]
+        where += ["--python", args.python]
     if args.sync:
-        flags.append("--sync")
+        where.append("--sync")
     if args.no_preflight:
-        flags.append("--no-preflight")
+        where.append("--no-preflight")
     spec = BenchSpec(
-        script=args.script, module=args.module, script_args=tuple(args.script_args),
-        counts=parse_counts(args.nproc), hosts=tuple(h.name for h in hosts or ()),
+        launch=launch, where=tuple(where), counts=parse_counts(args.nproc), hosts=tuple(h.name for h in hosts or ()),
         global_batch=args.global_batch, batch_arg=args.batch_arg, steps=args.steps,
-        warmup=args.warmup, timeout_s=args.timeout, run_flags=tuple(flags), env=tuple(args.env),
+        warmup=args.warmup, timeout_s=args.timeout,
     )
-    if not spec.hosts and not spec.module and not Path(spec.script).is_file():
+    if not spec.hosts and not launch.is_module and not Path(spec.script).is_file():
         raise UsageError(f"script not found: {spec.script}")
     return spec
 
@@ -162,12 +157,12 @@ def handle(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     if args.plot:
         plot.require_matplotlib()
-    if args.dry_run:
-        commands = [spec.argv(n) for n in spec.counts]
+    if args.dry_run:  # each count's command and spec (its --env by name only, as run --dry-run)
+        counts = [{"command": spec.command(), "spec": json.loads(spec.count(n).public_json())} for n in spec.counts]
         if args.json:
-            print(json.dumps(commands))
+            print(json.dumps(counts))
         else:
-            print("\n".join(shlex.join(c) for c in commands))
+            print("\n".join(f"{shlex.join(c['command'])} <<< {json.dumps(c['spec'])}" for c in counts))
         return 0
     notes = context_notes(busy=None if spec.hosts else busy_before())
     if args.link_gbit is not None and not args.link_gbit > 0:

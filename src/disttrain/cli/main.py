@@ -19,7 +19,7 @@ from . import run as run_cmd
 
 SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd, job_cmd, jobs_cmd)
 # What launchers run on the hosts; never offered to a user in help or errors.
-HIDDEN = frozenset({"agent", "probe", "receive", "launch-step"})
+HIDDEN = frozenset({"agent", "probe", "receive", "launch-step", "run-spec"})
 _INVALID_CHOICE = re.compile(r"argument \S+: invalid choice: '(.*)' \(choose from")
 
 

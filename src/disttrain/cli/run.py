@@ -22,7 +22,7 @@ from ..config.launch import (
 )
 from ..errors import UsageError
 from ..home import run_folder
-from ..launch import Context, RunFolderEvents
+from ..launch import Context, Launcher, RunFolderEvents
 from ..runtime import comm
 from . import launchers
 from .common import add_host_args
@@ -40,7 +40,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="processes per node: a number or 'auto' (one per GPU; on CPU one per two cores)")
     p.add_argument("-m", "--module", action="store_true",
                    help="treat SCRIPT as a Python module, like `python -m`")
-    launchers.add_args(p)  # --launcher (local, ssh, slurm), --dist-backend and the Slurm flags
     p.add_argument("--framework", default="pytorch", metavar="pytorch|tensorflow",
                    help="tensorflow: give each worker its TF_CONFIG (MultiWorkerMirroredStrategy) and "
                    "tf.keras = tf-keras when installed (default: pytorch)")
@@ -85,6 +84,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="DDP's gradient bucket size in MB for disttrain.prepare (default 25)")
     p.add_argument("--stop-grace", dest="stop_grace", type=int, default=DEFAULT_STOP_GRACE_S,
                    help=f"seconds workers get to exit after SIGTERM before SIGKILL (default {DEFAULT_STOP_GRACE_S})")
+    _add_where_args(p)
+    p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
+                   help="arguments for the script, passed verbatim")
+    p.set_defaults(handler=handle)
+
+    # `disttrain bench`'s counts: the launch spec as JSON on stdin (its --env values never on a
+    # command line); the flags say only where it runs.
+    shipped = sub.add_parser("run-spec")
+    _add_where_args(shipped)
+    shipped.set_defaults(handler=handle_spec)
+
+
+def _add_where_args(p: argparse.ArgumentParser) -> None:
+    """Where a spec runs, as opposed to what it runs: the launcher and its hosts."""
+    launchers.add_args(p)  # --launcher (local, ssh, slurm), --dist-backend and the Slurm flags
     add_host_args(p)
     p.add_argument("--sync", action="store_true",
                    help="with --hosts: first copy the working directory to the same path on every "
@@ -92,10 +107,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-preflight", action="store_true",
                    help="with --hosts: skip the reachability checks run before the job")
     p.add_argument("--dry-run", action="store_true", help="print the launch plan as JSON and exit")
-    p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
-                   help="arguments for the script, passed verbatim")
-    p.set_defaults(handler=handle)
 
 
 def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
@@ -168,7 +179,17 @@ class RunEvents(RunFolderEvents):
 
 def handle(args: argparse.Namespace) -> int:
     launcher = launchers.launcher_from_args(args)
-    spec = spec_from_args(args)
+    return launch(spec_from_args(args), launcher, args)
+
+
+def handle_spec(args: argparse.Namespace) -> int:
+    spec = LaunchSpec.from_json(sys.stdin.read())
+    args.nnodes, args.node_rank = spec.nnodes, spec.node_rank  # what the launcher checks of the spec
+    return launch(spec, launchers.launcher_from_args(args), args)
+
+
+def launch(spec: LaunchSpec, launcher: Launcher, args: argparse.Namespace) -> int:
+    """The same lines for every launcher: ``--dry-run`` prints what it would start, else run it."""
     run_id, run_dir = run_folder(spec.entry, spec.log_dir, is_module=spec.is_module)
     ctx = Context(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=args.python,
                   paths=() if spec.is_module else (spec.entry,),
@@ -176,7 +197,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(launcher.dry_run(spec, ctx), end="")
         return 0
-    outcome = launcher.run(spec, ctx, RunEvents(no_wait=args.no_wait, log_dir=args.log_dir))
+    outcome = launcher.run(spec, ctx, RunEvents(no_wait=args.no_wait, log_dir=spec.log_dir))
     if outcome.signal:
         print(f"disttrain: got {signal.Signals(outcome.signal).name}, stopped all nodes", file=sys.stderr, flush=True)
     return outcome.exit_code

@@ -1,7 +1,7 @@
 """Inside a batch allocation, the client's event sink rebuilt from what it shipped (``Events.step``).
 
 The batch launcher cannot carry a Python object into the allocation; each client names
-itself in the step file and is rebuilt here, at the top of the layers, where every client
+itself in the step and is rebuilt here, at the top of the layers, where every client
 is importable (the launch package imports none of them).
 """
 

@@ -108,11 +108,19 @@ class LaunchSpec:
     forward_env: bool = True
 
     def to_json(self) -> str:
-        """The one serialised form of a spec: how it travels (the sbatch step, a job's step file).
+        """The one serialised form of a spec: how it travels (a Slurm batch job's step,
+        ``disttrain bench``'s counts).
 
-        It holds ``env`` values: written only to private (0600) files, never printed.
+        It holds ``env`` values: it travels through stdin or a job's environment, never printed
+        or written to a file (:meth:`public_json` is the printable form).
         """
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def public_json(self) -> str:
+        """:meth:`to_json` with ``env`` by name only: what ``--dry-run`` may print."""
+        data = dataclasses.asdict(self)
+        data["env"] = sorted(self.env)
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> LaunchSpec:

@@ -4,10 +4,12 @@ Two launchers share it:
 
 - :class:`SlurmBatchLauncher` (outside an allocation): render an sbatch script, submit it,
   follow it, cancel it. The script is what a user would write by hand -- ``#SBATCH`` lines,
-  then one command, ``disttrain launch-step STEP.json``, which runs on the allocation's
-  first node. The step file (0600, in the run folder on the filesystem the nodes share)
-  holds the launch spec as :meth:`LaunchSpec.to_json` wrote it -- not re-rendered flags --
-  and how to rebuild the client's event sink there (a job's runner adds its variables).
+  then one command, ``disttrain launch-step``, which runs on the allocation's first node.
+  The step -- the launch spec as :meth:`LaunchSpec.to_json` wrote it, not re-rendered
+  flags, and how to rebuild the client's event sink there (a job's runner adds its
+  variables) -- travels in the job's environment (:data:`STEP_ENV`), the way Slurm carries
+  every variable of a job: it may hold ``--env`` values, so it is never written to the
+  run folder.
 - :class:`SlurmAllocationLauncher` (inside one: the batch script, a ``salloc`` shell): one
   torch elastic agent per allocated node, each started by its own ``srun`` so that the first
   node to fail is known and the others are stopped through the shared flow.
@@ -15,8 +17,11 @@ Two launchers share it:
 The master is the first node, at the address that node uses toward the second node's
 ``NodeAddr``, found on the first node itself (a node's own hostname often resolves to
 127.0.x.1). Each node reports its facts (``disttrain probe`` in one srun step) and is
-planned for as ``--hosts`` are. ``srun`` carries the launching environment to every node
-itself (Slurm's ``--export=ALL``), so no values travel with the plan here.
+planned for as ``--hosts`` are.
+
+The environment follows the rule of every launcher (:func:`disttrain.workerenv.forwarded_env`),
+not Slurm's ``--export=ALL``: the agents' srun exports only the bootstrap names, and the
+forwarded values travel with the plan on the agent's stdin, as over ssh.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from ..errors import DisttrainError, UsageError
 from ..plan.launch import LaunchPlan, NodeFacts
 from ..preflight.checks import fact_checks, first_failure
 from ..preflight.facts import route_to
+from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import Context, Events, Facts, Launcher, Outcome
 from .flow import agent_argv, run_agents
 from .local import check_entry
@@ -54,6 +60,7 @@ STATUS_EVERY_S = (0.5, 3.0)  # scontrol: often in the first minute, then gently 
 LOST_CONTROLLER_S = 120  # scontrol failing this long ends `follow` with an error
 GONE_WAIT_S = 120  # after scancel: until the job's processes are gone (KillWait is 30 s by default)
 STILL_PENDING_EVERY_S = 300
+STEP_ENV = "DISTTRAIN_LAUNCH_STEP"  # the step, in the batch job's environment (see the module's doc)
 # States after which a job never runs again (REQUEUED/REQUEUE_HOLD are on the way back to PENDING).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
          "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
@@ -120,11 +127,6 @@ class SlurmPaths:
         return self.run_dir / "checkpoints"
 
     @property
-    def step(self) -> Path:
-        """The launch spec and its context, for the command inside the allocation (0600)."""
-        return self.run_dir / "launch_step.json"
-
-    @property
     def outcome(self) -> Path:
         """How the launch inside the allocation ended (an :class:`Outcome` as JSON)."""
         return self.run_dir / "outcome.json"
@@ -146,8 +148,8 @@ def _directive(option: str) -> str:
 def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, python: str, cwd: str) -> str:
     """The batch script for ``spec``; pure, so ``--dry-run`` prints exactly what is submitted.
 
-    Its one command reads the spec from the step file (:attr:`SlurmPaths.step`), which
-    :func:`submit` writes next to it.
+    Its one command reads the spec from the job's environment (:data:`STEP_ENV`), where
+    :func:`submit` puts it.
     """
     paths = SlurmPaths(Path(run_dir))
     name = re.sub(r"[^\w.-]", "_", options.job_name or Path(spec.entry).stem or "disttrain")
@@ -160,6 +162,7 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
         f"--output={paths.stdout}",
         f"--error={paths.stderr}",
         "--open-mode=append",  # a requeued run adds to its first run's output
+        "--export=ALL",  # the step travels in the environment, whatever SBATCH_EXPORT says
     ]
     if options.requeue:
         directives.append("--requeue")
@@ -170,13 +173,13 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
     if options.gpus_per_node:
         directives.append(f"--gpus-per-node={options.gpus_per_node}")
     directives.extend(options.sbatch_args)  # last: the user's own word wins
-    command = [python, "-m", "disttrain", "launch-step", str(paths.step)]
+    command = [python, "-m", "disttrain", "launch-step"]
     lines = [
         "#!/bin/bash",
         "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the step finds the",
         "# nodes in Slurm's environment and starts one torch elastic agent per node with srun;",
         "# the master is the first node, at its address toward the others found on that node.",
-        f"# The launch spec is in {paths.step} (private: it may hold --env values).",
+        f"# The launch spec is in the job's environment ({STEP_ENV}; it may hold --env values).",
         *map(_directive, directives),
         f"exec {shlex.join(command)}",
         "",
@@ -202,7 +205,8 @@ def _last_line(text: str) -> str:
 
 
 def submit(script: str, run_dir: str | os.PathLike, *, step: str, env: Mapping[str, str] | None = None) -> SlurmJob:
-    """``sbatch`` the script; keep it, its step file (0600) and the job id in the run folder.
+    """``sbatch`` the script with ``step`` in its environment; keep the script and the job id
+    in the run folder.
 
     The folder must exist before the job starts (Slurm opens the output files there, and does
     not create folders); a refused job leaves no folder behind. sbatch's refusal (a partition
@@ -213,8 +217,9 @@ def submit(script: str, run_dir: str | os.PathLike, *, step: str, env: Mapping[s
     created = next((p for p in reversed((paths.run_dir, *paths.run_dir.parents)) if not p.exists()), None)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        write_atomic(paths.step, step, mode=0o600)  # before sbatch: the job may start at once
-        result = _slurm(["sbatch", "--parsable"], env=env, input=script)  # the script on stdin
+        # Values go through sbatch's environment, never its argv (which `ps` shows).
+        job_env = {**(os.environ if env is None else env), STEP_ENV: step}
+        result = _slurm(["sbatch", "--parsable"], env=job_env, input=script)  # the script on stdin
         if result.returncode != 0:
             raise UsageError(f"sbatch refused the job: {_last_line(result.stderr)}")
         job_id = result.stdout.strip().split(";")[0]
@@ -471,10 +476,14 @@ def find_master(alloc: SlurmAllocation, nodes: tuple[str, ...], *, python: str, 
     return _probe(nodes[:1], python=python, master=peer, port=None, paths=[], cwd=cwd)[0]["address"]
 
 
-def agent_srun_argv(node: str, *, python: str, cpus: int | None) -> list[str]:
-    """One node's agent as a one-task job step on that node, with the node's CPUs; its plan
-    comes on stdin (srun hands its stdin to the one task)."""
-    argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--unbuffered"]
+def agent_srun_argv(node: str, *, python: str, cpus: int | None, environ: Mapping[str, str]) -> list[str]:
+    """One node's agent as a one-task job step on that node, with the node's CPUs; its plan,
+    the forwarded variables' values included, comes on stdin (srun hands its stdin to the one
+    task). srun exports the bootstrap names only (and Slurm's own SLURM_*), not the
+    launching shell: the environment rule is applied by the plan, as for every launcher."""
+    names = [name for name in BOOTSTRAP_NAMES if name in environ]
+    argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--unbuffered",
+            f"--export={','.join(names) or 'NONE'}"]
     if cpus:
         argv.append(f"--cpus-per-task={cpus}")
     return [*argv, *agent_argv(python)]
@@ -514,11 +523,13 @@ class SlurmAllocationLauncher(Launcher):
             )
             for name, cpu, f in zip(names, cpus, facts)
         )
-        return Facts(nodes=nodes, master_addr=master, master_port=port, where=names)
+        return Facts(nodes=nodes, master_addr=master, master_port=port, where=names,
+                     forwarded_env=forwarded_env(ctx.environ, everything=spec.forward_env))
 
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
         cpus = self.alloc.cpus_per_node or (None,) * len(plan.nodes)
-        commands = [agent_srun_argv(node.host, python=ctx.python, cpus=cpus[i]) for i, node in enumerate(plan.nodes)]
+        commands = [agent_srun_argv(node.host, python=ctx.python, cpus=cpus[i], environ=ctx.environ)
+                    for i, node in enumerate(plan.nodes)]
         outcome = run_agents(plan, commands, cwd=ctx.cwd, transcript=events.transcript)
         if outcome.failed is not None and not outcome.report and not outcome.signal:
             host = plan.nodes[outcome.failed].host

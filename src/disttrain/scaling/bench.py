@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..config.launch import parse_env
+from ..config.launch import LaunchSpec
 from ..errors import UsageError
 from . import report, runner
 
@@ -23,9 +23,8 @@ from . import report, runner
 class BenchSpec:
     """A bench, validated: every mistake is found before the first count starts."""
 
-    script: str
-    module: bool
-    script_args: tuple[str, ...]
+    launch: LaunchSpec  # what every count runs (the script, its arguments, --env...), before the count's part
+    where: tuple[str, ...] = ()  # the launcher flags of every count: --hosts, --ssh-option, --sync...
     counts: tuple[int, ...]
     hosts: tuple[str, ...]  # host names; empty: this machine
     global_batch: int
@@ -33,8 +32,6 @@ class BenchSpec:
     steps: int
     warmup: int
     timeout_s: float
-    run_flags: tuple[str, ...]  # for every `disttrain run`: host flags, --env, --dist-backend...
-    env: tuple[str, ...] = ()  # the --env settings among them
 
     def __post_init__(self) -> None:
         for name, value, low in (("--global-batch", self.global_batch, 1), ("--steps", self.steps, 1),
@@ -62,15 +59,27 @@ class BenchSpec:
                 f"{uneven[0] * hosts} processes{where}: pick a multiple of {multiple}")
 
     @property
+    def script(self) -> str:
+        return self.launch.entry
+
+    @property
+    def script_args(self) -> tuple[str, ...]:
+        return self.launch.script_args
+
+    @property
     def world_sizes(self) -> tuple[int, ...]:
         return tuple(n * max(1, len(self.hosts)) for n in self.counts)
 
-    def argv(self, nproc: int) -> list[str]:
+    def count(self, nproc: int, *, warmup: int | None = None, env: dict[str, str] | None = None,
+              **fields) -> LaunchSpec:
+        """The launch spec of one count (``fields``: more of its fields, e.g. grad_compression)."""
         world = nproc * max(1, len(self.hosts))
-        return runner.count_argv(
-            self.script, nproc=nproc, batch_per_process=self.global_batch // world,
-            batch_arg=self.batch_arg, script_args=self.script_args, run_flags=self.run_flags,
-            steps=self.steps, warmup=self.warmup, module=self.module)
+        return runner.count_spec(self.launch, nproc=nproc, batch_per_process=self.global_batch // world,
+                                 batch_arg=self.batch_arg, steps=self.steps,
+                                 warmup=self.warmup if warmup is None else warmup, env=env, **fields)
+
+    def command(self) -> list[str]:
+        return runner.count_argv(self.where)
 
 
 def parse_counts(text: str) -> tuple[int, ...]:
@@ -96,7 +105,7 @@ def run_all(spec: BenchSpec) -> list[report.Measurement]:
         print(f"disttrain bench: {label}, {batch} samples per process per step ...",
               file=sys.stderr, flush=True)
         try:
-            outcome = runner.run_count(spec.argv(n), timeout_s=spec.timeout_s)
+            outcome = runner.run_count(spec.command(), spec.count(n), timeout_s=spec.timeout_s)
         except KeyboardInterrupt:
             print(f"disttrain bench: interrupted during {label}", file=sys.stderr)
             raise
@@ -120,7 +129,7 @@ def run_all(spec: BenchSpec) -> list[report.Measurement]:
 def expected_threads(spec: BenchSpec, nproc: int) -> int | None:
     """OMP threads per process as ``disttrain run`` sets them here: the user's setting
     (``--env`` or this environment), else cores / processes. Unknown on other hosts."""
-    value = parse_env(list(spec.env), os.environ).get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    value = spec.launch.env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
     if value:
         return int(value) if value.isdigit() else None
     if spec.hosts:

@@ -15,9 +15,12 @@ same steps, the same CPU contention, no wire), and with each compression. From t
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from ..runtime.comm import POWERSGD_START
+from ..workerenv import BENCH_NO_SYNC
+from . import runner
 
 # A compression must beat plain all-reduce by this factor to be recommended: below it the
 # gain is within the noise of a shared machine and not worth the rounding of the gradients.
@@ -175,11 +178,6 @@ def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TR
     plain, without gradient sync, and with each compression in ``tried``, one
     ``disttrain run`` after the other. ``plain``: samples/s per count already measured
     (the bench's own runs), not measured again."""
-    import sys
-
-    from ..workerenv import BENCH_NO_SYNC
-    from . import runner
-
     hosts = max(1, len(spec.hosts))
     results = []
     for n in spec.counts:
@@ -187,20 +185,16 @@ def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TR
         if world < 2:
             continue
         known = (plain or {}).get(n)
-        variants = {**({} if known else {"plain": ()}), "no_sync": ("--env", f"{BENCH_NO_SYNC}=1"),
-                    **{name: ("--grad-compression", name) for name in tried}}
+        variants = {**({} if known else {"plain": {}}), "no_sync": {"env": {BENCH_NO_SYNC: "1"}},
+                    **{name: {"grad_compression": name} for name in tried}}
         rates: dict[str, float] = {"plain": known} if known else {}
         errors, grad_bytes = [], None
-        for name, flags in variants.items():
+        for name, fields in variants.items():
             print(f"disttrain bench: {world} processes, {name} ...", file=sys.stderr, flush=True)
             # PowerSGD sends plain all-reduces for its first steps: time it after them.
             warmup = max(spec.warmup, POWERSGD_START + 1) if name == "powersgd" else spec.warmup
-            argv = runner.count_argv(
-                spec.script, nproc=n, batch_per_process=spec.global_batch // world,
-                batch_arg=spec.batch_arg, script_args=spec.script_args,
-                run_flags=(*spec.run_flags, *flags), steps=spec.steps, warmup=warmup,
-                module=spec.module)
-            outcome = runner.run_count(argv, timeout_s=spec.timeout_s)
+            outcome = runner.run_count(spec.command(), spec.count(n, warmup=warmup, **fields),
+                                       timeout_s=spec.timeout_s)
             parsed = runner.parse_output(outcome.stdout) if outcome.returncode == 0 else None
             rate = parsed[1].get("samples_per_s") if parsed else None
             if not rate:

@@ -1,8 +1,9 @@
 """Run a script under one process count through ``disttrain run`` and read what it measured.
 
-Each count is its own ``disttrain run`` in a subprocess, so that host flags, logs,
-failure reports and cleanup are exactly those of a normal run, and so that one count
-crashing or hanging costs only its own result. The throughput comes from the runtime's
+Each count is its own run in a subprocess (``disttrain run-spec``, the launch spec as JSON on
+its stdin: one serialiser, no flags rendered again, no ``--env`` value on a command line), so
+that host flags, logs, failure reports and cleanup are exactly those of a normal run, and so
+that one count crashing or hanging costs only its own result. The throughput comes from the runtime's
 step timer (:mod:`disttrain.runtime.steptimer`: a ``disttrain-bench:`` line from rank 0)
 or, for a script whose loader the timer does not see, from the script's own last JSON
 line with ``train_samples_per_s`` (what ``examples/mnist_convnet.py`` prints).
@@ -15,11 +16,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
 
+from ..config.launch import LaunchSpec
 from ..workerenv import BENCH_MARKER as MARKER
 from ..workerenv import BENCH_STEPS, BENCH_WARMUP
 from .report import SCRIPT_SUMMARY, STEP_TIMER, Measurement
@@ -39,25 +41,26 @@ class Outcome:
     timed_out: bool = False
 
 
-def count_argv(script: str, *, nproc: int, batch_per_process: int, batch_arg: str,
-               script_args: Sequence[str] = (), run_flags: Sequence[str] = (),
-               steps: int, warmup: int, module: bool = False,
-               python: str = sys.executable) -> list[str]:
-    """The ``disttrain run`` command for one count: rank 0's output only, the bench's
-    variables through ``--env`` (so they reach workers on other hosts too), the
-    per-process batch before the user's script arguments."""
-    return [
-        python, "-m", "disttrain", "run", "-n", str(nproc), "--ranks", "0",
-        "--env", f"{BENCH_STEPS}={steps}", "--env", f"{BENCH_WARMUP}={warmup}",
-        *run_flags,
-        *(["-m"] if module else []), script,
-        batch_arg, str(batch_per_process), *script_args,
-    ]
+def count_spec(base: LaunchSpec, *, nproc: int, batch_per_process: int, batch_arg: str, steps: int,
+               warmup: int, env: Mapping[str, str] | None = None, **fields) -> LaunchSpec:
+    """The launch spec of one count: rank 0's output only, the bench's variables in ``env`` (so
+    they reach workers on other hosts too; the user's ``--env`` wins), the per-process batch
+    before the user's script arguments."""
+    return replace(
+        base, nproc_per_node=nproc, ranks=(0,), script_args=(batch_arg, str(batch_per_process), *base.script_args),
+        env={BENCH_STEPS: str(steps), BENCH_WARMUP: str(warmup), **(env or {}), **base.env}, **fields)
 
 
-def run_count(argv: Sequence[str], *, timeout_s: float, env: Mapping[str, str] | None = None,
+def count_argv(where: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+    """The command every count runs: ``disttrain run-spec``, its spec on stdin (``where``: the
+    launcher flags, e.g. ``--hosts``)."""
+    return [python, "-m", "disttrain", "run-spec", *where]
+
+
+def run_count(argv: Sequence[str], spec: LaunchSpec, *, timeout_s: float, env: Mapping[str, str] | None = None,
               cwd: str | None = None) -> Outcome:
-    """Run ``argv`` to completion or ``timeout_s``; nothing it started outlives it.
+    """Run ``argv`` with ``spec`` on its stdin, to completion or ``timeout_s``; nothing it
+    started outlives it.
 
     On a timeout (or Ctrl-C) the launcher gets SIGTERM, which makes ``disttrain run`` stop
     its workers the way it always does; whatever is still alive after
@@ -65,10 +68,10 @@ def run_count(argv: Sequence[str], *, timeout_s: float, env: Mapping[str, str] |
     agent gives each worker a session of its own, so a process group would miss them).
     """
     start = time.perf_counter()
-    proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=None if env is None else dict(env), cwd=cwd)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        stdout, stderr = proc.communicate(input=spec.to_json(), timeout=timeout_s)
     except subprocess.TimeoutExpired:
         stdout, stderr = _stop(proc)
         return Outcome(proc.returncode, stdout, stderr, time.perf_counter() - start, timed_out=True)

@@ -156,6 +156,7 @@ def test_inside_a_job_step_the_plan_uses_the_steps_cpus(tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("args", "fragments"), [
     (["--launcher", "slurm", "--sbatch-arg", "mem=1G"], ["--sbatch-arg takes one sbatch option", "'mem=1G'"]),
+    (["--launcher", "slurm", "--sbatch-arg=--export=NONE"], ["disttrain carries the environment itself", "drop it"]),
     (["--launcher", "slurm", "--nodes", "0"], ["--nodes must be at least 1"]),
     (["--launcher", "slurm", "--partition", "a b"], ["--partition 'a b'"]),
     (["--launcher", "slurm", "--hosts", "a,b"], ["--launcher slurm runs no ssh"]),

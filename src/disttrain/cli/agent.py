@@ -123,8 +123,8 @@ def handle_launch_step(args: argparse.Namespace) -> int:
                          "or `disttrain job run` submits")
     shipped = os.environ.pop(STEP_ENV, None)  # popped: not one of the user's variables to forward
     if not shipped:
-        raise UsageError(f"disttrain launch-step: {STEP_ENV} is not in the job's environment; was the job "
-                         "submitted with --sbatch-arg=--export=NONE? Drop it (disttrain needs sbatch's --export=ALL)")
+        raise UsageError(f"disttrain launch-step: {STEP_ENV} is not in the job's environment: run it only as the "
+                         "command of the batch script that `disttrain run --launcher slurm` submits")
     step = json.loads(shipped)
     spec = LaunchSpec.from_json(json.dumps(step["spec"]))
     run_dir = step["run_dir"]

@@ -98,6 +98,9 @@ class SlurmOptions:
         for arg in self.sbatch_args:
             if not arg.startswith("-") or "\n" in arg or '"' in arg:
                 raise UsageError(f"--sbatch-arg takes one sbatch option such as --sbatch-arg=--mem=8G, got {arg!r}")
+            if arg.startswith("--export"):
+                raise UsageError(f"--sbatch-arg={arg}: disttrain carries the environment itself (every exported "
+                                 "variable, see --no-forward-env and --env); drop it")
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,7 @@ def submit(script: str, run_dir: str | os.PathLike, *, step: str, env: Mapping[s
     try:
         # Values go through sbatch's environment, never its argv (which `ps` shows).
         job_env = {**(os.environ if env is None else env), STEP_ENV: step}
+        job_env.pop("SBATCH_EXPORT", None)  # it would override the script's --export=ALL
         result = _slurm(["sbatch", "--parsable"], env=job_env, input=script)  # the script on stdin
         if result.returncode != 0:
             raise UsageError(f"sbatch refused the job: {_last_line(result.stderr)}")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_jobs import data, show, spec_file, tar_members  # noqa: F401  (data: a fixture)
+from test_jobs_ssh import literal_opt_ml_job, opt_listing
 
 from conftest import cli_env, disttrain
 from slurm_rig import slurm_fixture
@@ -110,21 +111,8 @@ def test_jobs_stop_cancels_a_running_slurm_job(slurm, tmp_path, env, data):  # n
 def test_literal_opt_ml_is_private_to_each_slurm_instance(slurm, tmp_path, env):
     """Each Slurm node's agent gives its instance's script its own folder at /opt/ml (both nodes
     are namespaces of this one machine, so without it they would collide there)."""
-    from test_jobs_ssh import LITERAL_OPT_ML, opt_listing
-
-    from disttrain.agent.optml import namespace_tool
-
-    if namespace_tool()[0] is None:
-        pytest.skip(f"no mount namespace here: {namespace_tool()[1]}")
-    import textwrap
-
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "literal.py").write_text(textwrap.dedent(LITERAL_OPT_ML))
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "a.txt").write_text("hello\n")
-    spec = spec_file(tmp_path, "optml", entry_point="literal.py", source_dir=str(tmp_path / "src"), launcher="slurm",
-                     instance_count=2, private_opt_ml="required", inputs={"training": str(tmp_path / "data")},
-                     output_path=str(tmp_path / "artifacts"), slurm={"time": "10"})
+    spec = spec_file(tmp_path, "optml", **literal_opt_ml_job(tmp_path), launcher="slurm", instance_count=2,
+                     slurm={"time": "10"})
     before = opt_listing()
     runner = job_run(slurm, spec, env)
     out, err = runner.communicate(timeout=200)

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from conftest import SCRIPTS, cli_env
+from disttrain.agent.optml import namespace_tool
 from disttrain.store import JobStore
 from rig import cluster_fixture
 
@@ -70,23 +71,26 @@ def opt_listing() -> tuple[bool, list[str]]:
     return os.path.exists("/opt/ml"), sorted(os.listdir("/opt")) if os.path.isdir("/opt") else []
 
 
-@pytest.mark.timeout(180)
-def test_literal_opt_ml_is_private_to_each_ssh_instance(cluster, tmp_path):
-    """Two instances over ssh on one machine (the rig's hosts share its filesystem): each one's
-    script writes the literal /opt/ml/model and reads /opt/ml/input/data, and sees its own folder
-    there (the agent on each host makes the mount namespace); the machine's /opt is untouched."""
-    from disttrain.agent.optml import namespace_tool
-
+def literal_opt_ml_job(tmp_path: Path) -> dict:
+    """The job keys of a script with literal /opt/ml paths and its training channel; skips
+    where this machine can make no mount namespace."""
     if namespace_tool()[0] is None:
         pytest.skip(f"no mount namespace here: {namespace_tool()[1]}")
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "literal.py").write_text(textwrap.dedent(LITERAL_OPT_ML))
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.txt").write_text("hello\n")
-    spec = {"name": "optml-ssh", "entry_point": "literal.py", "source_dir": str(tmp_path / "src"),
-            "launcher": "ssh", "hosts": [f"root@{node.ip}" for node in cluster.nodes],
-            "ssh_options": cluster.client_ssh_options, "private_opt_ml": "required",
+    return {"entry_point": "literal.py", "source_dir": str(tmp_path / "src"), "private_opt_ml": "required",
             "inputs": {"training": str(tmp_path / "data")}, "output_path": str(tmp_path / "artifacts")}
+
+
+@pytest.mark.timeout(180)
+def test_literal_opt_ml_is_private_to_each_ssh_instance(cluster, tmp_path):
+    """Two instances over ssh on one machine (the rig's hosts share its filesystem): each one's
+    script writes the literal /opt/ml/model and reads /opt/ml/input/data, and sees its own folder
+    there (the agent on each host makes the mount namespace); the machine's /opt is untouched."""
+    spec = {"name": "optml-ssh", **literal_opt_ml_job(tmp_path), "launcher": "ssh",
+            "hosts": [f"root@{node.ip}" for node in cluster.nodes], "ssh_options": cluster.client_ssh_options}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), DISTTRAIN_STORE=str(tmp_path / "jobs.db"))
     before = opt_listing()

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_env, disttrain
-from disttrain.errors import UsageError
 from disttrain.agent.optml import namespace_tool
+from disttrain.errors import UsageError
 from disttrain.store import JobStore
 
 pytestmark = pytest.mark.timeout(180)
@@ -303,9 +303,9 @@ def test_parameter_server_tf_config_per_instance(sm_home):
 
 
 def test_contract_units():
+    from disttrain.agent.optml import prefix
     from disttrain.jobs.distribution import Distribution, parse_distribution
     from disttrain.jobs.layout import InstancePaths
-    from disttrain.agent.optml import prefix
     from disttrain.jobs.sagemaker import Instance, cmd_args, sm_env
 
     assert cmd_args({"b": {"y": 2, "x": 1}, "a-b": "s p", "sagemaker_program": "t.py"}) == \

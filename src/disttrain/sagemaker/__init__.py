@@ -16,6 +16,7 @@ training toolkit, a private ``/opt/ml`` per instance, ``distribution=``, metrics
 
 from __future__ import annotations
 
+from .analytics import TrainingJobAnalytics
 from .estimator import (
     Estimator,
     EstimatorBase,
@@ -24,7 +25,6 @@ from .estimator import (
     TrainingJob,
     UnexpectedStatusException,
 )
-from .analytics import TrainingJobAnalytics
 from .inputs import TrainingInput
 from .pytorch import PyTorch
 from .session import get_execution_role

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from ..config.launch import LaunchSpec
@@ -15,6 +16,8 @@ from ..errors import UsageError
 from ..launch import Context
 from ..plan.launch import plan_from_json
 from ..workerenv import login_env
+
+STOP_MARGIN_S = 10  # after the workers' stop grace, for the agent's own shutdown
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,7 +68,7 @@ class _Lines:
         return line
 
 
-def _watch_stdin(lines: _Lines, on_request) -> None:
+def _watch_stdin(lines: _Lines, on_request, *, signalled_by: int | None, host: str, grace_s: float) -> None:
     # ssh/srun give the agent the launcher's pipe as stdin: a line is a request (``dump``),
     # EOF means the launcher is gone or wants us to stop. SIGTERM lets torch's agent stop the
     # workers cleanly. Raw reads, not sys.stdin: a daemon thread blocked inside a buffered
@@ -73,9 +76,28 @@ def _watch_stdin(lines: _Lines, on_request) -> None:
     def watch() -> None:
         while (line := lines.next()) is not None:
             on_request(line.decode(errors="replace").strip())
-        os.kill(os.getpid(), signal.SIGTERM)
+        # A launcher that died has had the kernel send us SIGTERM already (PR_SET_PDEATHSIG).
+        # A second one, landing while torch's agent stops the workers, cuts that short and can
+        # leave it waiting at exit for log tailers that were never stopped: one signal only.
+        if signalled_by is None or not _parent_gone(signalled_by):
+            os.kill(os.getpid(), signal.SIGTERM)
+        # Stopping is bounded whatever happens in torch's shutdown: its grace, then a margin.
+        time.sleep(grace_s + STOP_MARGIN_S)
+        print(f"disttrain: the agent on {host} was still running {grace_s + STOP_MARGIN_S:.0f} s after it was "
+              "asked to stop; exiting (its workers die with it)", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
 
     threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
+
+
+def _parent_gone(parent: int, wait_s: float = 0.2) -> bool:
+    """Whether ``parent`` has exited: the kernel re-parents us just after it closed our stdin."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def handle_agent(args: argparse.Namespace) -> int:
@@ -83,16 +105,18 @@ def handle_agent(args: argparse.Namespace) -> int:
 
     # The launcher (ssh session, job runner, srun) gone, even SIGKILLed: stop the workers. Set
     # before importing torch (seconds), so that a launcher dying meanwhile is not missed.
-    follow_parent(signal.SIGTERM)
+    parent = os.getppid()
+    armed = follow_parent(signal.SIGTERM, parent=parent)
     fd = sys.stdin.fileno()
     lines = _Lines(fd)
     line = lines.next()  # the launcher writes the plan first
     if line is None:
         raise UsageError("disttrain agent: stdin closed before the plan arrived (the launcher went away)")
-    return _run_agent(json.loads(line), lines)
+    return _run_agent(json.loads(line), lines, signalled_by=parent if armed else None)
 
 
-def _run_agent(message: dict, lines: _Lines) -> int:
+def _run_agent(message: dict, lines: _Lines, *, signalled_by: int | None = None) -> int:
+    """``signalled_by``: the parent whose death already sends this process SIGTERM."""
     from ..agent.node import LauncherLink, run_node  # torch's elastic agent: not for every command
 
     plan = plan_from_json(json.dumps(message["plan"]))
@@ -107,7 +131,8 @@ def _run_agent(message: dict, lines: _Lines) -> int:
     os.environ.update(login_env(os.environ))  # an agent started without a login (srun --export)
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     link = LauncherLink()
-    _watch_stdin(lines, lambda word: link.request(word, plan))
+    _watch_stdin(lines, lambda word: link.request(word, plan), signalled_by=signalled_by, host=nodes[0].host,
+                 grace_s=plan.stop_grace_s)
     return run_node(plan, nodes[0], link=link)
 
 

@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # (which `ps` shows to every user of the host). stdin closing then stops the workers.
     agent.add_argument("--plan-stdin", action="store_true", required=True,
                        help="read {node_rank, plan} as one JSON line on stdin; stop when stdin closes")
-    agent.set_defaults(handler=handle_agent)
+    agent.set_defaults(handler=handle_agent, exit_at_once=True)
 
     probe = sub.add_parser("probe")
     probe.add_argument("--master", default="127.0.0.1")
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     probe.add_argument("--session", action="store_true",
                        help="print facts (+ --listen ports) as one JSON line, then read the targets to "
                        "connect to, then the plan, and run this node's agent (all on stdin/stdout)")
-    probe.set_defaults(handler=handle_probe)
+    probe.set_defaults(handler=handle_probe, exit_at_once=True)  # --session runs an agent
 
     receive = sub.add_parser("receive")
     receive.add_argument("dir", help="where the launcher's working directory is copied to")
@@ -83,8 +83,11 @@ def _watch_stdin(lines: _Lines, on_request, *, signalled_by: int | None, host: s
             os.kill(os.getpid(), signal.SIGTERM)
         # Stopping is bounded whatever happens in torch's shutdown: its grace, then a margin.
         time.sleep(grace_s + STOP_MARGIN_S)
-        print(f"disttrain: the agent on {host} was still running {grace_s + STOP_MARGIN_S:.0f} s after it was "
-              "asked to stop; exiting (its workers die with it)", file=sys.stderr, flush=True)
+        try:  # the launcher may be gone, and its pipe with it
+            print(f"disttrain: the agent on {host} was still running {grace_s + STOP_MARGIN_S:.0f} s after it "
+                  "was asked to stop; exiting (its workers die with it)", file=sys.stderr, flush=True)
+        except OSError:
+            pass
         os._exit(128 + signal.SIGTERM)
 
     threading.Thread(target=watch, name="stdin-watch", daemon=True).start()

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import sys
+import traceback
 
 from ..errors import DisttrainError, UsageError
 from ..version import __version__
@@ -66,22 +67,43 @@ def printable(text: str, *, keep_newlines: bool = False) -> str:
     return "".join(ch if ch.isprintable() or (keep_newlines and ch == "\n") else ascii(ch)[1:-1] for ch in text)
 
 
+def _exit_at_once(code: int) -> None:
+    """A node's agent ends here, once its workers are stopped: at interpreter exit Python would
+    join torch's log-tailer threads, and a stop that cut torch's shutdown short leaves them
+    tailing for ever (the agent then outlived its launcher; seen with py-spy)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = None
     try:
         args = build_parser().parse_args(argv)
-        return args.handler(args)
+        code = args.handler(args)
     except DisttrainError as err:
         print(f"disttrain: error: {printable(str(err), keep_newlines=not isinstance(err, UsageError))}",
               file=sys.stderr)
-        return err.exit_code
+        code = err.exit_code
     except KeyboardInterrupt:
         print("disttrain: interrupted", file=sys.stderr)
-        return 130
+        code = 130
     except BrokenPipeError:
         # The reader left (`disttrain jobs show 3 | head`): stop quietly with a SIGPIPE status, as
         # `cat` would; stdout goes to /dev/null so that the exit's own flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+        code = 128 + signal.SIGPIPE
+    except BaseException:
+        if not getattr(args, "exit_at_once", False):
+            raise
+        traceback.print_exc()  # a second stop signal in the middle of torch's shutdown, say
+        code = 1
+    if getattr(args, "exit_at_once", False):
+        _exit_at_once(code)
+    return code
 
 
 if __name__ == "__main__":

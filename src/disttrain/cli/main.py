@@ -80,9 +80,10 @@ def _exit_at_once(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = None
+    at_once = False  # a node's agent: see _exit_at_once
     try:
         args = build_parser().parse_args(argv)
+        at_once = getattr(args, "exit_at_once", False)
         code = args.handler(args)
     except DisttrainError as err:
         print(f"disttrain: error: {printable(str(err), keep_newlines=not isinstance(err, UsageError))}",
@@ -97,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 128 + signal.SIGPIPE
     except BaseException:
-        if not getattr(args, "exit_at_once", False):
+        if not at_once:
             raise
         traceback.print_exc()  # a second stop signal in the middle of torch's shutdown, say
         code = 1
-    if getattr(args, "exit_at_once", False):
+    if at_once:
         _exit_at_once(code)
     return code
 

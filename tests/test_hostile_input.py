@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -188,3 +189,134 @@ def test_ssh_reads_a_host_name_as_a_name_even_past_the_checks():
     assert done.returncode == 255 and "OpenSSH_" not in done.stderr
     with pytest.raises(DisttrainError, match="cannot ask ssh how to reach -V"):
         master_address(hostile, [])
+
+
+# --- names and paths a user gives, checked whole at every door (issue 23) ---------------------
+
+HUGE = "x" * 10 * 1024
+
+
+def _job_spec(tmp_path, **change) -> Path:
+    import yaml
+
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "train.py").write_text("print('ran')\n")
+    data = {"name": "hj", "entry_point": "train.py", "source_dir": str(src), **change}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))  # safe_dump writes NUL and newline as YAML escapes
+    return path
+
+
+def _refused_before_anything(capsys, tmp_path, monkeypatch, spec: Path) -> str:
+    monkeypatch.setenv("DISTTRAIN_HOME", str(tmp_path / "home"))
+    code, err = one_line(capsys, ["job", "run", str(spec), "--store", str(tmp_path / "jobs.db")])
+    assert code == 2
+    assert not (tmp_path / "jobs.db").exists() and not (tmp_path / "home").exists()  # nothing recorded or made
+    return err
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"name": "hj\n"}, "name must be 1-63 letters, digits and hyphens"),
+    ({"inputs": {"training\n": "/tmp"}}, "inputs: channel name 'training\\n' must be"),
+    ({"hyperparameters": {"lr\n": 1}}, "hyperparameters: 'lr\\n' is not a usable name"),
+    ({"env": {"API_KEY\n": "x"}}, "env: 'API_KEY\\n' is not a valid environment variable name"),
+    ({"inputs": {"c" * 65: "/tmp"}}, "is 65 characters long; the limit is 64"),
+    ({"hyperparameters": {"h" * 257: 1}}, "is 257 characters long; the limit is 256"),
+])
+def test_names_are_matched_whole_in_a_job_spec(capsys, tmp_path, monkeypatch, change, fragment):
+    err = _refused_before_anything(capsys, tmp_path, monkeypatch, _job_spec(tmp_path, **change))
+    assert fragment in err
+
+
+@pytest.mark.parametrize("key", ["entry_point", "source_dir", "output_path", "checkpoint_s3_uri",
+                                 "checkpoint_local_path", "inputs.training", "python"])
+@pytest.mark.parametrize("bad, fragment", [
+    ("a\x00b", "must not contain control characters (NUL, newline, tab...): '\\x00' at position 1"),
+    ("a\nb", "must not contain control characters (NUL, newline, tab...): '\\n' at position 1"),
+    (HUGE, "is 10240 characters long; the limit is 4096"),
+    ("x" * 300, "has a component of 300 bytes"),
+    ("/".join(["d" * 200] * 25), "is 5024 characters long; the limit is 4096"),
+])
+def test_nul_control_characters_and_huge_paths_are_one_line(capsys, tmp_path, monkeypatch, key, bad, fragment):
+    change = {"inputs": {"training": bad}} if key == "inputs.training" else {key: bad}
+    err = _refused_before_anything(capsys, tmp_path, monkeypatch, _job_spec(tmp_path, **change))
+    assert f": {key} " in err and fragment in err
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"hyperparameters": {"note": "a\x00b"}}, "hyperparameters.note contains a NUL byte (position 1)"),
+    ({"hyperparameters": {"layers": [1, "x\x00"]}}, "hyperparameters.layers[1] contains a NUL byte"),
+    ({"env": {"TOKEN": "t\x00k"}}, "env.TOKEN contains a NUL byte (position 1)"),
+])
+def test_a_nul_in_a_value_is_refused_before_the_job_is_recorded(capsys, tmp_path, monkeypatch, change, fragment):
+    err = _refused_before_anything(capsys, tmp_path, monkeypatch, _job_spec(tmp_path, **change))
+    assert fragment in err
+
+
+def test_values_with_newlines_and_quotes_are_still_values(tmp_path):
+    from disttrain.jobs import Job
+
+    src = tmp_path / "src"
+    src.mkdir()
+    job = Job(name="hj", entry_point="t.py", source_dir=str(src),
+              hyperparameters={"note": "two\nlines; $(x) 'q'"}, env={"MOTD": "a\tb\nc"})
+    assert job.spec.program.hyperparameters["note"] == "two\nlines; $(x) 'q'"
+
+
+@pytest.mark.parametrize("checkpoint, channel", [
+    ("s3://bucket/data", "s3://bucket/data"),
+    ("s3://bucket/data/ckpt", "s3://bucket/data/"),
+    ("s3://bucket/data", "s3://bucket/data/train"),
+    ("{tmp}/data/ckpt", "{tmp}/data"),
+    ("file://{tmp}/data", "{tmp}/data/"),
+])
+def test_checkpoints_never_land_in_an_input_channel(tmp_path, checkpoint, channel):
+    from disttrain.errors import UsageError
+    from disttrain.jobs import Job
+
+    src = tmp_path / "src"
+    src.mkdir()
+    with pytest.raises(UsageError, match=r"checkpoint_s3_uri .* and inputs.training .* overlap"):
+        Job(name="hj", entry_point="t.py", source_dir=str(src), inputs={"training": channel.format(tmp=tmp_path)},
+            checkpoint_s3_uri=checkpoint.format(tmp=tmp_path))
+    Job(name="hj", entry_point="t.py", source_dir=str(src), inputs={"training": "s3://bucket/data"},
+        checkpoint_s3_uri="s3://bucket/data-checkpoints")  # a sibling with a common prefix is fine
+
+
+@pytest.mark.parametrize("output_path, url", [
+    ("/", "/hj-1/model.tar.gz"),
+    ("file:///", "file:///hj-1/model.tar.gz"),
+    ("s3://bucket", "s3://bucket/hj-1/model.tar.gz"),
+    ("s3://bucket/", "s3://bucket/hj-1/model.tar.gz"),
+    ("/data/out//", "/data/out/hj-1/model.tar.gz"),
+])
+def test_output_path_root_means_the_root(tmp_path, output_path, url):
+    from disttrain.jobs import Job
+    from disttrain.jobs.results import artifact_url
+
+    job = Job(name="hj", entry_point="t.py", source_dir=str(tmp_path), output_path=output_path)
+    assert job.spec.container.output_path.startswith(("/", "file:///", "s3://bucket"))  # never relative
+    assert artifact_url(job.spec.container.output_path, "hj-1", "model.tar.gz") == url
+
+
+def test_fit_job_name_is_matched_whole(tmp_path, monkeypatch):
+    from disttrain.errors import UsageError
+    from disttrain.sagemaker.pytorch import PyTorch
+    from disttrain.store import JobStore
+
+    monkeypatch.setenv("DISTTRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DISTTRAIN_STORE", str(tmp_path / "jobs.db"))
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    est = PyTorch(entry_point=str(tmp_path / "train.py"))
+    for name, fragment in [("hj\n", "job_name must be 1-63 letters"), ("a" * 64, "job_name must be 1-63"),
+                           ("hj\x00", "job_name must be 1-63")]:
+        with pytest.raises(UsageError, match=fragment) as err:
+            est.fit(job_name=name)
+        assert "\n" not in str(err.value)
+    with pytest.raises(UsageError, match="base_job_name must be 1-63"):
+        PyTorch(entry_point=str(tmp_path / "train.py"), base_job_name="base\n").fit()
+    with pytest.raises(UsageError, match="dependencies\\[0\\] must not contain control characters"):
+        PyTorch(entry_point=str(tmp_path / "train.py"), dependencies=["lib\x00"]).fit()
+    with JobStore() as store:
+        assert store.list() == []

@@ -81,15 +81,16 @@ def test_python_api_rejects_the_same_way():
     with pytest.raises(UsageError, match=r"disttrain.Job: unknown key 'epochs'"):
         Job(**BASE, epochs=3)
     job = Job(**{**BASE, "source_dir": "tests/scripts"}, inputs={"training": "s3://bucket/x"})
-    assert Path(job.spec.source_dir).is_absolute() and job.spec.inputs["training"] == "s3://bucket/x"
+    assert Path(job.spec.program.source_dir).is_absolute() and job.spec.container.inputs["training"] == "s3://bucket/x"
 
 
 def test_relative_paths_are_relative_to_the_yaml_file(tmp_path):
     (tmp_path / "sub").mkdir()
     spec = spec_from_mapping({"name": "a", "entry_point": "t.py", "source_dir": "sub", "inputs": {"train": "data"},
                               "output_path": "out"}, base_dir=tmp_path)
-    assert spec.source_dir == str(tmp_path / "sub")
-    assert spec.inputs == {"train": str(tmp_path / "data")} and spec.output_path == str(tmp_path / "out")
+    assert spec.program.source_dir == str(tmp_path / "sub")
+    assert spec.container.inputs == {"train": str(tmp_path / "data")}
+    assert spec.container.output_path == str(tmp_path / "out")
 
 
 def test_missing_channel_or_entry_point_is_reported_before_anything_is_recorded(tmp_path, capsys):
@@ -177,8 +178,81 @@ def test_source_dir_tarball_with_traversal_is_refused_and_recorded(tmp_path):
 
 def test_the_old_backend_key_still_works_with_one_line_of_warning(tmp_path, capsys):
     spec = spec_from_mapping({"name": "j", "entry_point": "t.py", "backend": "local"}, base_dir=tmp_path)
-    assert spec.launcher == "local"
+    assert spec.placement.launcher == "local"
     assert capsys.readouterr().err.count("the key backend is deprecated; use launcher: local") == 1
     with pytest.raises(UsageError, match="not both launcher and backend"):
         spec_from_mapping({"name": "j", "entry_point": "t.py", "backend": "local", "launcher": "ssh"},
                           base_dir=tmp_path)
+
+
+def test_a_spec_is_three_typed_parts_and_gives_its_keys_back(tmp_path):
+    from disttrain.jobs.distribution import Distribution
+    from disttrain.jobs.spec import KNOWN_KEYS, Container, Placement, Program
+
+    fields = {**BASE, "hyperparameters": {"lr": 0.5}, "env": {"A": "1"}, "instance_count": 2,
+              "distribution": {"torch_distributed": {"enabled": True}}, "inputs": {"training": "s3://b/d"},
+              "max_run": 60, "metric_definitions": [{"Name": "loss", "Regex": "loss=([0-9.]+)"}]}
+    spec = spec_from_mapping(fields, base_dir=tmp_path)
+    assert isinstance(spec.program, Program) and isinstance(spec.placement, Placement)
+    assert isinstance(spec.container, Container)
+    assert spec.program.distribution == Distribution("torch_distributed")  # parsed once, typed from then on
+    assert spec.placement.instance_count == 2 and spec.container.max_run == 60
+    flat = spec.to_dict()
+    assert tuple(flat) == KNOWN_KEYS  # every user-visible key, none added
+    assert flat["distribution"] == {"torch_distributed": {"enabled": True}}  # as the user wrote it
+    again = spec_from_mapping(flat, base_dir="/elsewhere")  # what a Slurm step and the estimator's child do
+    assert again == spec and again.to_dict() == flat
+
+
+@pytest.mark.parametrize("part, fields, message", [
+    ("Program", {"entry_point": "t.py", "framework": "jax"}, "framework must be one of pytorch, tensorflow"),
+    ("Program", {"entry_point": "t\n.py"}, "entry_point must not contain control characters"),
+    ("Placement", {"launcher": "ssh"}, "launcher ssh needs hosts"),
+    ("Placement", {"master_port": 70000}, "master_port must be in 1..65535"),
+    ("Container", {"max_run": 0}, "max_run must be a positive number of seconds"),
+    ("Container", {"checkpoint_local_path": "ckpt"}, "checkpoint_local_path must be an absolute path"),
+])
+def test_each_part_checks_its_own_keys(part, fields, message):
+    import disttrain.jobs.spec as spec_module
+
+    with pytest.raises(UsageError, match=message):
+        getattr(spec_module, part)(**fields)
+
+
+def test_a_tensorflow_strategy_in_a_pytorch_program_is_refused_by_the_program():
+    from disttrain.jobs.distribution import Distribution
+    from disttrain.jobs.spec import Program
+
+    with pytest.raises(UsageError, match="distribution parameter_server is for TensorFlow jobs"):
+        Program(entry_point="t.py", distribution=Distribution("parameter_server"))
+    with pytest.raises(UsageError, match="distribution mpi runs the instances of launcher local only"):
+        spec_from_mapping({**BASE, "launcher": "ssh", "hosts": ["a"], "distribution": {"mpi": {"enabled": True}}},
+                          base_dir="/")
+
+
+@pytest.mark.timeout(120)
+def test_the_distribution_is_parsed_and_the_launcher_chosen_once_per_run(tmp_path, monkeypatch):
+    import disttrain.jobs.distribution as distribution
+    import disttrain.jobs.runner as runner
+
+    monkeypatch.setenv("DISTTRAIN_HOME", str(tmp_path / "home"))
+    calls = {"parse": 0, "launcher": 0}
+    parse, launcher_for = distribution.parse_distribution, runner.launcher_for
+
+    def counted_parse(*args, **kwargs):
+        calls["parse"] += 1
+        return parse(*args, **kwargs)
+
+    def counted_launcher(*args, **kwargs):
+        calls["launcher"] += 1
+        return launcher_for(*args, **kwargs)
+
+    monkeypatch.setattr("disttrain.jobs.spec.parse_distribution", counted_parse)
+    monkeypatch.setattr(runner, "launcher_for", counted_launcher)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "t.py").write_text("print('ran')\n")
+    job = Job(name="once", entry_point="t.py", source_dir=str(tmp_path / "src"), processes_per_instance=1,
+              distribution={"torch_distributed": {"enabled": True}}, output_path=str(tmp_path / "out"))
+    record = job.run(store=tmp_path / "jobs.db")
+    assert str(record.state) == "Completed"
+    assert calls == {"parse": 1, "launcher": 1}

@@ -7,6 +7,7 @@ and ``--env KEY`` takes the value from the launcher's environment.
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 import sys
@@ -102,3 +103,71 @@ def test_env_key_alone_takes_the_launchers_value(tmp_path):
     assert missing.returncode == 2
     assert missing.stderr.strip() == ("disttrain: error: --env API_TOKEN: API_TOKEN is not set in this "
                                       "environment; export it first or give --env API_TOKEN=VALUE")
+
+
+@pytest.mark.parametrize("key", ["DB_PASS", "dbPass", "db-pass", "MYSQL_PWD", "mysqlpwd", "PGPASSWORD", "db_passwd",
+                                 "dbpasswd", "SMTP_PASSPHRASE", "userPassword", "API_TOKEN", "aws_secret_access_key"])
+def test_secret_looking_keys_are_masked(key):
+    assert mask_secrets({key: "hunter2"}) == {key: "***"}
+
+
+@pytest.mark.parametrize("key", ["bypass", "lowpass", "compass", "passes", "num_passes", "high_pass_filter",
+                                 "passthrough", "max_tokens", "tokenizer", "keyframes", "monkey", "lr"])
+def test_innocent_keys_stay_readable(key):
+    assert mask_secrets({key: 1}) == {key: 1}
+
+
+@pytest.fixture
+def reachable_tmp():
+    """A folder every user may enter (pytest's own tmp_path is under a 0700 folder), so the job's
+    own modes are the only thing between another user and its files."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="disttrain-private-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+WRITE_MODEL = """
+import os
+open(os.path.join(os.environ["SM_MODEL_DIR"], "model.pth"), "w").write("weights")
+open(os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], "eval.txt"), "w").write("0.9")
+print("saved", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_jobs_files_are_its_owners_only(reachable_tmp):
+    src = reachable_tmp / "src"
+    src.mkdir()
+    (src / "train.py").write_text(WRITE_MODEL)
+    artifacts = reachable_tmp / "artifacts"
+    artifacts.mkdir(mode=0o755)  # a shared output folder: the job's own folder inside it is private
+    spec = reachable_tmp / "job.yaml"
+    spec.write_text(yaml.safe_dump({"name": "private", "entry_point": "train.py", "source_dir": str(src),
+                                    "processes_per_instance": 1, "hyperparameters": {"api_token": "tok456"},
+                                    "output_path": str(artifacts)}))
+    env = cli_env(DISTTRAIN_HOME=str(reachable_tmp / "home"), DISTTRAIN_STORE=str(reachable_tmp / "jobs.db"))
+    result = disttrain("job", "run", str(spec), env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(disttrain("jobs", "show", "1", "--json", env=env).stdout)
+    job_dir, logs = Path(record["job_dir"]), Path(record["log_dir"])
+    model, output = Path(record["artifacts"]["model"]), Path(record["artifacts"]["output"])
+    hyperparameters = job_dir / "algo-1" / "input" / "config" / "hyperparameters.json"
+    assert "tok456" in hyperparameters.read_text()  # the script's, whole
+    for folder in (job_dir, job_dir / "algo-1", logs, model.parent):
+        assert mode(folder) == 0o700, folder
+    for path in (hyperparameters, logs / "job.log", logs / "plan.json", model, output):
+        assert mode(path) == 0o600, path
+    rank_logs = [p for p in logs.rglob("*") if p.is_file() and "rank" in p.name]
+    assert rank_logs
+    if os.geteuid() == 0:  # and another user, for real, can read none of it
+        for path in (hyperparameters, logs / "job.log", model, output, job_dir / "algo-1" / "model" / "model.pth",
+                     *rank_logs):
+            done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "cat", str(path)],
+                                  capture_output=True, text=True, timeout=30)
+            assert done.returncode != 0 and "Permission denied" in done.stderr, path
+        assert subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "cat",
+                               str(artifacts / ".." / "job.yaml")], capture_output=True, timeout=30).returncode == 0

@@ -20,12 +20,18 @@ from .atomic import write_atomic
 # Whole words, so that max_tokens, tokenizer or keyframes stay readable in a record.
 SECRET_WORDS = frozenset({"key", "apikey", "secret", "token", "password", "passwd", "pwd", "passphrase",
                           "credential", "credentials"})
+# A word ending so is a secret too: PGPASSWORD, dbpasswd, mysqlpwd (no word ends so innocently).
+SECRET_ENDINGS = ("password", "passwd", "pwd", "passphrase")
+# "pass" only as a key's last word (DB_PASS, dbPass): bypass, lowpass, high_pass_filter stay readable.
+LAST_WORD_SECRETS = frozenset({"pass"})
 _WORD_BREAK = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 MASK = "***"
 
 
 def is_secret_key(key: str) -> bool:
-    return any(word.lower() in SECRET_WORDS for word in _WORD_BREAK.split(key))
+    words = [word.lower() for word in _WORD_BREAK.split(key) if word]
+    return bool(words) and (words[-1] in LAST_WORD_SECRETS
+                            or any(word in SECRET_WORDS or word.endswith(SECRET_ENDINGS) for word in words))
 
 
 def mask_secrets(value: Any) -> Any:
@@ -36,6 +42,11 @@ def mask_secrets(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [mask_secrets(v) for v in value]
     return value
+
+
+def private_opener(path: str | os.PathLike, flags: int) -> int:
+    """``open(path, mode, opener=private_opener)``: a file this creates is 0600 from its first byte."""
+    return os.open(path, flags, 0o600)
 
 
 def write_private(path: str | os.PathLike, text: str) -> Path:

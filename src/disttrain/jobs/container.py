@@ -25,7 +25,7 @@ from ..agent.optml import available
 from ..errors import UsageError
 from ..plan.launch import LaunchPlan
 from .checkpoints import Syncer, local_dir, restore
-from .distribution import Distribution, parse_distribution, ps_tf_config
+from .distribution import Distribution, ps_tf_config
 from .layout import JobLayout
 from .metrics import MetricWatcher
 from .requirements import isolated_python
@@ -51,33 +51,30 @@ def preflight(spec: JobSpec) -> None:
     distribution mpi, a Keras whose fit works for multi_worker_mirrored_strategy, a mount
     namespace when private_opt_ml is required and the instances run here (on other hosts, each
     instance's agent checks its own machine)."""
-    dist = parse_distribution(spec.distribution, framework=spec.framework)
-    if dist.kind == "mpi":
-        if spec.launcher != "local":
-            raise UsageError(f"distribution mpi runs the instances of launcher local only (this job: {spec.launcher}); "
-                             "use torch_distributed, or run mpirun yourself")
+    dist = spec.distribution
+    if dist.kind == "mpi":  # launcher local only: the spec refused any other
         from ..launch.mpi import find_mpirun
 
         find_mpirun()
-    if dist.kind == "multi_worker_mirrored_strategy" and spec.instance_count > 1:
+    if dist.kind == "multi_worker_mirrored_strategy" and spec.placement.instance_count > 1:
         _check_keras(spec)
-    if spec.private_opt_ml == "required":
+    if spec.container.private_opt_ml == "required":
         _namespace(spec, lambda _line: None)
 
 
 def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], None]) -> Prepared:
-    dist = parse_distribution(spec.distribution, framework=spec.framework)
+    dist = spec.distribution
     ready = Prepared(distribution=dist)
     if dist.note():
         say(dist.note())
     ready.private_opt_ml = _namespace(spec, say)
     ready.python = isolated_python(cwd, layout.root / "venv", say)
-    if spec.checkpoint_s3_uri:
+    box = spec.container
+    if box.checkpoint_s3_uri:
         for inst in layout.instances:
-            count = restore(spec.checkpoint_s3_uri, local_dir(inst, spec.checkpoint_local_path),
-                            spec.storage_options)
-        say(f"disttrain: restored {count} checkpoint file(s) from {spec.checkpoint_s3_uri}" if count else
-            f"disttrain: no checkpoints at {spec.checkpoint_s3_uri} yet; starting fresh")
+            count = restore(box.checkpoint_s3_uri, local_dir(inst, box.checkpoint_local_path), box.storage_options)
+        say(f"disttrain: restored {count} checkpoint file(s) from {box.checkpoint_s3_uri}" if count else
+            f"disttrain: no checkpoints at {box.checkpoint_s3_uri} yet; starting fresh")
     return ready
 
 
@@ -86,7 +83,7 @@ def _check_keras(spec: JobSpec) -> None:
     of tensors. TF_USE_LEGACY_KERAS set by the user (e.g. 0 for a custom strategy.run loop) wins."""
     from ..tfconfig import LEGACY_KERAS, have_tf_keras, keras2_install_hint
 
-    if LEGACY_KERAS in {**os.environ, **spec.env} or have_tf_keras():
+    if LEGACY_KERAS in {**os.environ, **spec.program.env} or have_tf_keras():
         return
     raise UsageError(f"distribution multi_worker_mirrored_strategy: tf.keras here is Keras 3, whose model.fit fails "
                      f"under that strategy; install Keras 2 (disttrain selects it for the workers): "
@@ -96,10 +93,10 @@ def _check_keras(spec: JobSpec) -> None:
 def _namespace(spec: JobSpec, say: Callable[[str], None]) -> bool:
     """Whether the instances get a private /opt/ml. Instances on this machine: checked here, once
     for all of them, before anything is recorded; on hosts or Slurm nodes: by each one's agent."""
-    if spec.private_opt_ml == "off":
+    if spec.container.private_opt_ml == "off":
         return False
-    if spec.launcher == "local":  # distribution mpi included (it runs launcher local only)
-        return available(required=spec.private_opt_ml == "required", where="this machine", say=say)
+    if spec.placement.launcher == "local":  # distribution mpi included (it runs launcher local only)
+        return available(required=spec.container.private_opt_ml == "required", where="this machine", say=say)
     return True
 
 
@@ -110,10 +107,10 @@ def instance_plan(spec: JobSpec, layout: JobLayout, plan: LaunchPlan, *, job_nam
     nodes = []
     addresses = [node.address or plan.master_addr for node in plan.nodes]
     for k, (node, host, ifname, ngpu, ncpu) in enumerate(zip(plan.nodes, layout.hosts, ifnames, gpus, cpus)):
-        inst = Instance(job_name=job_name, host=host, hosts=layout.hosts, instance_type=spec.instance_type,
-                        ifname=ifname, num_gpus=ngpu, num_cpus=ncpu, entry_point=spec.entry_point,
-                        module_dir=str(cwd), hyperparameters=spec.hyperparameters,
-                        framework_params=dist.framework_params, channels=tuple(spec.inputs))
+        inst = Instance(job_name=job_name, host=host, hosts=layout.hosts, instance_type=spec.placement.instance_type,
+                        ifname=ifname, num_gpus=ngpu, num_cpus=ncpu, entry_point=spec.program.entry_point,
+                        module_dir=str(cwd), hyperparameters=spec.program.hyperparameters,
+                        framework_params=dist.framework_params, channels=tuple(spec.container.inputs))
         paths = layout.instance(host)
         write_config(inst, paths)
         env = sm_env(inst, paths)
@@ -123,14 +120,14 @@ def instance_plan(spec: JobSpec, layout: JobLayout, plan: LaunchPlan, *, job_nam
         if dist.kind == "parameter_server":
             env["DISTTRAIN_PS_TF_CONFIG"] = ps_tf_config(addresses, plan.master_port, k, ps_task=False)
             env["DISTTRAIN_PS_TASK_TF_CONFIG"] = ps_tf_config(addresses, plan.master_port, k, ps_task=True)
-        if spec.framework == "tensorflow":
+        if spec.program.framework == "tensorflow":
             from ..tfconfig import have_tf_keras, keras_env
 
-            env.update(keras_env({**os.environ, **node.env, **spec.env}, have_tf_keras=have_tf_keras()))
+            env.update(keras_env({**os.environ, **node.env, **spec.program.env}, have_tf_keras=have_tf_keras()))
         # The spec's own env wins, as --env does for `disttrain run`.
-        nodes.append(replace(node, env={**node.env, **env, **spec.env},
+        nodes.append(replace(node, env={**node.env, **env, **spec.program.env},
                              opt_ml=str(paths.root) if ready.private_opt_ml else None,
-                             opt_ml_required=spec.private_opt_ml == "required"))
+                             opt_ml_required=spec.container.private_opt_ml == "required"))
     argv = list(plan.argv)
     if ready.python:
         argv[0] = ready.python
@@ -146,27 +143,28 @@ class Watch:
                  say: Callable[[str], None]) -> None:
         self.spec, self.layout, self.say = spec, layout, say
         # TensorBoard event files in the job folder: tensorboard --logdir ~/.disttrain/jobs shows every job
-        self.metrics = MetricWatcher(spec.metric_definitions, layout.transcript, store_path, job_id,
+        box = spec.container
+        self.metrics = MetricWatcher(box.metric_definitions, layout.transcript, store_path, job_id,
                                      events_dir=layout.root / "tensorboard")
-        self.syncer = (Syncer(spec.checkpoint_s3_uri, self._checkpoint_dirs(), spec.storage_options, say)
-                       if spec.checkpoint_s3_uri else None)
+        self.syncer = (Syncer(box.checkpoint_s3_uri, self._checkpoint_dirs(), box.storage_options, say)
+                       if box.checkpoint_s3_uri else None)
         self.timed_out = False
         self._timer: threading.Timer | None = None
 
     def _checkpoint_dirs(self) -> list[Path]:
-        return list(dict.fromkeys(local_dir(i, self.spec.checkpoint_local_path) for i in self.layout.instances))
+        return list(dict.fromkeys(local_dir(i, self.spec.container.checkpoint_local_path) for i in self.layout.instances))
 
     def _expire(self) -> None:
         self.timed_out = True
-        self.say(f"disttrain: {MAX_RUNTIME}: the job ran for max_run={self.spec.max_run} s; stopping it")
+        self.say(f"disttrain: {MAX_RUNTIME}: the job ran for max_run={self.spec.container.max_run} s; stopping it")
         os.kill(os.getpid(), signal.SIGTERM)  # the launch stops every instance, as on `jobs stop`
 
     def __enter__(self) -> Watch:
         self.metrics.__enter__()
         if self.syncer:
             self.syncer.__enter__()
-        if self.spec.max_run:
-            self._timer = threading.Timer(self.spec.max_run, self._expire)
+        if self.spec.container.max_run:
+            self._timer = threading.Timer(self.spec.container.max_run, self._expire)
             self._timer.daemon = True
             self._timer.start()
         return self
@@ -180,11 +178,11 @@ class Watch:
         if self.syncer:
             self.syncer.__exit__(*exc)
             uploaded = self.syncer.sync()  # the last files, after every process ended
-            self.say(f"disttrain: checkpoints synced to {self.spec.checkpoint_s3_uri} ({uploaded} file(s) at the end)")
+            self.say(f"disttrain: checkpoints synced to {self.spec.container.checkpoint_s3_uri} ({uploaded} file(s) at the end)")
 
     def failure(self) -> str | None:
         if self.timed_out:
-            return (f"{MAX_RUNTIME}: the job was stopped after max_run={self.spec.max_run} s "
+            return (f"{MAX_RUNTIME}: the job was stopped after max_run={self.spec.container.max_run} s "
                     "(raise max_run, or checkpoint and resume)")
         return None
 

@@ -10,17 +10,20 @@ parameter_server                per instance a ps task and a master/worker task,
 mpi                             Open MPI's ``mpirun`` across the instances
 =============================== ==========================================================
 
-Pure functions: the dict the user passed → a :class:`Distribution`; checked here so a
-mistyped key or two strategies at once are refused, naming the key, before anything runs.
+Pure functions: the dict the user passed → a :class:`Distribution`, parsed once when the job
+spec is loaded (a mistyped key or two strategies at once are refused, naming the key, before
+anything runs); the spec's program carries the typed value from then on.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..config.text import check_value
 from ..errors import UsageError
 
 TORCH_KINDS = ("torch_distributed", "pytorchddp", "smdistributed")
@@ -51,6 +54,41 @@ class Distribution:
     kind: str  # "none" or one of KINDS
     processes_per_host: int | None = None  # mpi
     custom_mpi_options: str = ""
+    # The mapping as the user wrote it: what the job's record shows and a Slurm step ships.
+    source: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.source or self.kind == "none":
+            return copy.deepcopy(dict(self.source))
+        options: dict[str, Any] = {"enabled": True}
+        if self.kind == "mpi":
+            options.update(processes_per_host=self.processes_per_host or 1, custom_mpi_options=self.custom_mpi_options)
+        return {self.kind: options}
+
+    def check_framework(self, framework: str) -> None:
+        """A torch strategy in a TensorFlow job (or the reverse): one line naming the fix."""
+        if self.kind in TORCH_KINDS and framework != "pytorch":
+            raise UsageError(f"distribution {self.kind} is for PyTorch jobs; for TensorFlow use "
+                             "multi_worker_mirrored_strategy, parameter_server or mpi")
+        if self.kind in TF_KINDS and framework != "tensorflow":
+            raise UsageError(f"distribution {self.kind} is for TensorFlow jobs (framework tensorflow); "
+                             "for PyTorch use torch_distributed or mpi")
+
+    @property
+    def launch_framework(self) -> str:
+        """What the launch plans for: TensorFlow's TF_CONFIG only for multi_worker_mirrored_strategy
+        (parameter_server writes its own, beside a ps task: see the ps shim)."""
+        return "tensorflow" if self.kind == "multi_worker_mirrored_strategy" else "pytorch"
+
+    def processes_per_instance(self, requested: int | str) -> int | str:
+        """none: once per instance, as SageMaker (unless a number was asked for); the TensorFlow
+        strategies: one process per instance (the strategy uses every device of it); torch kinds:
+        what the job asked for ("auto": one per GPU, else one); mpi: processes_per_host."""
+        if self.kind in TORCH_KINDS or (self.kind == "none" and requested != "auto"):
+            return requested
+        if self.kind == "mpi":
+            return self.processes_per_host or 1
+        return 1
 
     @property
     def framework_params(self) -> dict[str, Any]:
@@ -77,10 +115,14 @@ def _enabled(options: Any) -> bool:
     return bool(options)
 
 
-def parse_distribution(value: Any, *, framework: str) -> Distribution:
-    """The distribution a job asked for; a mistake is one line naming the key and the fix."""
+NONE = Distribution("none")
+
+
+def parse_distribution(value: Any, *, framework: str | None = None) -> Distribution:
+    """The distribution a job asked for; a mistake is one line naming the key and the fix.
+    ``framework``: also check that the strategy is one of that framework's."""
     if value is None or value == {}:
-        return Distribution("none")
+        return NONE
     if not isinstance(value, Mapping):
         raise UsageError(f"distribution must be a dict like {{'torch_distributed': {{'enabled': True}}}}, got {value!r}")
     for key in value:
@@ -99,15 +141,10 @@ def parse_distribution(value: Any, *, framework: str) -> Distribution:
     chosen = [key for key in value if _enabled(value[key])]
     if len(chosen) > 1:
         raise UsageError(f"distribution: {' and '.join(chosen)} cannot be combined; keep one of them")
+    source = copy.deepcopy(dict(value))
     if not chosen:
-        return Distribution("none")
+        return Distribution("none", source=source)
     kind = chosen[0]
-    if kind in TORCH_KINDS and framework != "pytorch":
-        raise UsageError(f"distribution {kind} is for PyTorch jobs; for TensorFlow use "
-                         "multi_worker_mirrored_strategy, parameter_server or mpi")
-    if kind in TF_KINDS and framework != "tensorflow":
-        raise UsageError(f"distribution {kind} is for TensorFlow jobs (framework tensorflow); "
-                         "for PyTorch use torch_distributed or mpi")
     options = value[kind]
     if kind == "mpi":
         per_host = options.get("processes_per_host", 1)
@@ -117,19 +154,13 @@ def parse_distribution(value: Any, *, framework: str) -> Distribution:
         if not isinstance(custom, str):
             raise UsageError(f"distribution.mpi.custom_mpi_options must be a string like '-x NCCL_DEBUG=INFO', "
                              f"got {custom!r}")
-        return Distribution("mpi", processes_per_host=per_host, custom_mpi_options=custom)
-    return Distribution(kind)
-
-
-def processes_per_instance(dist: Distribution, requested: int | str) -> int | str:
-    """none: once per instance, as SageMaker (unless a number was asked for); the TensorFlow
-    strategies: one process per instance (the strategy uses every device of it); torch kinds:
-    what the job asked for ("auto": one per GPU, else one)."""
-    if dist.kind in TORCH_KINDS or (dist.kind == "none" and requested != "auto"):
-        return requested
-    if dist.kind == "mpi":
-        return dist.processes_per_host or 1
-    return 1
+        check_value("distribution.mpi.custom_mpi_options", custom)
+        dist = Distribution("mpi", processes_per_host=per_host, custom_mpi_options=custom, source=source)
+    else:
+        dist = Distribution(kind, source=source)
+    if framework is not None:
+        dist.check_framework(framework)
+    return dist
 
 
 def ps_tf_config(addresses: Sequence[str], master_port: int, index: int, *, ps_task: bool) -> str:

@@ -16,20 +16,20 @@ from ..launch.local import LocalLauncher
 from ..launch.mpi import MpiLauncher
 from ..launch.slurm import SlurmBatchLauncher
 from ..launch.ssh import SshLauncher
-from .distribution import parse_distribution
 from .layout import instance_names
 from .spec import JobSpec
 
 
-def launcher_for(spec: JobSpec, *, job_name: str | None = None) -> Launcher:
-    dist = parse_distribution(spec.distribution, framework=spec.framework)
-    if dist.kind == "mpi":  # container.preflight refuses it on other launchers
-        return MpiLauncher(instances=instance_names(spec.instance_count),
+def launcher_for(spec: JobSpec, *, job_name: str) -> Launcher:
+    """The job's launcher, chosen once per run (a bad setting is refused before anything is recorded)."""
+    dist, where = spec.distribution, spec.placement
+    if dist.kind == "mpi":  # the spec refuses it on other launchers
+        return MpiLauncher(instances=instance_names(where.instance_count),
                            ranks_per_instance=dist.processes_per_host or 1,
                            custom_mpi_options=dist.custom_mpi_options)
-    if spec.launcher == "slurm":
+    if where.launcher == "slurm":
         # The runner handles SIGTERM/SIGINT itself (the record says Stopped), then cancels.
-        return SlurmBatchLauncher(spec.slurm_options(job_name=job_name), stop_on_signals=False)
-    if spec.launcher == "ssh":
-        return SshLauncher(parse_hosts(",".join(spec.hosts)), options=tuple(spec.ssh_options))
-    return LocalLauncher(instances=instance_names(spec.instance_count))
+        return SlurmBatchLauncher(where.slurm_options(job_name=job_name), stop_on_signals=False)
+    if where.launcher == "ssh":
+        return SshLauncher(parse_hosts(",".join(where.hosts)), options=tuple(where.ssh_options))
+    return LocalLauncher(instances=instance_names(where.instance_count))

@@ -1,4 +1,7 @@
-"""The job directory: one class owns where everything of a job lives on disk.
+"""The job directory: one class owns where everything of a job lives on disk, and who may read it.
+
+The job's folder, each instance's and the logs' are made 0700: what they hold (hyperparameters,
+which may be secrets, the logs, the model) is the job's owner's only, as the job store is.
 
 ::
 
@@ -22,6 +25,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +86,7 @@ class InstancePaths:
         return self.root / "checkpoints"
 
     def create(self) -> None:
+        private_folder(self.root)
         for folder in (self.config, self.data, self.model, self.output_data, self.output_intermediate,
                        self.checkpoints):
             folder.mkdir(parents=True, exist_ok=True)
@@ -128,7 +133,17 @@ class JobLayout:
         return self.root / "packed"
 
     def create(self) -> None:
+        private_folder(self.root)  # first: nothing below it is reachable by another user from now on
         for instance in self.instances:
             instance.create()
-        for folder in (self.checkpoints, self.logs):
-            folder.mkdir(parents=True, exist_ok=True)
+        private_folder(self.logs)
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+
+
+def private_folder(path: Path) -> Path:
+    """``path`` (and missing parents, with the usual mode) as a folder only its owner may enter."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, exist_ok=True)
+    if path.stat().st_uid == os.getuid():
+        path.chmod(0o700)  # it existed (a rerun of a named job, a Slurm step) with another mode
+    return path

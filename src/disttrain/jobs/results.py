@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import uuid
 from pathlib import Path
 from typing import Any
 
 from ..errors import DisttrainError
-from .layout import JobLayout
+from .layout import JobLayout, private_folder
 from .staging import open_fs
 from .tarballs import pack_dir
 
@@ -41,7 +42,12 @@ def final_metrics(logs: Path) -> dict | None:
 
 
 def artifact_url(output_path: str, job_name: str, filename: str) -> str:
-    return posixpath.join(output_path.rstrip("/"), job_name, filename)
+    """``output_path/<job name>/<filename>``; an output_path of ``/`` (or ``file:///``) is the root,
+    not the empty string that stripping its slash would leave (a path relative to the runner's cwd)."""
+    stripped = output_path.rstrip("/")
+    if not stripped or stripped.endswith(":"):  # "/" or "file:///": keep the root's own slash(es)
+        stripped = output_path[:len(stripped) + (3 if stripped else 1)]
+    return posixpath.join(stripped, job_name, filename)
 
 
 def upload_artifacts(layout: JobLayout, *, output_path: str, job_name: str,
@@ -60,12 +66,20 @@ def upload_artifacts(layout: JobLayout, *, output_path: str, job_name: str,
 
 
 def _publish(local: Path, url: str, storage_options: dict[str, Any]) -> None:
-    """Upload under a temporary name, then move into place: a reader never sees half a file."""
+    """Upload under a temporary name, then move into place: a reader never sees half a file. On this
+    machine's filesystem the job's folder is 0700 and the file 0600, as the job's own folder."""
+    from fsspec.implementations.local import LocalFileSystem
+
     fs, path = open_fs(url, storage_options, "output_path")
     partial = f"{path}.{uuid.uuid4().hex[:8]}.partial"
     try:
-        fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        if isinstance(fs, LocalFileSystem):
+            private_folder(Path(posixpath.dirname(path)))  # before the file: never reachable by others
+        else:
+            fs.makedirs(posixpath.dirname(path), exist_ok=True)
         fs.put_file(str(local), partial)
+        if isinstance(fs, LocalFileSystem):
+            os.chmod(partial, 0o600)
         fs.mv(partial, path)
     except BaseException as err:  # a stop (SIGTERM) mid-upload leaves no partial object either
         try:

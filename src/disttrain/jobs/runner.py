@@ -25,10 +25,9 @@ from ..errors import DisttrainError
 from ..home import disttrain_home
 from ..launch import Context, Events, Facts, Launcher, Outcome
 from ..plan.launch import LaunchPlan
-from ..private import write_private
+from ..private import private_opener, write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
 from . import container  # SageMaker's container around the script (hooks marked "container:")
-from .distribution import parse_distribution, processes_per_instance
 from .launchers import launcher_for
 from .layout import JobLayout, instance_names
 from .results import final_metrics, upload_artifacts
@@ -64,21 +63,21 @@ def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None,
     """
     if job_name is not None:
         check_name(job_name, "job_name")
+    name = job_name or new_job_name(spec.name)
     check_inputs(spec)
-    launcher_for(spec)  # a bad launcher setting is refused before anything is recorded
+    launcher = launcher_for(spec, job_name=name)  # once; a bad setting is refused before anything is recorded
     container.preflight(spec)  # container: mpirun, Keras, mount namespace (before anything is recorded)
     owned = not isinstance(store, JobStore)
     db = JobStore(store) if owned else store
     try:
         home = jobs_home()
-        name = job_name or new_job_name(spec.name)
-        layout = JobLayout(home / "jobs" / name, instance_names(spec.instance_count))
+        layout = JobLayout(home / "jobs" / name, instance_names(spec.placement.instance_count))
         record = db.create(
             name=name, spec=spec.to_record(), job_dir=str(layout.root), log_dir=str(layout.logs),
             runner_host=socket.gethostname(), runner_pid=os.getpid(), runner_started=_started(),
         )
-        output_path = spec.output_path or str(home / "artifacts")
-        return JobRun(spec, db, record, layout, launcher_for(spec, job_name=name), output_path).run()
+        output_path = spec.container.output_path or str(home / "artifacts")
+        return JobRun(spec, db, record, layout, launcher, output_path).run()
     finally:
         if owned:
             db.close()
@@ -90,23 +89,23 @@ def launch_spec(spec: JobSpec, layout: JobLayout, cwd: Path) -> LaunchSpec:
     container: ``distribution`` sets the processes per instance, and TF_CONFIG only for
     multi_worker_mirrored_strategy (parameter_server writes its own, see container.instance_plan).
     """
-    dist = parse_distribution(spec.distribution, framework=spec.framework)
+    program, where = spec.program, spec.placement
     return LaunchSpec(
-        entry=spec.entry_point,
-        script_args=tuple(hyperparameter_args(spec.hyperparameters)),
-        nproc_per_node=processes_per_instance(dist, spec.processes_per_instance),
-        max_restarts=spec.max_restarts,
-        env=dict(spec.env),
-        master_port=spec.master_port,
+        entry=program.entry_point,
+        script_args=tuple(hyperparameter_args(program.hyperparameters)),
+        nproc_per_node=program.distribution.processes_per_instance(where.processes_per_instance),
+        max_restarts=where.max_restarts,
+        env=dict(program.env),
+        master_port=where.master_port,
         log_dir=str(layout.logs),
         checkpoint_dir=str(layout.checkpoints),
-        framework="tensorflow" if dist.kind == "multi_worker_mirrored_strategy" else "pytorch",
+        framework=program.distribution.launch_framework,
     )
 
 
 def job_context(spec: JobSpec, layout: JobLayout, name: str, cwd: Path) -> Context:
-    return Context(run_id=name, run_dir=str(layout.logs), cwd=str(cwd), python=spec.python or sys.executable,
-                   paths=(str(cwd / spec.entry_point), str(layout.root)), environ=dict(os.environ))
+    return Context(run_id=name, run_dir=str(layout.logs), cwd=str(cwd), python=spec.placement.python or sys.executable,
+                   paths=(str(cwd / spec.program.entry_point), str(layout.root)), environ=dict(os.environ))
 
 
 class JobStepEvents(Events):
@@ -124,11 +123,11 @@ class JobStepEvents(Events):
         makes its instance's private /opt/ml, as over ssh)."""
         cwd = Path(client["cwd"])
         spec = spec_from_mapping(client["spec"], base_dir=cwd, source="the launch step")
-        layout = JobLayout(Path(client["job_dir"]), instance_names(spec.instance_count))
+        layout = JobLayout(Path(client["job_dir"]), instance_names(spec.placement.instance_count))
         venv_python = layout.root / "venv" / "bin" / "python"  # requirements.txt (container.prepare)
-        ready = container.Prepared(distribution=parse_distribution(spec.distribution, framework=spec.framework),
+        ready = container.Prepared(distribution=spec.distribution,
                                    python=str(venv_python) if venv_python.exists() else None,
-                                   private_opt_ml=spec.private_opt_ml != "off")
+                                   private_opt_ml=spec.container.private_opt_ml != "off")
         return cls(spec, layout, client["name"], cwd, ready)
 
     def placed(self, plan: LaunchPlan, facts: Facts) -> LaunchPlan:
@@ -171,7 +170,7 @@ class JobRun(JobStepEvents):
 
     def run(self) -> JobRecord:
         self.layout.create()
-        with open(self.layout.transcript, "a") as self.transcript, _signals_stop():
+        with open(self.layout.transcript, "a", opener=private_opener) as self.transcript, _signals_stop():
             try:
                 return self._run()
             except JobStopped as stop:
@@ -188,8 +187,8 @@ class JobRun(JobStepEvents):
     def _run(self) -> JobRecord:
         spec, layout = self.spec, self.layout
         self.store.transition(self.id, JobState.STAGING)
-        self.say(f"disttrain: job {self.record.name} (id {self.id}), {spec.instance_count} instance(s), "
-                 f"{spec.launcher} launcher; job dir: {layout.root}")
+        self.say(f"disttrain: job {self.record.name} (id {self.id}), {spec.placement.instance_count} instance(s), "
+                 f"{spec.placement.launcher} launcher; job dir: {layout.root}")
         self.cwd = stage_source(spec, layout)
         stage_channels(spec, layout, self.say)
         self.ready = container.prepare(spec, layout, self.cwd, self.say)  # container: venv, checkpoints, /opt/ml
@@ -209,7 +208,7 @@ class JobRun(JobStepEvents):
 
     def submitted(self, job_id: str, run_dir: str) -> None:
         self.store.transition(self.id, JobState.RUNNING, slurm_job_id=job_id)
-        self.say(f"disttrain: submitted Slurm job {job_id} ({self.spec.instance_count} node(s)); logs: {run_dir}")
+        self.say(f"disttrain: submitted Slurm job {job_id} ({self.spec.placement.instance_count} node(s)); logs: {run_dir}")
 
     def ran_on(self, where: tuple[str, ...]) -> None:
         self.store.update(self.id, hosts=[{"instance": i, "host": w} for i, w in zip(self.layout.hosts, where)])
@@ -236,7 +235,7 @@ class JobRun(JobStepEvents):
             return self._end(JobState.FAILED, outcome.exit_code, metrics=metrics, failure=failure)
         self.store.transition(self.id, JobState.UPLOADING, metrics=metrics)
         artifacts = upload_artifacts(layout, output_path=self.output_path, job_name=self.record.name,
-                                     storage_options=self.spec.storage_options)
+                                     storage_options=self.spec.container.storage_options)
         container.mark_success(layout)
         return self._end(JobState.COMPLETED, 0, metrics=metrics, artifacts=artifacts)
 

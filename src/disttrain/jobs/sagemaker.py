@@ -241,5 +241,6 @@ def write_config(inst: Instance, paths: InstancePaths) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Whole or not at all: a temporary file renamed over ``path``."""
-    write_atomic(path, json.dumps(data, indent=2) + "\n")
+    """Whole or not at all: a temporary file renamed over ``path``; the owner's only (hyperparameters
+    may be secrets)."""
+    write_atomic(path, json.dumps(data, indent=2) + "\n", mode=0o600)

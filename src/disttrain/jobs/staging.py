@@ -55,9 +55,10 @@ def _exists(location: str, storage_options: dict[str, Any], key: str) -> bool:
 
 def check_inputs(spec: JobSpec) -> None:
     """Every channel and the entry point exist: a clear error now, not a failure mid-run."""
-    source = spec.source_dir
+    source, entry = spec.program.source_dir, spec.program.entry_point
+    storage_options = spec.container.storage_options
     if source.endswith(TARBALL_SUFFIXES):
-        if not _exists(source, spec.storage_options, "source_dir"):
+        if not _exists(source, storage_options, "source_dir"):
             raise UsageError(f"source_dir: {source} does not exist")
     else:
         path = local_path(source)
@@ -65,35 +66,35 @@ def check_inputs(spec: JobSpec) -> None:
             raise UsageError(f"source_dir: {source} must be a local folder or a .tar.gz (local or a URL)")
         if not path.is_dir():
             raise UsageError(f"source_dir: {path} is not a folder")
-        if not (path / spec.entry_point).is_file():
-            raise UsageError(f"entry_point: {spec.entry_point} not found in source_dir {path}")
-    for channel, location in spec.inputs.items():
-        if not _exists(location, spec.storage_options, f"inputs.{channel}"):
+        if not (path / entry).is_file():
+            raise UsageError(f"entry_point: {entry} not found in source_dir {path}")
+    for channel, location in spec.container.inputs.items():
+        if not _exists(location, storage_options, f"inputs.{channel}"):
             raise UsageError(f"inputs.{channel}: {location} does not exist")
 
 
 def stage_source(spec: JobSpec, layout: JobLayout) -> Path:
     """The folder the script runs in: ``source_dir`` itself, or its tarball extracted safely."""
-    source = spec.source_dir
+    source = spec.program.source_dir
     if not source.endswith(TARBALL_SUFFIXES):
         return Path(local_path(source) or source)
     archive = local_path(source)
     if archive is None:
         archive = layout.packed / "sourcedir" / posixpath.basename(source)
-        _copy(source, archive.parent, spec.storage_options, "source_dir")
+        _copy(source, archive.parent, spec.container.storage_options, "source_dir")
     safe_extract(archive, layout.code)
-    if not (layout.code / spec.entry_point).is_file():
-        raise UsageError(f"entry_point: {spec.entry_point} not found in source_dir {source}")
+    if not (layout.code / spec.program.entry_point).is_file():
+        raise UsageError(f"entry_point: {spec.program.entry_point} not found in source_dir {source}")
     return layout.code
 
 
 def stage_channels(spec: JobSpec, layout: JobLayout, say=print) -> None:
-    for channel, location in sorted(spec.inputs.items()):
+    for channel, location in sorted(spec.container.inputs.items()):
         path = local_path(location)
         if path is None:
             say(f"disttrain: staging channel {channel} from {location}")
             path = layout.staged_channel(channel)
-            _copy(location, path, spec.storage_options, f"inputs.{channel}")
+            _copy(location, path, spec.container.storage_options, f"inputs.{channel}")
         for inst in layout.instances:
             _link_channel(path.resolve(), inst.channel(channel))
 

@@ -19,14 +19,15 @@ from ..atomic import atomic_path
 from ..errors import UsageError
 
 
-def pack_dir(src: str | os.PathLike, dest: str | os.PathLike) -> Path:
+def pack_dir(src: str | os.PathLike, dest: str | os.PathLike, *, mode: int = 0o600) -> Path:
     """``src``'s contents (not the folder itself, as SageMaker packs /opt/ml/model) → ``dest``.
 
-    Written to a temporary name next to ``dest`` and renamed, so a reader never sees half an archive.
+    Written to a temporary name next to ``dest`` and renamed, so a reader never sees half an archive;
+    ``mode``: a job's artifacts are its owner's only.
     """
     src, dest = Path(src), Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(dest) as tmp, tarfile.open(tmp, mode="w:gz") as tar:
+    with atomic_path(dest, mode=mode) as tmp, tarfile.open(tmp, mode="w:gz") as tar:
         for path in sorted(src.rglob("*")) if src.is_dir() else ():
             tar.add(path, arcname=path.relative_to(src).as_posix(), recursive=False)
     return dest

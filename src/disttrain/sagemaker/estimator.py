@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..config.text import check_path
 from ..errors import DisttrainError, UsageError
 from .inputs import channels
 
@@ -162,11 +163,16 @@ class EstimatorBase:
 
     def _code(self, job_name: str) -> tuple[str, str]:
         """(source_dir, entry_point): the SDK's rules, plus ``dependencies`` copied beside the code."""
-        entry = str(self.args["entry_point"])
+        entry = check_path("entry_point", self.args["entry_point"])
         source = self.args.get("source_dir")
+        if source is not None:
+            check_path("source_dir", source)
         if source is None:  # the entry point's own folder is the code
             source, entry = os.path.dirname(os.path.abspath(entry)), os.path.basename(entry)
         deps = self.args.get("dependencies") or []
+        if not isinstance(deps, (list, tuple)):
+            raise UsageError(f"dependencies must be a list of paths, got {deps!r}")
+        deps = [check_path(f"dependencies[{index}]", dep) for index, dep in enumerate(deps)]
         if not deps:
             return str(source), entry
         from ..home import disttrain_home

@@ -236,3 +236,60 @@ def test_missing_s3_channel_is_named_before_anything_runs(tmp_path, env, s3):
     assert result.stderr.strip() == (f"disttrain: error: inputs.training: s3://{bucket}/no/such/prefix "
                                      "does not exist")
     assert json.loads(disttrain("jobs", "ls", "--json", env=env).stdout) == []
+
+
+HOST_SCRIPT = "import os, sys\nprint(os.environ['SM_CURRENT_HOST'], sys.executable, flush=True)\n"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("requirements", [False, True], ids=["plain", "requirements"])
+def test_the_dry_run_is_the_plan_that_runs(tmp_path, env, data, requirements):
+    """What `job run --dry-run` prints is, to the byte, the plan.json the real run keeps: the
+    container's part (each instance's SM_*, its /opt/ml, the job's own interpreter) included."""
+    from disttrain.net import free_port
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.py").write_text(HOST_SCRIPT)
+    if requirements:  # installed into the job's own venv, whose interpreter the workers run
+        (src / "requirements.txt").write_text("# nothing to install\n")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "twin", "entry_point": "train.py", "source_dir": str(src), "instance_count": 2,
+        "processes_per_instance": 1, "distribution": {"torch_distributed": {"enabled": True}},
+        "master_port": free_port("127.0.0.1"), "inputs": {"training": str(data)},
+        "hyperparameters": {"lr": 0.5, "note": NOTE}, "env": {"API_TOKEN": "tok456"},
+        "output_path": str(tmp_path / "out")}))
+    dry = disttrain("job", "run", str(spec), "--dry-run", "--job-name", "twin-1", env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert not (tmp_path / "jobs.db").exists() and not (tmp_path / "home").exists()  # nothing recorded or made
+    assert "tok456" not in dry.stdout  # the job's env by name only, as in plan.json
+    real = disttrain("job", "run", str(spec), "--job-name", "twin-1", env=env, timeout=200)
+    assert real.returncode == 0, real.stderr
+    job_dir = tmp_path / "home" / "jobs" / "twin-1"
+    assert dry.stdout == (job_dir / "logs" / "plan.json").read_text() + "\n"
+    plan = json.loads(dry.stdout)
+    assert [node["env"]["SM_CURRENT_HOST"] for node in plan["nodes"]] == ["algo-1", "algo-2"]
+    assert plan["env_set"] == ["API_TOKEN"]
+    python = str(job_dir / "venv" / "bin" / "python") if requirements else sys.executable
+    assert plan["argv"][0] == python
+    assert f"algo-2 {python}" in real.stdout  # and that interpreter ran the script
+
+
+def test_a_dry_run_shows_the_containers_wrapper_and_records_nothing(tmp_path, env):
+    """parameter_server: every instance's TF_CONFIG pair and the ps wrapper before the script."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "ps.py").write_text("print('ps')\n")
+    spec = tmp_path / "ps.yaml"
+    spec.write_text(yaml.safe_dump({"name": "ps", "entry_point": "ps.py", "source_dir": str(tmp_path / "src"),
+                                    "framework": "tensorflow", "instance_count": 2, "master_port": 29400,
+                                    "distribution": {"parameter_server": {"enabled": True}},
+                                    "private_opt_ml": "off"}))
+    dry = disttrain("job", "run", str(spec), "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)
+    assert plan["argv"][1:5] == ["-u", "-m", "disttrain.jobs.psshim", "ps.py"]
+    tasks = [json.loads(node["env"]["DISTTRAIN_PS_TASK_TF_CONFIG"])["task"] for node in plan["nodes"]]
+    assert tasks == [{"type": "ps", "index": 0}, {"type": "ps", "index": 1}]
+    assert [node["opt_ml"] for node in plan["nodes"]] == [None, None]
+    assert not (tmp_path / "jobs.db").exists() and not (tmp_path / "home").exists()

@@ -143,7 +143,7 @@ def handle_launch_step(args: argparse.Namespace) -> int:
     """Inside a Slurm batch job: the spec the submitting side shipped, launched on the allocation."""
     from ..launch.slurm import STEP_ENV, SlurmAllocationLauncher, record_outcome
     from ..launch.slurm_env import SlurmAllocation
-    from .steps import events_for_step
+    from .steps import client_for_step
 
     alloc = SlurmAllocation.from_environ(os.environ)
     if alloc is None:
@@ -158,10 +158,11 @@ def handle_launch_step(args: argparse.Namespace) -> int:
     run_dir = step["run_dir"]
     if alloc.restart_count:  # a requeued job: the first run's logs stay as they were
         run_dir = str(Path(run_dir) / f"requeue_{alloc.restart_count}")
+    events, container = client_for_step(step["client"])
     ctx = Context(run_id=step["run_id"], run_dir=run_dir, cwd=step["cwd"], python=step["python"],
-                  paths=tuple(step["paths"]), environ=dict(os.environ))
+                  paths=tuple(step["paths"]), environ=dict(os.environ), container=container)
     launcher = SlurmAllocationLauncher(alloc, nodes=step["nodes"])
-    outcome = launcher.run(spec, ctx, events_for_step(step["client"]))
+    outcome = launcher.run(spec, ctx, events)
     record_outcome(step["run_dir"], outcome)
     return outcome.exit_code
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 from ..errors import UsageError
 from ..jobs.runner import JobStepEvents
 from ..launch import Events
+from ..plan.launch import ContainerPlanner
 from .run import RunEvents
 
 
-def events_for_step(client: dict | None) -> Events:
+def client_for_step(client: dict | None) -> tuple[Events, ContainerPlanner | None]:
+    """The client's event sink, and what it adds to the plan (a job's container; the launch
+    context's ``container``)."""
     if client is None or client.get("kind") == "run":
-        return RunEvents()
+        return RunEvents(), None
     if client.get("kind") == "job":
-        return JobStepEvents.from_step(client)
+        events = JobStepEvents.from_step(client)
+        return events, events.planner
     raise UsageError(f"launch step: unknown client {client.get('kind')!r} (written by another disttrain version?)")

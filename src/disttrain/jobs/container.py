@@ -1,13 +1,15 @@
 """What a SageMaker container does around the script, for a job's instances on your machines.
 
-The runner calls three hooks, in order:
+The runner calls, in order:
 
+- :func:`preflight` (before anything is recorded): what this machine must have;
 - :func:`prepare` (while Staging): ``requirements.txt`` into the job's own environment,
   checkpoints restored from ``checkpoint_s3_uri``, whether this machine can make a private
-  ``/opt/ml`` (for its own instances: launcher local and mpi);
-- :func:`instance_plan` (once placed): each instance's ``SM_*`` contract and config files,
-  the distribution's worker command, and the folder its processes see at ``/opt/ml`` (made
-  private where they run: :mod:`disttrain.agent.optml`);
+  ``/opt/ml`` (for its own instances: launcher local and mpi); :func:`foresee` says what it
+  would find without doing it (``--dry-run``);
+- what the container adds to each instance (its ``SM_*`` contract, the distribution's worker
+  command, the folder its processes see at ``/opt/ml``) is an input of the launcher's planner:
+  :mod:`disttrain.jobs.planner`;
 - :class:`Watch` (around the launch): metrics (in the store and, live, in TensorBoard event
   files), checkpoint sync, ``max_run``; then :func:`mark_success` (``output/success``).
 """
@@ -18,32 +20,28 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..agent.optml import available
 from ..errors import UsageError
-from ..plan.launch import LaunchPlan
 from .checkpoints import Syncer, local_dir, restore
-from .distribution import Distribution, ps_tf_config
 from .layout import JobLayout
 from .metrics import MetricWatcher
-from .requirements import isolated_python
-from .sagemaker import Instance, sm_env, write_config
+from .requirements import FILENAME, isolated_python
 from .spec import JobSpec
+from .staging import TARBALL_SUFFIXES, local_path
 
 PS_SHIM = "disttrain.jobs.psshim"
 MAX_RUNTIME = "MaxRuntimeExceeded"
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Prepared:
-    """What :func:`prepare` found, for the later hooks."""
+    """What :func:`prepare` found (or :func:`foresee` expects), for the plan."""
 
-    distribution: Distribution
     python: str | None = None  # the job's venv interpreter (requirements.txt), else the launcher's
     private_opt_ml: bool = True  # False: off, or this machine (launcher local/mpi) cannot make one
-    notes: list[str] = field(default_factory=list)
 
 
 def preflight(spec: JobSpec) -> None:
@@ -63,12 +61,9 @@ def preflight(spec: JobSpec) -> None:
 
 
 def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], None]) -> Prepared:
-    dist = spec.distribution
-    ready = Prepared(distribution=dist)
-    if dist.note():
-        say(dist.note())
-    ready.private_opt_ml = _namespace(spec, say)
-    ready.python = isolated_python(cwd, layout.root / "venv", say)
+    if spec.distribution.note():
+        say(spec.distribution.note())
+    ready = Prepared(private_opt_ml=_namespace(spec, say), python=isolated_python(cwd, layout.venv, say))
     box = spec.container
     if box.checkpoint_s3_uri:
         for inst in layout.instances:
@@ -76,6 +71,30 @@ def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], No
         say(f"disttrain: restored {count} checkpoint file(s) from {box.checkpoint_s3_uri}" if count else
             f"disttrain: no checkpoints at {box.checkpoint_s3_uri} yet; starting fresh")
     return ready
+
+
+def foresee(spec: JobSpec, layout: JobLayout, say: Callable[[str], None]) -> Prepared:
+    """What :func:`prepare` will find, without installing or restoring anything (``--dry-run``)."""
+    if spec.distribution.note():
+        say(spec.distribution.note())
+    return Prepared(private_opt_ml=_namespace(spec, say),
+                    python=str(layout.venv_python) if _installs_requirements(spec, say) else None)
+
+
+def _installs_requirements(spec: JobSpec, say: Callable[[str], None]) -> bool:
+    """Whether the staged code will hold a requirements.txt (:func:`prepare` installs it)."""
+    source = spec.program.source_dir
+    path = local_path(source)
+    if not source.endswith(TARBALL_SUFFIXES):
+        return (Path(path or source) / FILENAME).is_file()
+    if path is None:
+        say(f"disttrain: note: source_dir {source} is fetched when the job runs; this plan assumes it holds "
+            f"no {FILENAME} (with one, the workers run the job's own interpreter)")
+        return False
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        return any(name.removeprefix("./") == FILENAME for name in tar.getnames())
 
 
 def _check_keras(spec: JobSpec) -> None:
@@ -98,42 +117,6 @@ def _namespace(spec: JobSpec, say: Callable[[str], None]) -> bool:
     if spec.placement.launcher == "local":  # distribution mpi included (it runs launcher local only)
         return available(required=spec.container.private_opt_ml == "required", where="this machine", say=say)
     return True
-
-
-def instance_plan(spec: JobSpec, layout: JobLayout, plan: LaunchPlan, *, job_name: str, cwd: Path,
-                  ready: Prepared, ifnames, gpus, cpus) -> LaunchPlan:
-    """Instance K (the plan's node K): its SM_* variables and config files, and its /opt/ml folder."""
-    dist = ready.distribution
-    nodes = []
-    addresses = [node.address or plan.master_addr for node in plan.nodes]
-    for k, (node, host, ifname, ngpu, ncpu) in enumerate(zip(plan.nodes, layout.hosts, ifnames, gpus, cpus)):
-        inst = Instance(job_name=job_name, host=host, hosts=layout.hosts, instance_type=spec.placement.instance_type,
-                        ifname=ifname, num_gpus=ngpu, num_cpus=ncpu, entry_point=spec.program.entry_point,
-                        module_dir=str(cwd), hyperparameters=spec.program.hyperparameters,
-                        framework_params=dist.framework_params, channels=tuple(spec.container.inputs))
-        paths = layout.instance(host)
-        write_config(inst, paths)
-        env = sm_env(inst, paths)
-        # The toolkit puts the code folder on PYTHONPATH, so the script imports its neighbours.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(cwd), node.env.get("PYTHONPATH")
-                                                          or os.environ.get("PYTHONPATH"))))
-        if dist.kind == "parameter_server":
-            env["DISTTRAIN_PS_TF_CONFIG"] = ps_tf_config(addresses, plan.master_port, k, ps_task=False)
-            env["DISTTRAIN_PS_TASK_TF_CONFIG"] = ps_tf_config(addresses, plan.master_port, k, ps_task=True)
-        if spec.program.framework == "tensorflow":
-            from ..tfconfig import have_tf_keras, keras_env
-
-            env.update(keras_env({**os.environ, **node.env, **spec.program.env}, have_tf_keras=have_tf_keras()))
-        # The spec's own env wins, as --env does for `disttrain run`.
-        nodes.append(replace(node, env={**node.env, **env, **spec.program.env},
-                             opt_ml=str(paths.root) if ready.private_opt_ml else None,
-                             opt_ml_required=spec.container.private_opt_ml == "required"))
-    argv = list(plan.argv)
-    if ready.python:
-        argv[0] = ready.python
-    if dist.kind == "parameter_server":  # python -u SCRIPT ARGS → python -u -m psshim SCRIPT ARGS
-        argv = [argv[0], "-u", "-m", PS_SHIM, *argv[2:]]
-    return replace(plan, nodes=tuple(nodes), argv=tuple(argv))
 
 
 class Watch:

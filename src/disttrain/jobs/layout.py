@@ -21,6 +21,7 @@ which may be secrets, the logs, the model) is the job's owner's only, as the job
       checkpoints/                     DISTTRAIN_CHECKPOINT_DIR (disttrain.resume, max_restarts)
       logs/                            the launch's run folder: job.log, plan.json, attempt_<k>/rank<R>.*
       packed/                          model.tar.gz, output.tar.gz before upload
+      venv/                            the job's own environment (requirements.txt)
 """
 
 from __future__ import annotations
@@ -131,6 +132,15 @@ class JobLayout:
     @property
     def packed(self) -> Path:
         return self.root / "packed"
+
+    @property
+    def venv(self) -> Path:
+        """The job's own environment, when its code has a requirements.txt."""
+        return self.root / "venv"
+
+    @property
+    def venv_python(self) -> Path:
+        return self.venv / "bin" / "python"
 
     def create(self) -> None:
         private_folder(self.root)  # first: nothing below it is reachable by another user from now on

@@ -13,27 +13,25 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from ..config.launch import LaunchSpec
 from ..errors import DisttrainError
 from ..home import disttrain_home
-from ..launch import Context, Events, Facts, Launcher, Outcome
+from ..launch import Events, Facts, Launcher, Outcome
 from ..plan.launch import LaunchPlan
 from ..private import private_opener, write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
 from . import container  # SageMaker's container around the script (hooks marked "container:")
 from .launchers import launcher_for
 from .layout import JobLayout, instance_names
+from .planner import JobPlanner
 from .results import final_metrics, upload_artifacts
-from .sagemaker import hyperparameter_args
 from .spec import JobSpec, check_name, spec_from_mapping
-from .staging import check_inputs, stage_channels, stage_source
+from .staging import check_inputs, code_folder, stage_channels, stage_source
 
 
 class JobStopped(BaseException):
@@ -61,61 +59,55 @@ def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None,
     failure and raised. ``job_name``: the run's full name (an estimator's ``fit(job_name=)``);
     default: the spec's name with a timestamp.
     """
-    if job_name is not None:
-        check_name(job_name, "job_name")
-    name = job_name or new_job_name(spec.name)
-    check_inputs(spec)
-    launcher = launcher_for(spec, job_name=name)  # once; a bad setting is refused before anything is recorded
-    container.preflight(spec)  # container: mpirun, Keras, mount namespace (before anything is recorded)
+    name, launcher = _checked(spec, job_name)
     owned = not isinstance(store, JobStore)
     db = JobStore(store) if owned else store
     try:
-        home = jobs_home()
-        layout = JobLayout(home / "jobs" / name, instance_names(spec.placement.instance_count))
+        layout = job_layout(spec, name)
         record = db.create(
             name=name, spec=spec.to_record(), job_dir=str(layout.root), log_dir=str(layout.logs),
             runner_host=socket.gethostname(), runner_pid=os.getpid(), runner_started=_started(),
         )
-        output_path = spec.container.output_path or str(home / "artifacts")
+        output_path = spec.container.output_path or str(jobs_home() / "artifacts")
         return JobRun(spec, db, record, layout, launcher, output_path).run()
     finally:
         if owned:
             db.close()
 
 
-def launch_spec(spec: JobSpec, layout: JobLayout, cwd: Path) -> LaunchSpec:
-    """What every instance runs: the entry point with the hyperparameters as the toolkit passes them.
-
-    container: ``distribution`` sets the processes per instance, and TF_CONFIG only for
-    multi_worker_mirrored_strategy (parameter_server writes its own, see container.instance_plan).
-    """
-    program, where = spec.program, spec.placement
-    return LaunchSpec(
-        entry=program.entry_point,
-        script_args=tuple(hyperparameter_args(program.hyperparameters)),
-        nproc_per_node=program.distribution.processes_per_instance(where.processes_per_instance),
-        max_restarts=where.max_restarts,
-        env=dict(program.env),
-        master_port=where.master_port,
-        log_dir=str(layout.logs),
-        checkpoint_dir=str(layout.checkpoints),
-        framework=program.distribution.launch_framework,
-    )
+def dry_run_job(spec: JobSpec, *, job_name: str | None = None) -> str:
+    """The plan :func:`run_job` would launch (its JSON, as ``plan.json`` keeps it), after the same
+    checks, without recording, staging or starting anything; for a Slurm job, the batch script
+    (its nodes are placed inside the allocation)."""
+    name, launcher = _checked(spec, job_name)
+    layout = job_layout(spec, name)
+    ready = container.foresee(spec, layout, Events().say)
+    planner = JobPlanner(spec=spec, layout=layout, name=name, cwd=code_folder(spec, layout), ready=ready,
+                         environ=os.environ)
+    return launcher.dry_run(planner.launch_spec(), planner.context())
 
 
-def job_context(spec: JobSpec, layout: JobLayout, name: str, cwd: Path) -> Context:
-    return Context(run_id=name, run_dir=str(layout.logs), cwd=str(cwd), python=spec.placement.python or sys.executable,
-                   paths=(str(cwd / spec.program.entry_point), str(layout.root)), environ=dict(os.environ))
+def _checked(spec: JobSpec, job_name: str | None) -> tuple[str, Launcher]:
+    """The run's name and its launcher (chosen once), after every check made before anything is recorded."""
+    if job_name is not None:
+        check_name(job_name, "job_name")
+    name = job_name or new_job_name(spec.name)
+    check_inputs(spec)
+    launcher = launcher_for(spec, job_name=name)
+    container.preflight(spec)  # container: mpirun, Keras, mount namespace
+    return name, launcher
+
+
+def job_layout(spec: JobSpec, name: str) -> JobLayout:
+    return JobLayout(jobs_home() / "jobs" / name, instance_names(spec.placement.instance_count))
 
 
 class JobStepEvents(Events):
-    """A job's sink where the instances are placed: the SageMaker container around each one
-    (its SM_* variables and files, the folder it sees at /opt/ml), the plan kept."""
+    """A job's sink where its instances start: each instance's config files, the plan kept, the banner.
+    (What the container adds to the plan is the planner's input, ``planner.context()``.)"""
 
-    def __init__(self, spec: JobSpec, layout: JobLayout, name: str, cwd: Path,
-                 ready: container.Prepared | None = None) -> None:
-        self.spec, self.layout, self.name, self.cwd = spec, layout, name, cwd
-        self.ready = ready
+    def __init__(self, planner: JobPlanner | None = None) -> None:
+        self.planner = planner
 
     @classmethod
     def from_step(cls, client: dict) -> JobStepEvents:
@@ -124,27 +116,21 @@ class JobStepEvents(Events):
         cwd = Path(client["cwd"])
         spec = spec_from_mapping(client["spec"], base_dir=cwd, source="the launch step")
         layout = JobLayout(Path(client["job_dir"]), instance_names(spec.placement.instance_count))
-        venv_python = layout.root / "venv" / "bin" / "python"  # requirements.txt (container.prepare)
-        ready = container.Prepared(distribution=spec.distribution,
-                                   python=str(venv_python) if venv_python.exists() else None,
+        # requirements.txt was installed by the runner (container.prepare) before it submitted
+        ready = container.Prepared(python=str(layout.venv_python) if layout.venv_python.exists() else None,
                                    private_opt_ml=spec.container.private_opt_ml != "off")
-        return cls(spec, layout, client["name"], cwd, ready)
-
-    def placed(self, plan: LaunchPlan, facts: Facts) -> LaunchPlan:
-        nodes = facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,)
-        return container.instance_plan(  # container: SM_* contract, distribution, /opt/ml
-            self.spec, self.layout, plan, job_name=self.name, cwd=self.cwd, ready=self.ready,
-            ifnames=[f.socket_ifname or "lo" for f in nodes], gpus=[f.cuda_devices for f in nodes],
-            cpus=[f.cpus for f in nodes])
+        return cls(JobPlanner(spec=spec, layout=layout, name=client["name"], cwd=cwd, ready=ready,
+                              environ=os.environ))
 
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
-        write_private(self.layout.logs / "plan.json", plan.to_json())
-        where = ", ".join(f"{i} on {w}" if i != w else i for i, w in zip(self.layout.hosts, facts.where))
-        kind = self.ready.distribution.kind if self.ready else None
-        how = {"mpi": "mpirun", "none": "once per instance"}.get(kind, plan.backend)
+        planner = self.planner
+        planner.write_config(facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,))
+        write_private(planner.layout.logs / "plan.json", plan.to_json())
+        where = ", ".join(f"{i} on {w}" if i != w else i for i, w in zip(planner.layout.hosts, facts.where))
+        how = {"mpi": "mpirun", "none": "once per instance"}.get(planner.spec.distribution.kind, plan.backend)
         self.say(f"disttrain: {plan.world_size} worker(s) ({how}) on {where}"
                  f"{f' ({note})' if note else ''}, rendezvous {plan.master_addr}:{plan.master_port}; "
-                 f"logs: {self.layout.logs}")
+                 f"logs: {planner.layout.logs}")
 
 
 def _started() -> float:
@@ -158,7 +144,8 @@ class JobRun(JobStepEvents):
 
     def __init__(self, spec: JobSpec, store: JobStore, record: JobRecord, layout: JobLayout,
                  launcher: Launcher, output_path: str) -> None:
-        super().__init__(spec, layout, record.name, layout.root)
+        super().__init__()
+        self.spec, self.layout, self.cwd = spec, layout, layout.root
         self.store, self.record = store, record
         self.launcher, self.output_path = launcher, output_path
         self.transcript: TextIO | None = None
@@ -191,12 +178,13 @@ class JobRun(JobStepEvents):
                  f"{spec.placement.launcher} launcher; job dir: {layout.root}")
         self.cwd = stage_source(spec, layout)
         stage_channels(spec, layout, self.say)
-        self.ready = container.prepare(spec, layout, self.cwd, self.say)  # container: venv, checkpoints, /opt/ml
-        launch = launch_spec(spec, layout, self.cwd)
+        ready = container.prepare(spec, layout, self.cwd, self.say)  # container: venv, checkpoints, /opt/ml
+        self.planner = JobPlanner(spec=spec, layout=layout, name=self.record.name, cwd=self.cwd, ready=ready,
+                                  environ=os.environ)
         # container: metrics, checkpoint sync and max_run (under Slurm, time in the queue counts too)
         self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
         with self.watch:
-            outcome = self.launcher.run(launch, job_context(spec, layout, self.record.name, self.cwd), self)
+            outcome = self.launcher.run(self.planner.launch_spec(), self.planner.context(), self)
         return self._finish(outcome)
 
     # -- the launch's events: the record follows the launch --------------------------------

@@ -73,11 +73,19 @@ def check_inputs(spec: JobSpec) -> None:
             raise UsageError(f"inputs.{channel}: {location} does not exist")
 
 
-def stage_source(spec: JobSpec, layout: JobLayout) -> Path:
-    """The folder the script runs in: ``source_dir`` itself, or its tarball extracted safely."""
+def code_folder(spec: JobSpec, layout: JobLayout) -> Path:
+    """The folder the script runs in: ``source_dir`` itself, or the job's ``code/`` its tarball goes to."""
     source = spec.program.source_dir
     if not source.endswith(TARBALL_SUFFIXES):
         return Path(local_path(source) or source)
+    return layout.code
+
+
+def stage_source(spec: JobSpec, layout: JobLayout) -> Path:
+    """The folder the script runs in (:func:`code_folder`), with a tarball extracted safely into it."""
+    source = spec.program.source_dir
+    if not source.endswith(TARBALL_SUFFIXES):
+        return code_folder(spec, layout)
     archive = local_path(source)
     if archive is None:
         archive = layout.packed / "sourcedir" / posixpath.basename(source)

@@ -10,10 +10,10 @@ template divide theirs the same way):
 3. :meth:`Launcher.launch` -- plan + an :class:`Events` sink → an :class:`Outcome`, the same
    shape for every launcher.
 
-:meth:`Launcher.run` chains them and gives the client two words on the way: ``events.placed``
-may add to the plan (a job adds SageMaker's variables) and ``events.starting`` sees it before
-anything starts (``plan.json``, the banner, the job record). Clients never branch on the
-launcher; a launcher that cannot place before it starts (a batch scheduler: the nodes are
+:meth:`Launcher.run` chains them; ``events.starting`` sees the plan before anything starts
+(``plan.json``, the banner, the job record). What a client adds to each node (a job's SageMaker
+container) is an input of the planner (``ctx.container``), not an edit of its plan, so the plan
+placed is the plan that runs. Clients never branch on the launcher; a launcher that cannot place before it starts (a batch scheduler: the nodes are
 known only inside the allocation) overrides :meth:`Launcher.run` and ships the spec there.
 """
 
@@ -28,7 +28,7 @@ from typing import ClassVar, TextIO
 
 from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
-from ..plan.launch import LaunchPlan, NodeFacts, make_plan
+from ..plan.launch import ContainerPlanner, LaunchPlan, NodeFacts, make_plan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +52,7 @@ class Context:
     paths: tuple[str, ...] = ()  # files that must exist on every node (checked by the probe)
     preflight: bool = True  # reachability checks before a multi-host start
     environ: Mapping[str, str] = field(default_factory=dict)  # the launching shell's environment
+    container: ContainerPlanner | None = None  # a job's container: what it adds to each node of the plan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,10 +76,6 @@ class Events:
         if self.transcript is not None:
             self.transcript.write(message + "\n")
             self.transcript.flush()
-
-    def placed(self, plan: LaunchPlan, facts: Facts) -> LaunchPlan:
-        """The client's last word on the plan (a job adds each instance's variables)."""
-        return plan
 
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
         """Just before the agents start."""
@@ -122,13 +119,16 @@ class Launcher(ABC):
         """Ask the nodes about themselves (side effects allowed: probes, port checks)."""
 
     def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
-        """spec + facts → the plan; pure. The shared planner serves every launcher so far."""
+        """spec + facts (+ a job's container) → the plan; pure. The shared planner serves every launcher so far."""
         if not isinstance(facts.nodes, NodeFacts):
             spec = replace(spec, nnodes=len(facts.nodes), node_rank=0, master_addr=facts.master_addr,
                            master_port=facts.master_port)
+        nodes = facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,)
+        container = (ctx.container(nodes, master_addr=facts.master_addr, master_port=facts.master_port)
+                     if ctx.container is not None else None)
         return make_plan(spec, facts.nodes, python=ctx.python, master_port=facts.master_port, run_id=ctx.run_id,
                          run_dir=ctx.run_dir, inherited_env={**ctx.environ, **facts.forwarded_env},
-                         forwarded_env=facts.forwarded_env)
+                         forwarded_env=facts.forwarded_env, container=container)
 
     @abstractmethod
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
@@ -143,8 +143,7 @@ class Launcher(ABC):
         return self.plan(spec, ctx)[0].to_json() + "\n"
 
     def run(self, spec: LaunchSpec, ctx: Context, events: Events) -> Outcome:
-        """The shared pipeline: facts → place → the client's word → launch."""
+        """The shared pipeline: facts → place → launch."""
         plan, facts = self.plan(spec, ctx)
-        plan = events.placed(plan, facts)
         events.starting(plan, facts, self.note)
         return self.launch(plan, events, ctx)

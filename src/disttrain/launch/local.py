@@ -73,7 +73,7 @@ class LocalLauncher(Launcher):
         n = len(self.instances)
         cpus, gpus = max(1, here.cpus // n), here.cuda_devices // n
         nodes = tuple(NodeFacts(hostname=name, cpus=cpus, cuda_devices=gpus) for name in self.instances)
-        return Facts(nodes=nodes, master_addr="127.0.0.1", master_port=free_port("127.0.0.1"),
+        return Facts(nodes=nodes, master_addr="127.0.0.1", master_port=choose_port(spec),
                      where=(here.hostname,) * n)
 
     def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:

@@ -165,7 +165,7 @@ class MpiLauncher(LocalLauncher):
 
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
         folder = Path(ctx.run_dir) / "mpi"
-        envs = [write_instance_env(folder / f"{host}.env.json", dict(node.env))
+        envs = [write_instance_env(folder / f"{host}.env.json", plan.worker_env(node))
                 for host, node in zip(self.instances, plan.nodes)]
         prefixes = [instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.host, say=events.say)
                     if node.opt_ml else [] for node in plan.nodes]  # the ranks run here, on this machine

@@ -11,12 +11,14 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..config.launch import LaunchSpec
 from ..errors import UsageError
 from ..placement import auto_nproc, choose_backend, omp_threads
 from ..tfconfig import SHIM, tf_config, worker_addresses
 from ..workerenv import launcher_env
+from .container import ContainerSetup, InstanceSetup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +114,15 @@ class LaunchPlan:
         return {**self.env_forwarded, **node.env, **self.env_set}
 
 
+class ContainerPlanner(Protocol):
+    """A job's half of planning (see :mod:`disttrain.plan.container`): the nodes' facts, one per
+    instance in order, and the rendezvous endpoint → what its container adds. Pure, so that
+    ``--dry-run`` calls it too."""
+
+    def __call__(self, nodes: tuple[NodeFacts, ...], *, master_addr: str, master_port: int) -> ContainerSetup:
+        ...
+
+
 def _nproc(spec: LaunchSpec, facts: NodeFacts) -> int:
     if spec.nproc_per_node != "auto":
         return int(spec.nproc_per_node)
@@ -140,13 +151,16 @@ def make_plan(
     run_dir: str,
     inherited_env: Mapping[str, str],
     forwarded_env: Mapping[str, str] | None = None,
+    container: ContainerSetup | None = None,
 ) -> LaunchPlan:
     """Plan a launch.
 
     With one ``NodeFacts`` this plans this machine's part (``spec.node_rank`` of
     ``spec.nnodes``, torchrun-style); with a tuple, one node per host, in host order, the
     first being the master. ``forwarded_env``: the launching shell's variables that a
-    remote launcher carries to the hosts (local workers inherit them instead).
+    remote launcher carries to the hosts (local workers inherit them instead). ``container``:
+    what a job's container adds to each node (its variables, its /opt/ml, the workers'
+    interpreter and wrapper); the plan returned is then the job's whole plan.
     """
     if isinstance(facts, NodeFacts):
         # torchrun-style: this node's part only; every node runs the same -n.
@@ -172,13 +186,17 @@ def make_plan(
         raise UsageError(f"--dist-backend nccl needs CUDA GPUs, and {no_gpu[0]} has none: "
                          "use --dist-backend gloo (or leave it out: gloo is the default without GPUs)")
     master_addr = spec.master_addr or "127.0.0.1"
+    setups = _instances(container, len(placed))
 
     target = ("-m", spec.entry) if spec.is_module else (spec.entry,)
     tf_workers: tuple[str, ...] = ()
     if spec.framework == "tensorflow":
         target = ("-m", SHIM, *target)  # adds the worker's TF_CONFIG, then execs the script
         tf_workers = _tf_workers(placed, nnodes=nnodes, master_addr=master_addr, master_port=master_port)
-    argv = (python, "-u", *target, *spec.script_args)
+    if container is not None and container.wrapper:
+        target = ("-m", container.wrapper, *target)
+    worker_python = container.python if container is not None and container.python else python
+    argv = (worker_python, "-u", *target, *spec.script_args)
     show_tf_config = bool(tf_workers) and "TF_CONFIG" not in inherited_env and "TF_CONFIG" not in spec.env
 
     nodes = tuple(
@@ -202,7 +220,7 @@ def make_plan(
                 tf_first_task=first,
                 grad_compression=spec.grad_compression,
                 bucket_mb=spec.bucket_mb,
-            ),
+            ) | dict(setup.env),  # the container's variables over the launcher's (the user's over both)
             workers=tuple(
                 WorkerPlan(
                     rank=first + local_rank,
@@ -222,8 +240,10 @@ def make_plan(
                 )
                 for local_rank in range(nproc)
             ),
+            opt_ml=setup.opt_ml,
+            opt_ml_required=setup.opt_ml_required,
         )
-        for node_rank, node_facts, nproc, first in placed
+        for (node_rank, node_facts, nproc, first), setup in zip(placed, setups)
     )
     return LaunchPlan(
         run_id=run_id,
@@ -245,6 +265,14 @@ def make_plan(
         env_forwarded=dict(forwarded_env or {}),
         env_set=dict(spec.env),
     )
+
+
+def _instances(container: ContainerSetup | None, count: int) -> tuple[InstanceSetup, ...]:
+    if container is None:
+        return (InstanceSetup(),) * count
+    if len(container.instances) != count:
+        raise ValueError(f"the container set up {len(container.instances)} instance(s) for a plan of {count} node(s)")
+    return container.instances
 
 
 def plan_from_json(text: str) -> LaunchPlan:

@@ -1,0 +1,106 @@
+"""A job's plan, made in one place: the job spec → what the launcher plans, and what the container adds.
+
+The runner, ``disttrain job run --dry-run`` and a Slurm allocation's launch step all plan a job
+through a :class:`JobPlanner`: it gives the launcher the :class:`LaunchSpec` (the script, its
+arguments as SageMaker's toolkit passes them, processes per instance as the distribution says)
+and the :class:`Context`, whose ``container`` is the planner itself. The launcher calls it with
+the facts it found (each instance's interface, GPUs, CPUs, address and the rendezvous port), and
+:func:`~disttrain.plan.launch.make_plan` applies what it returns, a
+:class:`~disttrain.plan.container.ContainerSetup` (each instance's ``SM_*`` variables, the
+parameter server's ``TF_CONFIG`` pair, ``PYTHONPATH``, its folder at ``/opt/ml``, the job's own
+interpreter and the ps wrapper). So the plan a launcher places is the plan that runs; the
+instances' config files are written from the same values just before the start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config.launch import LaunchSpec
+from ..launch import Context
+from ..plan.container import ContainerSetup, InstanceSetup
+from ..plan.launch import NodeFacts
+from .container import PS_SHIM, Prepared
+from .distribution import ps_tf_config
+from .layout import JobLayout
+from .sagemaker import Instance, hyperparameter_args, sm_env, write_config
+from .spec import JobSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobPlanner:
+    """One run of a job, planned: the spec, where the run lives, and what the container found."""
+
+    spec: JobSpec
+    layout: JobLayout
+    name: str  # the run's job name
+    cwd: Path  # where the script runs: source_dir, or its tarball extracted into the job folder
+    ready: Prepared  # what the container found: the job's interpreter, a private /opt/ml
+    environ: Mapping[str, str]  # the launching shell's environment
+
+    def launch_spec(self) -> LaunchSpec:
+        """What every instance runs: the entry point with the hyperparameters as the toolkit passes them.
+
+        The distribution sets the processes per instance, and TF_CONFIG only for
+        multi_worker_mirrored_strategy (parameter_server's is the container's, see :meth:`__call__`).
+        """
+        program, where = self.spec.program, self.spec.placement
+        return LaunchSpec(
+            entry=program.entry_point,
+            script_args=tuple(hyperparameter_args(program.hyperparameters)),
+            nproc_per_node=program.distribution.processes_per_instance(where.processes_per_instance),
+            max_restarts=where.max_restarts,
+            env=dict(program.env),
+            master_port=where.master_port,
+            log_dir=str(self.layout.logs),
+            checkpoint_dir=str(self.layout.checkpoints),
+            framework=program.distribution.launch_framework,
+        )
+
+    def context(self) -> Context:
+        return Context(run_id=self.name, run_dir=str(self.layout.logs), cwd=str(self.cwd),
+                       python=self.spec.placement.python or sys.executable,
+                       paths=(str(self.cwd / self.spec.program.entry_point), str(self.layout.root)),
+                       environ=dict(self.environ), container=self)
+
+    def instances(self, nodes: Sequence[NodeFacts]) -> tuple[Instance, ...]:
+        """Instance K (the plan's node K) as SageMaker's contract describes it, from its node's facts."""
+        spec, hosts = self.spec, self.layout.hosts
+        return tuple(
+            Instance(job_name=self.name, host=host, hosts=hosts, instance_type=spec.placement.instance_type,
+                     ifname=node.socket_ifname or "lo", num_gpus=node.cuda_devices, num_cpus=node.cpus,
+                     entry_point=spec.program.entry_point, module_dir=str(self.cwd),
+                     hyperparameters=spec.program.hyperparameters,
+                     framework_params=spec.distribution.framework_params, channels=tuple(spec.container.inputs))
+            for host, node in zip(hosts, nodes))
+
+    def __call__(self, nodes: tuple[NodeFacts, ...], *, master_addr: str, master_port: int) -> ContainerSetup:
+        """What the container adds to each instance (the plan's :class:`ContainerPlanner`); pure."""
+        spec, dist = self.spec, self.spec.distribution
+        addresses = [node.address or master_addr for node in nodes]
+        setups = []
+        for k, (inst, host) in enumerate(zip(self.instances(nodes), self.layout.hosts)):
+            paths = self.layout.instance(host)
+            env = sm_env(inst, paths)
+            # The toolkit puts the code folder on PYTHONPATH, so the script imports its neighbours.
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(self.cwd), self.environ.get("PYTHONPATH"))))
+            if dist.kind == "parameter_server":
+                env["DISTTRAIN_PS_TF_CONFIG"] = ps_tf_config(addresses, master_port, k, ps_task=False)
+                env["DISTTRAIN_PS_TASK_TF_CONFIG"] = ps_tf_config(addresses, master_port, k, ps_task=True)
+            if spec.program.framework == "tensorflow":
+                from ..tfconfig import have_tf_keras, keras_env
+
+                env.update(keras_env({**self.environ, **spec.program.env}, have_tf_keras=have_tf_keras()))
+            setups.append(InstanceSetup(env=env, opt_ml=str(paths.root) if self.ready.private_opt_ml else None,
+                                        opt_ml_required=spec.container.private_opt_ml == "required"))
+        return ContainerSetup(instances=tuple(setups), python=self.ready.python,
+                              wrapper=PS_SHIM if dist.kind == "parameter_server" else None)
+
+    def write_config(self, nodes: Sequence[NodeFacts]) -> None:
+        """Each instance's ``input/config/*.json``, from the values its variables were made of."""
+        for inst in self.instances(nodes):
+            write_config(inst, self.layout.instance(inst.host))

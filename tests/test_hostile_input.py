@@ -320,3 +320,12 @@ def test_fit_job_name_is_matched_whole(tmp_path, monkeypatch):
         PyTorch(entry_point=str(tmp_path / "train.py"), dependencies=["lib\x00"]).fit()
     with JobStore() as store:
         assert store.list() == []
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["run", "--dry-run", "--env", "API_KEY\n=x", GOOD], "--env takes KEY=VALUE or KEY with a valid variable name"),
+    (["job", "run", "--dry-run", "--job-name", "hj\n", "job.yaml"], "--job-name must be 1-63 letters"),
+])
+def test_command_line_names_are_matched_whole(capsys, argv, fragment):
+    code, err = one_line(capsys, argv)
+    assert code == 2 and fragment in err

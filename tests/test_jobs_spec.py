@@ -57,6 +57,7 @@ def write_spec(path: Path, data: dict) -> Path:
     ({"env": {"1BAD": "x"}}, "env: '1BAD' is not a valid environment variable name"),
     ({"max_restarts": -1}, "max_restarts must be an integer >= 0"),
     ({"entry_point": "../escape.py"}, "entry_point must be a path inside source_dir"),
+    ({"hyperparameters": {"note": "x" * 125_000}}, "hyperparameters are 125011 bytes as JSON; the limit is 122880"),
 ])
 def test_bad_spec_is_one_line_exit_2_naming_the_key(tmp_path, capsys, change, message):
     store = tmp_path / "jobs.db"

@@ -21,7 +21,7 @@ FRAMEWORKS = ("pytorch", "tensorflow")
 DEFAULT_RDZV_TIMEOUT_S = 120
 DEFAULT_STOP_GRACE_S = 15
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # matched whole (fullmatch): no trailing newline
 
 
 def parse_nproc(raw: str) -> int | str:
@@ -65,7 +65,7 @@ def parse_env(items: list[str], environ: Mapping[str, str] | None = None) -> dic
     env: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not _ENV_NAME.match(key):
+        if not _ENV_NAME.fullmatch(key):
             raise UsageError(f"--env takes KEY=VALUE or KEY with a valid variable name, got {item!r}")
         if not sep:
             if environ is None or key not in environ:

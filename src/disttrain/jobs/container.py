@@ -135,7 +135,8 @@ class Watch:
         self._timer: threading.Timer | None = None
 
     def _checkpoint_dirs(self) -> list[Path]:
-        return list(dict.fromkeys(local_dir(i, self.spec.container.checkpoint_local_path) for i in self.layout.instances))
+        local = self.spec.container.checkpoint_local_path
+        return list(dict.fromkeys(local_dir(i, local) for i in self.layout.instances))
 
     def _expire(self) -> None:
         self.timed_out = True
@@ -161,7 +162,8 @@ class Watch:
         if self.syncer:
             self.syncer.__exit__(*exc)
             uploaded = self.syncer.sync()  # the last files, after every process ended
-            self.say(f"disttrain: checkpoints synced to {self.spec.container.checkpoint_s3_uri} ({uploaded} file(s) at the end)")
+            self.say(f"disttrain: checkpoints synced to {self.spec.container.checkpoint_s3_uri} "
+                     f"({uploaded} file(s) at the end)")
 
     def failure(self) -> str | None:
         if self.timed_out:

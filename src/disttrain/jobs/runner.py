@@ -196,7 +196,8 @@ class JobRun(JobStepEvents):
 
     def submitted(self, job_id: str, run_dir: str) -> None:
         self.store.transition(self.id, JobState.RUNNING, slurm_job_id=job_id)
-        self.say(f"disttrain: submitted Slurm job {job_id} ({self.spec.placement.instance_count} node(s)); logs: {run_dir}")
+        self.say(f"disttrain: submitted Slurm job {job_id} ({self.spec.placement.instance_count} node(s)); "
+                 f"logs: {run_dir}")
 
     def ran_on(self, where: tuple[str, ...]) -> None:
         self.store.update(self.id, hosts=[{"instance": i, "host": w} for i, w in zip(self.layout.hosts, where)])

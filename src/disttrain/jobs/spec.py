@@ -118,7 +118,8 @@ class Program:
             check_value(f"env.{key}", value)
         _choice("framework", self.framework, FRAMEWORKS)
         if not isinstance(self.distribution, Distribution):
-            raise UsageError(f"distribution must be a Distribution (parse_distribution), got {shown(self.distribution)}")
+            raise UsageError(f"distribution must be a Distribution (parse_distribution), "
+                             f"got {shown(self.distribution)}")
         self.distribution.check_framework(self.framework)
 
 

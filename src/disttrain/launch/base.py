@@ -13,8 +13,9 @@ template divide theirs the same way):
 :meth:`Launcher.run` chains them; ``events.starting`` sees the plan before anything starts
 (``plan.json``, the banner, the job record). What a client adds to each node (a job's SageMaker
 container) is an input of the planner (``ctx.container``), not an edit of its plan, so the plan
-placed is the plan that runs. Clients never branch on the launcher; a launcher that cannot place before it starts (a batch scheduler: the nodes are
-known only inside the allocation) overrides :meth:`Launcher.run` and ships the spec there.
+placed is the plan that runs. Clients never branch on the launcher; a launcher that cannot
+place before it starts (a batch scheduler: the nodes are known only inside the allocation)
+overrides :meth:`Launcher.run` and ships the spec there.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class Launcher(ABC):
         """Ask the nodes about themselves (side effects allowed: probes, port checks)."""
 
     def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
-        """spec + facts (+ a job's container) → the plan; pure. The shared planner serves every launcher so far."""
+        """spec + facts (+ what a job's container adds) → the plan; pure. The shared planner serves
+        every launcher so far."""
         if not isinstance(facts.nodes, NodeFacts):
             spec = replace(spec, nnodes=len(facts.nodes), node_rank=0, master_addr=facts.master_addr,
                            master_port=facts.master_port)

@@ -12,8 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, read_ranks
 
+from conftest import SCRIPTS, read_ranks
 from disttrain.version import __version__
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -123,6 +123,16 @@ def cpu_library_env(*, local_world_size: int, nnodes: int | None, inherited: Map
     return {key: value for key, value in env.items() if key not in inherited}
 
 
+def cpu_library_warning(source: str, script: str) -> str | None:
+    """The one case the variables above cannot fix, found in the script's text: accelerate's
+    ``PartialState()`` alone reads no variable (only ``Accelerator``/``AcceleratorState`` read
+    ``ACCELERATE_USE_CPU``), so on a node without CUDA every rank would run alone."""
+    if "PartialState(" in source and "Accelerator(" not in source and "cpu=True" not in source:
+        return (f"{script} creates accelerate's PartialState(), which joins the process group on CPU only when "
+                "told: each rank would run alone here; use PartialState(cpu=True) (or an Accelerator())")
+    return None
+
+
 def attempt_library_env(worker: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
     """Lightning's node count from an attempt's world (torch elastic's ``WORLD_SIZE`` and
     ``LOCAL_WORLD_SIZE`` in ``worker``), for workers whose inherited ``environ`` got

@@ -29,6 +29,7 @@ from ..errors import UsageError
 from ..home import run_folder
 from ..launch import Context, Launcher, RunFolderEvents
 from ..runtime import comm
+from ..workerenv import ACCELERATE_USE_CPU, cpu_library_warning
 from . import launchers
 from .common import add_host_args
 
@@ -96,8 +97,10 @@ def _add_torchrun_args(p: argparse.ArgumentParser) -> None:
         if option.flag:
             g.add_argument(*flags, dest=option.dest, action="store_const", const=True, default=None, help=text)
         else:
-            g.add_argument(*flags, dest=option.dest, default=None, type=option.convert, choices=option.choices,
-                           metavar=option.metavar, help=text)
+            # choices are checked by the spec (cli/main.py's one-line errors read argparse's "invalid
+            # choice" as an unknown subcommand)
+            g.add_argument(*flags, dest=option.dest, default=None, type=option.convert,
+                           metavar=option.metavar or "|".join(option.choices or ()) or None, help=text)
 
 
 def _add_where_args(p: argparse.ArgumentParser) -> None:
@@ -186,7 +189,8 @@ def agent_options(values: dict, log_dir: str | None) -> AgentOptions:
         local_ranks_filter=torchrun.parse_local_ranks(values["local_ranks_filter"]),
         duplicate_stdout_filters=tuple(f for f in values["duplicate_stdout_filters"] if f),
         duplicate_stderr_filters=tuple(f for f in values["duplicate_stderr_filters"] if f),
-        logs_specs=values["logs_specs"], numa_binding=values["numa_binding"],
+        logs_specs=values["logs_specs"] and torchrun.check_logs_specs(values["logs_specs"]),
+        numa_binding=values["numa_binding"],
         signals_to_handle=torchrun.check_signals(values["signals_to_handle"]),
         virtual_local_rank=bool(values["virtual_local_rank"]),
         torchrun_log_dir=os.path.abspath(log_dir) if log_dir else None,
@@ -256,13 +260,21 @@ def make_run_dir(run_dir: str, *, given: str | None) -> None:
 class RunEvents(RunFolderEvents):
     """What ``disttrain run`` tells its user besides the agents' output."""
 
-    def __init__(self, *, no_wait: bool = False, log_dir: str | None = None) -> None:
+    def __init__(self, *, no_wait: bool = False, log_dir: str | None = None, script: Path | None = None) -> None:
         self.no_wait = no_wait
         self.log_dir = log_dir  # as given (--log-dir), for the fix in the error line
+        self.script = script  # a Python script's path, read for what the workers' variables cannot fix
 
     def starting(self, plan, facts, note: str = "") -> None:
         make_run_dir(plan.run_dir, given=self.log_dir)
         super().starting(plan, facts, note)
+        if self.script is not None and any(ACCELERATE_USE_CPU in node.env for node in plan.nodes):
+            try:
+                warning = cpu_library_warning(self.script.read_text(errors="replace"), self.script.name)
+            except OSError:  # on another host only: its agent runs it
+                warning = None
+            if warning:
+                self.say(f"disttrain: warning: {warning}")
 
     def submitted(self, job_id: str, run_dir: str) -> None:
         if self.no_wait:
@@ -304,7 +316,8 @@ def launch(spec: LaunchSpec, launcher: Launcher, args: argparse.Namespace) -> in
     if args.dry_run:
         print(launcher.dry_run(spec, ctx), end="")
         return 0
-    outcome = launcher.run(spec, ctx, RunEvents(no_wait=args.no_wait, log_dir=spec.log_dir))
+    script = None if spec.is_module or spec.no_python else Path(ctx.cwd) / spec.entry
+    outcome = launcher.run(spec, ctx, RunEvents(no_wait=args.no_wait, log_dir=spec.log_dir, script=script))
     if outcome.signal:
         print(f"disttrain: got {signal.Signals(outcome.signal).name}, stopped all nodes", file=sys.stderr, flush=True)
     return outcome.exit_code

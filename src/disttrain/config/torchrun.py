@@ -308,3 +308,14 @@ def resolve_rendezvous(*, backend: str | None, endpoint: str | None, master_addr
         notes.append(f"no --master-addr or --rdzv-endpoint: the rendezvous is 127.0.0.1:{port} (torchrun's "
                      "default), so every node must be this machine; give node 0's address to join other machines")
     return Rendezvous(backend=chosen, master_addr=master_addr or "127.0.0.1", master_port=port, notes=tuple(notes))
+
+
+def check_logs_specs(name: str) -> str:
+    """``--logs-specs NAME`` names a class an installed package registers with torchrun."""
+    from importlib.metadata import entry_points
+
+    names = sorted(ep.name for ep in entry_points(group="torchrun.logs_specs"))
+    if name not in names:
+        have = f"installed: {', '.join(names)}" if names else "no installed package registers one"
+        raise UsageError(f"--logs-specs {name}: no such entry point in the torchrun.logs_specs group ({have})")
+    return name

@@ -256,3 +256,10 @@ def test_cli_parser_takes_no_option_torch_lacks_under_torchs_names():
         for flag in option.flags:
             assert by_flag[flag] == option.dest, flag
     assert sys.executable  # the parser was built without importing torch.distributed.run
+
+
+def test_docs_list_every_torchrun_option():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "torchrun.md").read_text()
+    missing = [option.flags[0] for option in torchrun.OPTIONS if f"`{option.flags[0]}" not in text
+               and f"{option.flags[0]} " not in text]
+    assert not missing, f"docs/torchrun.md does not describe {missing}"

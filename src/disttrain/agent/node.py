@@ -73,7 +73,7 @@ def awaited(plan: LaunchPlan, node: NodePlan) -> str:
     if plan.rdzv_backend != "static":  # nodes take their ranks as they join
         count = f"{plan.min_nodes} to {plan.nnodes}" if plan.min_nodes and plan.min_nodes < plan.nnodes \
             else f"all {plan.nnodes}"
-        return f"waiting at {where} for {count} nodes of {plan.rendezvous_id!r} to join ({plan.rdzv_backend})"
+        return f"waiting at {where} for {count} nodes to join {plan.rendezvous_id!r} ({plan.rdzv_backend})"
     if node.node_rank == 0 and plan.rdzv_backend == "static":
         others = plan.nnodes - 1
         return f"waiting at {where} for the other {others} node{'s' if others > 1 else ''} of {plan.nnodes} to join"

@@ -159,12 +159,15 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
     low, high = torchrun.parse_nnodes(values["nnodes"])
     hosts = bool(getattr(args, "hosts", None) or getattr(args, "hostfile", None))
     notes: list[str] = []
-    if hosts:  # --hosts numbers and addresses its nodes itself
+    if hosts:  # --hosts numbers and addresses its nodes itself, one per host
         for dest, flag, default in (("node_rank", "--node-rank", 0), ("local_addr", "--local-addr", None),
                                     ("standalone", "--standalone", False)):
             if values[dest] != default:
                 notes.append(f"{flag} is for a node started by hand; --hosts places every node itself: ignored")
                 values[dest] = default
+        if low == high and high != 1:
+            notes.append(f"--nnodes {high} is for nodes started by hand; --hosts runs one node per host: ignored")
+            low = high = 1
     rdzv = torchrun.resolve_rendezvous(
         backend=values["rdzv_backend"], endpoint=values["rdzv_endpoint"], master_addr=values["master_addr"],
         master_port=values["master_port"], nnodes=(low, high), node_rank=values["node_rank"],
@@ -310,7 +313,10 @@ def _entry_paths(spec: LaunchSpec) -> tuple[str, ...]:
 def launch(spec: LaunchSpec, launcher: Launcher, args: argparse.Namespace) -> int:
     """The same lines for every launcher: ``--dry-run`` prints what it would start, else run it."""
     run_id, run_dir = run_folder(spec.entry, spec.log_dir, is_module=spec.is_module)
-    ctx = Context(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=args.python,
+    # torchrun's PYTHON_EXEC: the workers' interpreter, when --python does not say otherwise
+    python = os.environ.get("PYTHON_EXEC") if args.python == sys.executable and os.environ.get("PYTHON_EXEC") \
+        else args.python
+    ctx = Context(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=python,
                   paths=_entry_paths(spec),
                   preflight=not args.no_preflight and not args.dry_run, environ=dict(os.environ))
     if args.dry_run:

@@ -4,7 +4,9 @@ For each set of torchrun options below, the same argument list runs under
 ``python -m torch.distributed.run`` and under ``python -m disttrain run`` (the one-line move),
 alternating which goes first in each repeat so that drift on a shared machine hits both.
 The ratio of medians (disttrain / torchrun) is the cost of what disttrain adds; goal <= 1.05.
-The machine's load average before and after is kept, to judge the numbers.
+The machine's load average before and after is kept, to judge the numbers, with the CPU time
+each launch used (launcher and workers): on a shared machine the wall time mostly measures the
+other load, the CPU time what each launcher does.
 
 Prints one JSON object and writes it to bench/results/torchrun-compare-<date>-<machine>-<n>cpu.json.
 """
@@ -16,6 +18,7 @@ import json
 import math
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
@@ -47,13 +50,17 @@ def option_sets(logs: str) -> dict[str, list[str]]:
     }
 
 
-def timed(argv: list[str], env: dict[str, str]) -> float:
+def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the launcher and everything it started): the CPU time is
+    what the launcher itself costs, less disturbed by the other load of a shared machine."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return elapsed
+    return elapsed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -73,19 +80,26 @@ def main() -> None:
             if args.only and name not in args.only:
                 continue
             times: dict[str, list[float]] = {"torchrun": [], "disttrain": []}
+            cpu: dict[str, list[float]] = {"torchrun": [], "disttrain": []}
             for k in range(args.repeats):
                 order = ("torchrun", "disttrain") if k % 2 == 0 else ("disttrain", "torchrun")
                 for who in order:
                     argv = [*launchers[who], *(o.replace("{port}", str(free_port())) for o in options)]
-                    times[who].append(timed(argv, env))
-            ratio = statistics.median(times["disttrain"]) / statistics.median(times["torchrun"])
+                    wall, used = timed(argv, env)
+                    times[who].append(wall)
+                    cpu[who].append(used)
+            med = {who: statistics.median(values) for who, values in times.items()}
+            med_cpu = {who: statistics.median(values) for who, values in cpu.items()}
             results[name] = {
                 "options": options,
                 "torchrun_s": [round(t, 2) for t in times["torchrun"]],
                 "disttrain_s": [round(t, 2) for t in times["disttrain"]],
-                "torchrun_median_s": round(statistics.median(times["torchrun"]), 3),
-                "disttrain_median_s": round(statistics.median(times["disttrain"]), 3),
-                "ratio": round(ratio, 3),
+                "torchrun_median_s": round(med["torchrun"], 3),
+                "disttrain_median_s": round(med["disttrain"], 3),
+                "ratio": round(med["disttrain"] / med["torchrun"], 3),
+                "torchrun_cpu_s": [round(t, 2) for t in cpu["torchrun"]],
+                "disttrain_cpu_s": [round(t, 2) for t in cpu["disttrain"]],
+                "cpu_ratio": round(med_cpu["disttrain"] / med_cpu["torchrun"], 3),
             }
     ratios = [r["ratio"] for r in results.values()]
     result = {

@@ -106,6 +106,27 @@ def test_redirects_keep_a_local_ranks_streams_from_the_terminal(tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_logs_specs_entry_point_writes_its_layout(tmp_path):
+    """--logs-specs NAME: the class a package registers (torch's default one, here) gets the files."""
+    site = tmp_path / "site" / "dt_specs-1.0.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: dt-specs\nVersion: 1.0\n")
+    (site / "entry_points.txt").write_text(
+        "[torchrun.logs_specs]\nmine = torch.distributed.elastic.multiprocessing:DefaultLogsSpecs\n")
+    env = cli_env()
+    env["PYTHONPATH"] = f"{site.parent}:{env.get('PYTHONPATH', '')}"
+    out, logs = tmp_path / "out", tmp_path / "D"
+    out.mkdir()
+    result = disttrain("run", "-n", "2", "--logs-specs", "mine", "--redirects", "1", "--log-dir", str(logs),
+                       REPORT, str(out), env=env)
+    assert result.returncode == 0, result.stderr
+    assert "hello from rank" not in result.stdout  # redirected: files only
+    (run,) = [p for p in logs.iterdir() if p.is_dir() and not p.name.startswith(("attempt_", "heartbeat"))]
+    assert (run / "attempt_0" / "1" / "stdout.log").read_text() == "hello from rank 1\n"
+    assert (logs / "attempt_0" / "rank1.stdout").read_text() == "hello from rank 1\n"
+
+
+@pytest.mark.timeout(90)
 def test_no_python_runs_the_program_on_each_rank(tmp_path):
     result = disttrain("run", "-n", "2", "--no-python", "/bin/sh", "-c", 'echo "sh says rank $RANK of $WORLD_SIZE"',
                        cwd=tmp_path)

@@ -55,12 +55,6 @@ class NodePlan:
     opt_ml: str | None = None
     opt_ml_required: bool = False  # no mount namespace on that machine: an error, not a note
 
-    def shown_local_ranks(self, shown: tuple[int, ...] | None) -> set[int] | None:
-        """Local ranks whose output reaches the terminal (None: all of them)."""
-        if shown is None:
-            return None
-        return {w.local_rank for w in self.workers if w.rank in shown}
-
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchPlan:

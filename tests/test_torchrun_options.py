@@ -263,3 +263,60 @@ def test_docs_list_every_torchrun_option():
     missing = [option.flags[0] for option in torchrun.OPTIONS if f"`{option.flags[0]}" not in text
                and f"{option.flags[0]} " not in text]
     assert not missing, f"docs/torchrun.md does not describe {missing}"
+
+
+def test_what_reaches_the_terminal(tmp_path):
+    """--ranks (global), --local-ranks-filter (local), --redirects without --tee: off the terminal."""
+    from torch.distributed.elastic.multiprocessing.api import Std
+
+    from disttrain.agent.logs import RankLogs
+    from disttrain.config.launch import AgentOptions
+
+    logs = RankLogs(str(tmp_path), shown_ranks=(3, 4), options=AgentOptions(
+        local_ranks_filter=(0, 1), redirects="0:3,1:2", tee="0:1"))
+    # (local rank, global rank) on a second node of two ranks each, under c10d: ranks 2 and 3 here
+    assert not logs.shown(0, 2, Std.OUT)  # --ranks 3,4
+    assert logs.shown(1, 3, Std.OUT) and not logs.shown(1, 3, Std.ERR)  # local rank 1: stderr redirected
+    plain = RankLogs(str(tmp_path), options=AgentOptions(redirects="3", tee="1"))
+    assert plain.shown(0, 0, Std.OUT) and not plain.shown(0, 0, Std.ERR)
+    assert RankLogs(str(tmp_path)).shown(5, 9, Std.ERR)
+
+
+def test_c10d_host_is_decided_by_the_nodes_addresses_when_started_by_hand():
+    from disttrain.agent.elastic_config import rdzv_configs
+    from disttrain.plan.launch import NodeFacts, make_plan
+
+    spec = dict(entry="t.py", nproc_per_node=1, nnodes=2, master_addr="10.0.0.1", master_port=29400,
+                rdzv_backend="c10d", rdzv_timeout_s=40)
+    by_hand = make_plan(torchrun_spec(**spec), NodeFacts(hostname="h", cpus=2, address="10.0.0.2"), python="/py",
+                        master_port=29400, run_id="r", run_dir="/r", inherited_env={})
+    node = by_hand.nodes[0]
+    assert rdzv_configs(by_hand, node, hosts_store=lambda addr: addr == "10.0.0.2") == {
+        "join_timeout": 40, "is_host": False}
+    assert rdzv_configs(by_hand, node, hosts_store=lambda addr: addr == "10.0.0.1")["is_host"] is True
+    assert "is_host" not in rdzv_configs(by_hand, node, hosts_store=lambda addr: None)  # loopback: torch's way
+    forced = make_plan(torchrun_spec(**spec, rdzv_conf={"is_host": "1", "join_timeout": "9"}),
+                       NodeFacts(hostname="h", cpus=2), python="/py", master_port=29400, run_id="r", run_dir="/r",
+                       inherited_env={})
+    assert rdzv_configs(forced, forced.nodes[0], hosts_store=lambda addr: False) == {"join_timeout": "9",
+                                                                                     "is_host": "1"}
+    assert by_hand.rendezvous_id == "disttrain-10.0.0.1-29400" and forced.rendezvous_id == by_hand.rendezvous_id
+    assert make_plan(torchrun_spec(**spec, rdzv_id="JOB"), NodeFacts(hostname="h", cpus=2), python="/py",
+                     master_port=1, run_id="r", run_dir="/r", inherited_env={}).rendezvous_id == "JOB"
+
+
+def torchrun_spec(**kw):
+    from disttrain.config.launch import LaunchSpec
+
+    return LaunchSpec(**kw)
+
+
+def test_numa_binding_choice():
+    from disttrain.agent.elastic_config import numa_choice
+
+    assert numa_choice(None, cuda_devices=8, numactl="/usr/bin/numactl") == (None, None)
+    assert numa_choice("node", cuda_devices=8, numactl="/usr/bin/numactl") == ("node", None)  # the GPU path
+    mode, note = numa_choice("socket", cuda_devices=0, numactl="/usr/bin/numactl")
+    assert mode is None and "no CUDA GPU" in note
+    mode, note = numa_choice("node", cuda_devices=2, numactl=None)
+    assert mode is None and "needs numactl" in note

@@ -172,7 +172,7 @@ OPTIONS: tuple[TorchrunOption, ...] = (
          "joined and the rendezvous' last call (last_call_timeout, 30 s) passed", metavar="N|MIN:MAX"),
     _opt("nproc_per_node", _both("nproc-per-node"), "workers per node: a number, auto, cpu, gpu or xpu",
          "also -n; the default is auto, which is one per GPU and, on CPU, one per two cores (torchrun: 1, "
-         "and auto is one per core)", metavar="N|auto|cpu|gpu|xpu"),
+         "and auto is one per core)", metavar="N|auto|cpu|gpu"),
     _opt("rdzv_backend", _both("rdzv-backend"), "rendezvous backend: static, c10d, etcd, etcd-v2",
          "default static on one node as across --hosts; etcd needs python-etcd on every node",
          metavar="static|c10d|etcd|etcd-v2"),

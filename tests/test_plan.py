@@ -76,9 +76,9 @@ def test_auto_on_cpu_keeps_two_cores_per_process():
     assert auto_nproc(cuda_devices=0, cpus=2) == 1
 
 
-def test_ranks_filter_maps_to_local_ranks_and_rejects_missing_ranks():
+def test_ranks_filter_is_planned_and_rejects_missing_ranks():
     p = plan(LaunchSpec(entry="t.py", nproc_per_node=2, ranks=(1,)))
-    assert p.nodes[0].shown_local_ranks(p.shown_ranks) == {1}
+    assert p.shown_ranks == (1,)  # each agent maps it to its workers' real ranks (test_torchrun_options)
     with pytest.raises(UsageError, match="rank 5"):
         plan(LaunchSpec(entry="t.py", nproc_per_node=2, ranks=(5,)))
 
@@ -165,7 +165,7 @@ def test_hosts_may_run_different_counts_from_slots_or_auto():
 
 
 def test_c10d_rendezvous_is_hosted_by_the_first_node_at_its_own_address():
-    from disttrain.agent.node import rdzv_configs
+    from disttrain.agent.elastic_config import rdzv_configs
 
     hosts = (NodeFacts(hostname="a", cpus=2, address="10.0.0.1"), NodeFacts(hostname="b", cpus=2, address="10.0.0.2"))
     spec = LaunchSpec(entry="t.py", nproc_per_node=1, master_addr="10.0.0.1", master_port=29500,
@@ -177,8 +177,8 @@ def test_c10d_rendezvous_is_hosted_by_the_first_node_at_its_own_address():
     static = make_plan(LaunchSpec(entry="t.py", nproc_per_node=1), hosts[0], python="/py", master_port=1,
                        run_id="r", run_dir="/r", inherited_env={})
     assert rdzv_configs(static, static.nodes[0]) == {"rank": 0, "timeout": 120}
-    with pytest.raises(UsageError, match="--rdzv-backend must be one of static, c10d"):
-        LaunchSpec(entry="t.py", rdzv_backend="etcd")
+    with pytest.raises(UsageError, match="--rdzv-backend must be one of static, c10d, etcd, etcd-v2"):
+        LaunchSpec(entry="t.py", rdzv_backend="zookeeper")
 
 
 def test_user_variables_are_listed_by_name_only_in_the_shown_plan():

@@ -11,7 +11,7 @@ from test_cli_input import assert_usage_error
 
 from conftest import SCRIPTS, cli_env, disttrain
 from disttrain.cli import launchers as slurm_run
-from disttrain.config.launch import LaunchSpec
+from disttrain.config.launch import AgentOptions, LaunchSpec
 from disttrain.errors import UsageError
 from disttrain.launch.slurm import SlurmOptions, parse_status, render_sbatch, with_requeue_checkpoints
 from disttrain.launch.slurm_env import SlurmAllocation, expand_counts, expand_hostlist, gpus_from
@@ -76,13 +76,20 @@ def test_every_launch_spec_field_survives_json():
         master_addr="10.0.0.1", master_port=23456, max_restarts=1, ranks=(0, 2), env={"A": "1", "B": "x y"},
         rdzv_backend="c10d", rdzv_timeout_s=30, stop_grace_s=5, hang_timeout_s=60, checkpoint_dir="/ck",
         checkpoint_every=0, framework="tensorflow", forward_env=False, grad_compression="powersgd:4", bucket_mb=8.0,
+        min_nnodes=1, rdzv_id="JOB", rdzv_conf={"last_call_timeout": "5"}, local_addr="10.0.0.2",
+        agent=AgentOptions(role="trainer", tee="3", local_ranks_filter=(1,), duplicate_stdout_filters=("loss",),
+                           torchrun_log_dir="/l"),
     )
+    # the torchrun options that a TensorFlow module cannot have, in a second spec
+    program = dataclasses.replace(spec, is_module=False, framework="pytorch", no_python=True, run_path=True)
     for f in dataclasses.fields(LaunchSpec):
         if f.default is f.default_factory is dataclasses.MISSING:  # entry: required
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        assert getattr(spec, f.name) != default, f"give {f.name} a non-default value in this test"
+        assert getattr(spec, f.name) != default or getattr(program, f.name) != default, \
+            f"give {f.name} a non-default value in this test"
     assert LaunchSpec.from_json(spec.to_json()) == spec
+    assert LaunchSpec.from_json(program.to_json()) == program
     with pytest.raises(UsageError, match="unknown key 'bogus'"):
         LaunchSpec.from_json(json.dumps({**json.loads(spec.to_json()), "bogus": 1}))
 

@@ -101,6 +101,50 @@ def comm_env(grad_compression: str | None, bucket_mb: float | None) -> dict[str,
     return env
 
 
+# accelerate and Lightning decide from CUDA alone whether a launched process joins a process
+# group: on a node without CUDA each rank would train alone on the whole dataset (accelerate
+# "Num processes: 1", Fabric and Trainer one device), exit 0, no warning. These are the
+# libraries' own switches (accelerate launch and `fabric run` set them the same way); set only
+# where the node has no CUDA GPU, and never over the user's own value.
+ACCELERATE_USE_CPU = "ACCELERATE_USE_CPU"  # accelerate.state.AcceleratorState: MULTI_CPU on gloo
+LIGHTNING_DEVICES = ("LT_DEVICES", "PL_TRAINER_DEVICES")  # Fabric's CLI variable; Trainer's default
+LIGHTNING_NUM_NODES = ("LT_NUM_NODES", "PL_TRAINER_NUM_NODES")
+
+
+def cpu_library_env(*, local_world_size: int, nnodes: int | None, inherited: Mapping[str, str]) -> dict[str, str]:
+    """What accelerate and Lightning read to use every process on a node without CUDA.
+
+    ``nnodes`` None: the node count is known only once the rendezvous is over (``--nnodes
+    MIN:MAX``, or nodes with different counts); :func:`attempt_library_env` then adds it.
+    """
+    env = {ACCELERATE_USE_CPU: "true", **dict.fromkeys(LIGHTNING_DEVICES, str(local_world_size))}
+    if nnodes is not None:
+        env.update(dict.fromkeys(LIGHTNING_NUM_NODES, str(nnodes)))
+    return {key: value for key, value in env.items() if key not in inherited}
+
+
+def cpu_library_warning(source: str, script: str) -> str | None:
+    """The one case the variables above cannot fix, found in the script's text: accelerate's
+    ``PartialState()`` alone reads no variable (only ``Accelerator``/``AcceleratorState`` read
+    ``ACCELERATE_USE_CPU``), so on a node without CUDA every rank would run alone."""
+    if "PartialState(" in source and "Accelerator(" not in source and "cpu=True" not in source:
+        return (f"{script} creates accelerate's PartialState(), which joins the process group on CPU only when "
+                "told: each rank would run alone here; use PartialState(cpu=True) (or an Accelerator())")
+    return None
+
+
+def attempt_library_env(worker: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """Lightning's node count from an attempt's world (torch elastic's ``WORLD_SIZE`` and
+    ``LOCAL_WORLD_SIZE`` in ``worker``), for workers whose inherited ``environ`` got
+    :func:`cpu_library_env` without one."""
+    if ACCELERATE_USE_CPU not in environ or all(key in environ for key in LIGHTNING_NUM_NODES):
+        return {}
+    world, local = _int(worker, "WORLD_SIZE", 0), _int(worker, "LOCAL_WORLD_SIZE", 0)
+    if not local or world % local:
+        return {}  # nodes of different sizes: Lightning cannot describe that world anyway
+    return {key: str(world // local) for key in LIGHTNING_NUM_NODES if key not in environ}
+
+
 def launcher_env(
     *,
     backend: str,
@@ -116,6 +160,9 @@ def launcher_env(
     tf_first_task: int = 0,
     grad_compression: str | None = None,
     bucket_mb: float | None = None,
+    cuda_devices: int = 0,
+    local_world_size: int = 1,
+    nnodes: int | None = 1,
 ) -> dict[str, str]:
     """Variables a node's agent exports to its workers, on top of torch elastic's own.
 
@@ -142,6 +189,8 @@ def launcher_env(
         for name in SOCKET_IFNAME_VARS:
             if name not in inherited:
                 env[name] = socket_ifname
+    if cuda_devices <= 0:
+        env.update(cpu_library_env(local_world_size=local_world_size, nnodes=nnodes, inherited=inherited))
     return env
 
 

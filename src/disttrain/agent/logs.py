@@ -1,8 +1,15 @@
-"""Where each rank's output goes: one file per rank and stream, named by global rank.
+"""Where each rank's output goes: one file per rank and stream, named by global rank, and what
+reaches the terminal.
 
 torch's elastic agent redirects each worker's stdout/stderr to the files named here and
-tails them to the agent's terminal with a ``[rankN]`` prefix (its ``TailLog``); this
-class only decides the layout, so the launcher can point a user at the exact file.
+tails them to the agent's terminal with a ``[rankN]`` prefix (its ``TailLog``); this class
+decides the layout, so the launcher can point a user at the exact file, and which streams
+are shown (torchrun's ``--tee``, ``--redirects``, ``--local-ranks-filter``, disttrain's
+``--ranks``). Every stream is always written.
+
+With torchrun's ``--log-dir`` (or ``--logs-specs``), torchrun's own layout is written too,
+``<log-dir>/<rdzv id>_<suffix>/attempt_<k>/<local rank>/stdout.log``: the same files under a
+second name (hard links), so tools that read torchrun's layout find them, at no cost.
 """
 
 from __future__ import annotations
@@ -11,7 +18,12 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, LogsSpecs, Std
+
+from ..config.launch import AgentOptions
+from ..config.torchrun import std_of
+
+_STREAMS = (("stdout", Std.OUT), ("stderr", Std.ERR))
 
 
 def rank_log(run_dir: str | os.PathLike, rank: int, stream: str, attempt: int = 0) -> Path:
@@ -19,40 +31,123 @@ def rank_log(run_dir: str | os.PathLike, rank: int, stream: str, attempt: int = 
     return Path(run_dir) / f"attempt_{attempt}" / f"rank{rank}.{stream}"
 
 
+def filtered_log(run_dir: str | os.PathLike, stream: str, attempt: int = 0) -> Path:
+    """``--duplicate-stdout-filters``' file: ``<run_dir>/attempt_<k>/filtered_stdout.log``."""
+    return Path(run_dir) / f"attempt_{attempt}" / f"filtered_{stream}.log"
+
+
+def load_logs_specs(name: str) -> type[LogsSpecs]:
+    """torchrun's ``--logs-specs NAME``: the class an installed package registers under the
+    ``torchrun.logs_specs`` entry points (torch's own lookup, so the same names work)."""
+    from torch.distributed.run import _get_logs_specs_class
+
+    return _get_logs_specs_class(name)
+
+
+def _second_name(path: str, existing: Path) -> None:
+    """Give ``existing`` the name ``path`` too: a hard link (one file, written once), else a symlink."""
+    if not path or path == os.devnull or Path(path) == existing:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    try:
+        os.link(existing, path)
+    except OSError:  # another filesystem (a --logs-specs class's choice), or no hard links there
+        os.symlink(existing, path)
+
+
 class RankLogs(LogsSpecs):
-    def __init__(self, run_dir: str, shown_local_ranks: set[int] | None = None) -> None:
-        super().__init__(
-            log_dir=run_dir, redirects=Std.ALL, tee=Std.ALL, local_ranks_filter=shown_local_ranks
-        )
+    """``shown_ranks``: global ranks shown on the terminal (None: all), with ``options``' torchrun
+    settings on top."""
+
+    def __init__(self, run_dir: str, shown_ranks: tuple[int, ...] | None = None,
+                 options: AgentOptions | None = None) -> None:
+        super().__init__(log_dir=run_dir, redirects=Std.ALL, tee=Std.ALL, local_ranks_filter=None)
         self._run_dir = run_dir
-        self._shown = shown_local_ranks
+        self._shown = None if shown_ranks is None else set(shown_ranks)
+        self._options = options or AgentOptions()
+        self._layout = self._torchrun_layout(self._options)
         # Called when the agent is about to start workers (the rendezvous is over).
         self.on_start: Callable[[], None] | None = None
         # Called with each attempt's worker environments, which it may change (a fresh store).
         self.on_envs: Callable[[dict[int, dict[str, str]], int], None] | None = None
 
+    @staticmethod
+    def _torchrun_layout(options: AgentOptions) -> LogsSpecs | None:
+        """torchrun's own LogsSpecs for the second names: ``--logs-specs``' class, or torch's default
+        one under ``--log-dir`` (every stream, as disttrain keeps every stream)."""
+        filt = set(options.local_ranks_filter) if options.local_ranks_filter else None
+        if options.logs_specs:
+            return load_logs_specs(options.logs_specs)(
+                log_dir=options.torchrun_log_dir, redirects=Std.from_str(options.redirects),
+                tee=Std.from_str(options.tee), local_ranks_filter=filt)
+        if options.torchrun_log_dir:
+            return DefaultLogsSpecs(log_dir=options.torchrun_log_dir, redirects=Std.ALL, tee=Std.NONE,
+                                    local_ranks_filter=None)
+        return None
+
     @property
     def root_log_dir(self) -> str:
         return self._run_dir
+
+    def shown(self, local_rank: int, rank: int, stream: Std) -> bool:
+        """Whether a worker's stream reaches the terminal: its global rank passes ``--ranks``, its
+        local rank ``--local-ranks-filter``, and the stream is not redirected without a tee."""
+        opts = self._options
+        if self._shown is not None and rank not in self._shown:
+            return False
+        if opts.local_ranks_filter is not None and local_rank not in opts.local_ranks_filter:
+            return False
+        redirected = std_of(opts.redirects, local_rank) & stream.value
+        teed = std_of(opts.tee, local_rank) & stream.value
+        return not redirected or bool(teed)
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         if self.on_start is not None:
             self.on_start()
         if self.on_envs is not None and envs:
             self.on_envs(envs, int(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0")))
+        theirs = self._layout.reify(envs) if self._layout is not None and envs else None
         dest = LogsDest()
+        attempt = 0
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
             attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            out = rank_log(self._run_dir, rank, "stdout", attempt)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            err = rank_log(self._run_dir, rank, "stderr", attempt)
-            error_file = out.with_name(f"rank{rank}.error.json")
-            dest.stdouts[local_rank] = str(out)
-            dest.stderrs[local_rank] = str(err)
+            for stream, bit in _STREAMS:
+                path = rank_log(self._run_dir, rank, stream, attempt)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(b"")  # the worker's redirect truncates it again: same inode, both names
+                getattr(dest, f"{stream}s")[local_rank] = str(path)
+                if self.shown(local_rank, rank, bit):
+                    getattr(dest, f"tee_{stream}s")[local_rank] = str(path)
+                if theirs is not None:
+                    _second_name(getattr(theirs, f"{stream}s").get(local_rank, ""), path)
+            error_file = rank_log(self._run_dir, rank, "error.json", attempt).with_name(f"rank{rank}.error.json")
             dest.error_files[local_rank] = str(error_file)
             env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
-            if self._shown is None or local_rank in self._shown:
-                dest.tee_stdouts[local_rank] = str(out)
-                dest.tee_stderrs[local_rank] = str(err)
+            if theirs is not None and theirs.error_files.get(local_rank) not in (None, "", os.devnull):
+                _symlink_ahead(theirs.error_files[local_rank], error_file)
+        for stream, filters in (("stdout", self._options.duplicate_stdout_filters),
+                                ("stderr", self._options.duplicate_stderr_filters)):
+            path = filtered_log(self._run_dir, stream, attempt)
+            setattr(dest, f"filtered_{stream}", str(path))
+            if filters:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(b"")
+                if theirs is not None:
+                    _second_name(getattr(theirs, f"filtered_{stream}", ""), path)
         return dest
+
+
+def _symlink_ahead(path: str, target: Path) -> None:
+    """An error file exists only once a worker fails: torchrun's name points at disttrain's ahead of it
+    (a hard link needs the file; an empty one would read as a failure without its error)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    os.symlink(os.path.relpath(target, Path(path).parent), path)

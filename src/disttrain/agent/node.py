@@ -17,21 +17,20 @@ from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.launcher.api import elastic_launch
 
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
-from ..workerenv import HEARTBEAT_DIR
+from ..workerenv import HEARTBEAT_DIR, attempt_library_env
 from . import lifeline
 from .attempt_store import AttemptStores
-from .logs import RankLogs
+from .elastic_config import endpoint, launch_config
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
+from .runpath import run_path
 from .watchdog import HANG_EXIT, Watchdog
-
-MONITOR_INTERVAL_S = 0.1
 
 
 @contextlib.contextmanager
@@ -66,23 +65,35 @@ def line_prefix(plan: LaunchPlan, node: NodePlan) -> str:
     return "[rank${rank}] "
 
 
-def rdzv_configs(plan: LaunchPlan, node: NodePlan) -> dict:
-    if plan.rdzv_backend == "static":
-        return {"rank": node.node_rank, "timeout": plan.rdzv_timeout_s}
-    # c10d guesses whether it hosts the store from the hostname, which resolves to
-    # 127.0.0.1 on many machines: the launcher knows, so it says so.
-    return {"is_host": node.node_rank == 0, "join_timeout": plan.rdzv_timeout_s}
-
-
 def awaited(plan: LaunchPlan, node: NodePlan) -> str:
     """What this node waits for before its workers can start, for the progress line."""
-    where = f"{plan.master_addr}:{plan.master_port}"
+    where = endpoint(plan)
     if plan.nnodes == 1:
         return f"starting the rendezvous at {where}"
+    if plan.rdzv_backend != "static":  # nodes take their ranks as they join
+        count = f"{plan.min_nodes} to {plan.nnodes}" if plan.min_nodes and plan.min_nodes < plan.nnodes \
+            else f"all {plan.nnodes}"
+        return f"waiting at {where} for {count} nodes to join {plan.rendezvous_id!r} ({plan.rdzv_backend})"
     if node.node_rank == 0 and plan.rdzv_backend == "static":
         others = plan.nnodes - 1
         return f"waiting at {where} for the other {others} node{'s' if others > 1 else ''} of {plan.nnodes} to join"
     return f"waiting as node {node.node_rank} of {plan.nnodes} to join the rendezvous at {where}"
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _per_attempt(stores: AttemptStores):
+    """What each attempt's workers get once their world is known: a fresh store, and Lightning's
+    node count where it could not be planned (``--nnodes MIN:MAX``)."""
+    def hook(envs: dict[int, dict[str, str]], attempt: int) -> None:
+        stores(envs, attempt)
+        for env in envs.values():
+            env.update(attempt_library_env(env, os.environ))
+    return hook
 
 
 def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailure]:
@@ -132,23 +143,8 @@ def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> It
 def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr,
              link: LauncherLink | None = None) -> int:
     """Start, watch and stop this node's workers; return the exit code for the launcher."""
-    config = LaunchConfig(
-        min_nodes=plan.nnodes,
-        max_nodes=plan.nnodes,
-        nproc_per_node=node.nproc,
-        run_id=plan.rendezvous_id,
-        role="worker",
-        rdzv_backend=plan.rdzv_backend,
-        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
-        rdzv_configs=rdzv_configs(plan, node),
-        rdzv_timeout=plan.rdzv_timeout_s,
-        local_addr=node.address,
-        max_restarts=plan.max_restarts,
-        monitor_interval=MONITOR_INTERVAL_S,
-        logs_specs=RankLogs(plan.run_dir, node.shown_local_ranks(plan.shown_ranks)),
-        log_line_prefix_template=line_prefix(plan, node),
-        shutdown_timeout=plan.stop_grace_s,
-    )
+    say = lambda line: print(line, file=report_to, flush=True)  # noqa: E731
+    config = launch_config(plan, node, cuda_devices=_cuda_devices(), prefix=line_prefix(plan, node), say=say)
     _quiet_torch_elastic()
     # torch's TailLog writes worker lines without flushing; through a pipe (ssh, a job
     # runner, a test) they would sit in this process's buffer instead of streaming.
@@ -157,18 +153,20 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             stream.reconfigure(line_buffering=True)
     env = plan.worker_env(node)
     # A job instance's workers see its folder at /opt/ml; the tool is checked here, on their machine.
-    opt_ml = (instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.host,
-                              say=lambda line: print(line, file=report_to, flush=True)) if node.opt_ml else [])
+    opt_ml = (instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.host, say=say)
+              if node.opt_ml else [])
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
     with _exported(env), _watchdog(plan, node, link) as dog, RendezvousWait(
             awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
-        config.logs_specs.on_envs = AttemptStores(plan, node)
+        config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node))
         try:
-            # Each worker dies with this agent, even when it is SIGKILLed (see lifeline.py).
-            entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=plan.argv[0])
+            if plan.run_path:  # a function entrypoint: started by multiprocessing (--start-method)
+                entry, args = run_path, list(plan.argv[2:])
+            else:  # each worker dies with this agent, even when it is SIGKILLed (see lifeline.py)
+                entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable)
             elastic_launch(config, entry)(*args)
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)

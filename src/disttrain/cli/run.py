@@ -1,7 +1,9 @@
-"""``disttrain run``: torchrun's flags, disttrain's defaults; a thin client of :mod:`disttrain.launch`.
+"""``disttrain run``: torchrun's options with torchrun's meaning, disttrain's additions; a thin
+client of :mod:`disttrain.launch`.
 
-Parse the flags into a LaunchSpec, pick the launcher (``cli/launchers.py``), then the same
-three lines for every launcher: ``--dry-run`` prints what it would start, else run it.
+Parse the flags (torchrun's from the table in ``config/torchrun.py``, then their ``PET_``
+variables) into a LaunchSpec, pick the launcher (``cli/launchers.py``), then the same three
+lines for every launcher: ``--dry-run`` prints what it would start, else run it.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
+from ..config import torchrun
 from ..config.launch import (
     DEFAULT_RDZV_TIMEOUT_S,
     DEFAULT_STOP_GRACE_S,
+    AgentOptions,
     LaunchSpec,
     parse_env,
     parse_nproc,
@@ -24,6 +29,7 @@ from ..errors import UsageError
 from ..home import run_folder
 from ..launch import Context, Launcher, RunFolderEvents
 from ..runtime import comm
+from ..workerenv import ACCELERATE_USE_CPU, cpu_library_warning
 from . import launchers
 from .common import add_host_args
 
@@ -33,32 +39,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "run",
         help="run a training script on N processes",
         description="Run SCRIPT (or -m MODULE) as a data-parallel job. Everything after the "
-        "script is passed to it verbatim. Flags use torchrun's names, so "
-        "`torchrun --nproc-per-node 2 train.py` becomes `disttrain run --nproc-per-node 2 train.py`.",
+        "script is passed to it verbatim. Every torchrun option is accepted with torchrun's meaning "
+        "(and from its PET_<NAME> variable), so `torchrun ARGS` becomes `disttrain run ARGS`; "
+        "see docs/torchrun.md.",
     )
-    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", default="auto",
-                   help="processes per node: a number or 'auto' (one per GPU; on CPU one per two cores)")
-    p.add_argument("-m", "--module", action="store_true",
-                   help="treat SCRIPT as a Python module, like `python -m`")
+    _add_torchrun_args(p)
     p.add_argument("--framework", default="pytorch", metavar="pytorch|tensorflow",
                    help="tensorflow: give each worker its TF_CONFIG (MultiWorkerMirroredStrategy) and "
                    "tf.keras = tf-keras when installed (default: pytorch)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (torchrun-style manual multi-node)")
-    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
-                   help="this node's rank when --nnodes > 1")
-    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None,
-                   help="address of node rank 0 (default 127.0.0.1 on one node)")
-    p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
-                   help="rendezvous port on the master (default: a free one)")
-    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
-                   help="restart the worker group up to this many times when a worker fails")
-    p.add_argument("--standalone", action="store_true",
-                   help="accepted for torchrun compatibility (one node is the default)")
     p.add_argument("--ranks", default="all",
-                   help="show output of these ranks only, e.g. 0 or 0,2-3 (all are still logged)")
-    p.add_argument("--log-dir", default=None,
-                   help="folder for this run's per-rank logs (default: a new run folder under "
-                   "$DISTTRAIN_HOME/runs, printed at start)")
+                   help="show output of these (global) ranks only, e.g. 0 or 0,2-3 (all are still logged)")
     p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
                    help="set an environment variable for every worker (repeatable); KEY alone passes this "
                    "shell's value, so that a secret is not typed on the command line; values are never "
@@ -66,8 +56,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-forward-env", dest="forward_env", action="store_false",
                    help="with --hosts: do not send this shell's exported variables to the other hosts "
                    "(only NCCL_*, GLOO_*, TORCH_*, PYTHONPATH, OMP_NUM_THREADS, LOGLEVEL and --env)")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static",
-                   help="static (default: node ranks in host order) or c10d (torch's dynamic rendezvous)")
     p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=int, default=DEFAULT_RDZV_TIMEOUT_S,
                    help=f"seconds to wait for all nodes to join before failing (default {DEFAULT_RDZV_TIMEOUT_S})")
     p.add_argument("--hang-timeout", dest="hang_timeout", type=int, default=0, metavar="S",
@@ -82,10 +70,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "disttrain.prepare (DISTTRAIN_GRAD_COMPRESSION; see `disttrain bench --comm`)")
     p.add_argument("--bucket-mb", default=None, metavar="MB",
                    help="DDP's gradient bucket size in MB for disttrain.prepare (default 25)")
-    p.add_argument("--stop-grace", dest="stop_grace", type=int, default=DEFAULT_STOP_GRACE_S,
-                   help=f"seconds workers get to exit after SIGTERM before SIGKILL (default {DEFAULT_STOP_GRACE_S})")
+    p.add_argument("--stop-grace", dest="stop_grace", type=int, default=None,
+                   help=f"seconds workers get to exit after SIGTERM before SIGKILL (default {DEFAULT_STOP_GRACE_S}; "
+                   "torchrun's --shutdown-timeout)")
     _add_where_args(p)
-    p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
+    p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m, program with --no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
                    help="arguments for the script, passed verbatim")
     p.set_defaults(handler=handle)
@@ -95,6 +84,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shipped = sub.add_parser("run-spec")
     _add_where_args(shipped)
     shipped.set_defaults(handler=handle_spec)
+
+
+def _add_torchrun_args(p: argparse.ArgumentParser) -> None:
+    """torchrun's options from the table (config/torchrun.py), every spelling; default None, so
+    that what was not given is then looked up in PET_<NAME> (:func:`torchrun_values`)."""
+    g = p.add_argument_group("torchrun's options", "each also read from PET_<NAME> (PET_NPROC_PER_NODE=2), "
+                             "the command line winning")
+    for option in torchrun.OPTIONS:
+        flags = ("-n", *option.flags) if option.dest == "nproc_per_node" else option.flags
+        text = option.meaning + (f"; {option.here}" if option.here else "")
+        if option.flag:
+            g.add_argument(*flags, dest=option.dest, action="store_const", const=True, default=None, help=text)
+        else:
+            # choices are checked by the spec (cli/main.py's one-line errors read argparse's "invalid
+            # choice" as an unknown subcommand)
+            g.add_argument(*flags, dest=option.dest, default=None, type=option.convert,
+                           metavar=option.metavar or "|".join(option.choices or ()) or None, help=text)
 
 
 def _add_where_args(p: argparse.ArgumentParser) -> None:
@@ -109,29 +115,126 @@ def _add_where_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the launch plan as JSON and exit")
 
 
+# What each torchrun option is when neither the command line nor PET_<NAME> gives it.
+_DEFAULTS = {"nnodes": "1", "nproc_per_node": "auto", "standalone": False, "max_restarts": 0, "module": False,
+             "no_python": False, "run_path": False, "node_rank": 0, "virtual_local_rank": False,
+             "redirects": "0", "tee": "0", "local_ranks_filter": "", "duplicate_stdout_filters": [],
+             "duplicate_stderr_filters": [], "rdzv_conf": "", "monitor_interval": 0.1, "start_method": "spawn",
+             "event_log_handler": "null", "role": "default", "signals_to_handle": torchrun.DEFAULT_SIGNALS}
+
+
+def torchrun_values(args: argparse.Namespace, environ: Mapping[str, str]) -> dict:
+    """Every torchrun option's value: the command line, else its PET_ variable, else the default."""
+    values = {}
+    for option in torchrun.OPTIONS:
+        value = getattr(args, option.dest)
+        if value is None:
+            value = torchrun.from_environ(option.dest, environ)
+        values[option.dest] = _DEFAULTS.get(option.dest) if value is None else value
+    return values
+
+
+def _stop_grace(args: argparse.Namespace, values: dict, environ: Mapping[str, str]) -> int:
+    """--stop-grace and torchrun's --shutdown-timeout are one setting; torchrun's variable counts too."""
+    given = {flag: v for flag, v in (("--stop-grace", args.stop_grace), ("--shutdown-timeout", values["shutdown_timeout"]))
+             if v is not None}
+    if len(set(given.values())) > 1:
+        raise UsageError(f"--stop-grace {given['--stop-grace']} and --shutdown-timeout {given['--shutdown-timeout']} "
+                         "are the same setting: give one")
+    if given:
+        return next(iter(given.values()))
+    raw = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if raw:
+        try:
+            return int(raw)
+        except ValueError:
+            raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw!r} is not a number of seconds") from None
+    return DEFAULT_STOP_GRACE_S
+
+
+def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
+    """Turn torchrun's options (command line, PET_) into the values the spec and the launcher
+    read, on ``args``; returns the lines to say (what was ignored or assumed)."""
+    values = torchrun_values(args, environ)
+    low, high = torchrun.parse_nnodes(values["nnodes"])
+    hosts = bool(getattr(args, "hosts", None) or getattr(args, "hostfile", None))
+    notes: list[str] = []
+    if hosts:  # --hosts numbers and addresses its nodes itself, one per host
+        for dest, flag, default in (("node_rank", "--node-rank", 0), ("local_addr", "--local-addr", None),
+                                    ("standalone", "--standalone", False)):
+            if values[dest] != default:
+                notes.append(f"{flag} is for a node started by hand; --hosts places every node itself: ignored")
+                values[dest] = default
+        if low == high and high != 1:
+            notes.append(f"--nnodes {high} is for nodes started by hand; --hosts runs one node per host: ignored")
+            low = high = 1
+    rdzv = torchrun.resolve_rendezvous(
+        backend=values["rdzv_backend"], endpoint=values["rdzv_endpoint"], master_addr=values["master_addr"],
+        master_port=values["master_port"], nnodes=(low, high), node_rank=values["node_rank"],
+        standalone=values["standalone"])
+    notes += rdzv.notes
+    if values["standalone"]:
+        values["rdzv_id"] = None
+    args.torchrun = values
+    args.nnodes, args.min_nnodes = high, low
+    args.node_rank = values["node_rank"] if rdzv.backend == "static" else 0
+    args.rdzv_backend, args.master_addr, args.master_port = rdzv.backend, rdzv.master_addr, rdzv.master_port
+    args.stop_grace_s = _stop_grace(args, values, environ)
+    return notes
+
+
+def agent_options(values: dict, log_dir: str | None) -> AgentOptions:
+    return AgentOptions(
+        role=values["role"], monitor_interval_s=float(values["monitor_interval"]),
+        start_method=values["start_method"], event_log_handler=values["event_log_handler"],
+        redirects=torchrun.check_std(values["redirects"], where="--redirects"),
+        tee=torchrun.check_std(values["tee"], where="--tee"),
+        local_ranks_filter=torchrun.parse_local_ranks(values["local_ranks_filter"]),
+        duplicate_stdout_filters=tuple(f for f in values["duplicate_stdout_filters"] if f),
+        duplicate_stderr_filters=tuple(f for f in values["duplicate_stderr_filters"] if f),
+        logs_specs=values["logs_specs"] and torchrun.check_logs_specs(values["logs_specs"]),
+        numa_binding=values["numa_binding"],
+        signals_to_handle=torchrun.check_signals(values["signals_to_handle"]),
+        virtual_local_rank=bool(values["virtual_local_rank"]),
+        torchrun_log_dir=os.path.abspath(log_dir) if log_dir else None,
+    )
+
+
 def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
+    """``args`` after :func:`resolve_args`."""
+    values = args.torchrun
+    nproc = values["nproc_per_node"]
+    if str(nproc) == "xpu":
+        raise UsageError("--nproc-per-node xpu: disttrain starts no XPU workers; give a number")
     return LaunchSpec(
         entry=args.script,
-        is_module=args.module,
+        is_module=bool(values["module"]),
         script_args=tuple(args.script_args),
-        nproc_per_node=parse_nproc(args.nproc),
+        nproc_per_node=parse_nproc(str(nproc)),
         nnodes=args.nnodes,
+        min_nnodes=args.min_nnodes if args.min_nnodes != args.nnodes else None,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
         backend=args.dist_backend,
-        max_restarts=args.max_restarts,
+        max_restarts=values["max_restarts"],
         ranks=parse_ranks(args.ranks),
-        log_dir=args.log_dir,
+        log_dir=values["log_dir"],
         env=parse_env(args.env, os.environ),
         rdzv_backend=args.rdzv_backend,
         rdzv_timeout_s=args.rdzv_timeout,
-        stop_grace_s=args.stop_grace,
+        rdzv_id=values["rdzv_id"],
+        rdzv_conf=torchrun.parse_rdzv_conf(values["rdzv_conf"]),
+        local_addr=values["local_addr"],
+        no_python=bool(values["no_python"]),
+        run_path=bool(values["run_path"]),
+        stop_grace_s=args.stop_grace_s,
         hang_timeout_s=args.hang_timeout,
         checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_every=args.checkpoint_every,
         framework=args.framework,
         forward_env=args.forward_env,
+        agent=agent_options(values, values["log_dir"]),
         **comm_settings(args),
     )
 
@@ -160,13 +263,21 @@ def make_run_dir(run_dir: str, *, given: str | None) -> None:
 class RunEvents(RunFolderEvents):
     """What ``disttrain run`` tells its user besides the agents' output."""
 
-    def __init__(self, *, no_wait: bool = False, log_dir: str | None = None) -> None:
+    def __init__(self, *, no_wait: bool = False, log_dir: str | None = None, script: Path | None = None) -> None:
         self.no_wait = no_wait
         self.log_dir = log_dir  # as given (--log-dir), for the fix in the error line
+        self.script = script  # a Python script's path, read for what the workers' variables cannot fix
 
     def starting(self, plan, facts, note: str = "") -> None:
         make_run_dir(plan.run_dir, given=self.log_dir)
         super().starting(plan, facts, note)
+        if self.script is not None and any(ACCELERATE_USE_CPU in node.env for node in plan.nodes):
+            try:
+                warning = cpu_library_warning(self.script.read_text(errors="replace"), self.script.name)
+            except OSError:  # on another host only: its agent runs it
+                warning = None
+            if warning:
+                self.say(f"disttrain: warning: {warning}")
 
     def submitted(self, job_id: str, run_dir: str) -> None:
         if self.no_wait:
@@ -178,8 +289,12 @@ class RunEvents(RunFolderEvents):
 
 
 def handle(args: argparse.Namespace) -> int:
+    notes = resolve_args(args, os.environ)
+    spec = spec_from_args(args)
     launcher = launchers.launcher_from_args(args)
-    return launch(spec_from_args(args), launcher, args)
+    for note in notes:
+        print(f"disttrain: note: {note}", file=sys.stderr, flush=True)
+    return launch(spec, launcher, args)
 
 
 def handle_spec(args: argparse.Namespace) -> int:
@@ -188,16 +303,27 @@ def handle_spec(args: argparse.Namespace) -> int:
     return launch(spec, launchers.launcher_from_args(args), args)
 
 
+def _entry_paths(spec: LaunchSpec) -> tuple[str, ...]:
+    """Files every node must have: the script; not a module, nor a program looked up on PATH."""
+    if spec.is_module or (spec.no_python and "/" not in spec.entry):
+        return ()
+    return (spec.entry,)
+
+
 def launch(spec: LaunchSpec, launcher: Launcher, args: argparse.Namespace) -> int:
     """The same lines for every launcher: ``--dry-run`` prints what it would start, else run it."""
     run_id, run_dir = run_folder(spec.entry, spec.log_dir, is_module=spec.is_module)
-    ctx = Context(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=args.python,
-                  paths=() if spec.is_module else (spec.entry,),
+    # torchrun's PYTHON_EXEC: the workers' interpreter, when --python does not say otherwise
+    python = os.environ.get("PYTHON_EXEC") if args.python == sys.executable and os.environ.get("PYTHON_EXEC") \
+        else args.python
+    ctx = Context(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=python,
+                  paths=_entry_paths(spec),
                   preflight=not args.no_preflight and not args.dry_run, environ=dict(os.environ))
     if args.dry_run:
         print(launcher.dry_run(spec, ctx), end="")
         return 0
-    outcome = launcher.run(spec, ctx, RunEvents(no_wait=args.no_wait, log_dir=spec.log_dir))
+    script = None if spec.is_module or spec.no_python else Path(ctx.cwd) / spec.entry
+    outcome = launcher.run(spec, ctx, RunEvents(no_wait=args.no_wait, log_dir=spec.log_dir, script=script))
     if outcome.signal:
         print(f"disttrain: got {signal.Signals(outcome.signal).name}, stopped all nodes", file=sys.stderr, flush=True)
     return outcome.exit_code

@@ -10,10 +10,20 @@ from dataclasses import dataclass, field
 
 from ..errors import UsageError
 from ..placement import BACKENDS
+from .torchrun import (
+    DEFAULT_SIGNALS,
+    EVENT_LOG_HANDLERS,
+    NUMA_MODES,
+    START_METHODS,
+    check_signals,
+    check_std,
+)
 
 # static: node ranks fixed by host order, the launcher's choice; c10d: torch's dynamic
-# rendezvous, where nodes take ranks in the order they join.
-RDZV_BACKENDS = ("static", "c10d")
+# rendezvous, where nodes take ranks in the order they join; etcd, etcd-v2: torch's, with an
+# etcd server (python-etcd on every node). Plugins registered under torch's
+# ``torchrun.handlers`` entry points are accepted too (see :func:`rdzv_backends`).
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 # pytorch: the script is started as is; tensorflow: each worker also gets its TF_CONFIG.
 FRAMEWORKS = ("pytorch", "tensorflow")
 
@@ -76,6 +86,66 @@ def parse_env(items: list[str], environ: Mapping[str, str] | None = None) -> dic
     return env
 
 
+def rdzv_backends() -> tuple[str, ...]:
+    """torch's built-in rendezvous backends and those installed packages register with it."""
+    from importlib.metadata import entry_points  # only when a name is not a built-in one
+
+    return (*RDZV_BACKENDS, *sorted(ep.name for ep in entry_points(group="torchrun.handlers")))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentOptions:
+    """How each node's torch elastic agent starts, shows and stops its workers: torchrun's
+    options that the agent reads as torchrun passes them (``LaunchConfig`` and ``LogsSpecs``).
+    Defaults are torchrun's."""
+
+    role: str = "default"
+    monitor_interval_s: float = 0.1
+    start_method: str = "spawn"
+    event_log_handler: str = "null"
+    redirects: str = "0"  # streams kept from the terminal (files are always written)
+    tee: str = "0"
+    local_ranks_filter: tuple[int, ...] | None = None  # None: every local rank on the terminal
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    logs_specs: str | None = None  # a torchrun.logs_specs entry point's name
+    numa_binding: str | None = None
+    signals_to_handle: str = DEFAULT_SIGNALS
+    virtual_local_rank: bool = False
+    # --log-dir given: torchrun's own file layout is written under it as well (absolute).
+    torchrun_log_dir: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AgentOptions:
+        """The inverse of ``dataclasses.asdict``; unknown keys refused by name."""
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise UsageError(f"launch spec: unknown agent option {unknown[0]!r} (written by another disttrain version?)")
+        data = dict(data)
+        for name in ("local_ranks_filter", "duplicate_stdout_filters", "duplicate_stderr_filters"):
+            if data.get(name) is not None:
+                data[name] = tuple(data[name])
+        return cls(**data)
+
+    def __post_init__(self) -> None:
+        if not self.role or not self.role.strip():
+            raise UsageError("--role must not be empty")
+        if not self.monitor_interval_s > 0:
+            raise UsageError(f"--monitor-interval must be more than 0 seconds, got {self.monitor_interval_s}")
+        if self.start_method not in START_METHODS:
+            raise UsageError(f"--start-method must be one of {', '.join(START_METHODS)}, got {self.start_method!r}")
+        if self.event_log_handler not in EVENT_LOG_HANDLERS:
+            raise UsageError(f"--event-log-handler must be one of {', '.join(EVENT_LOG_HANDLERS)}, "
+                             f"got {self.event_log_handler!r}")
+        check_std(self.redirects, where="--redirects")
+        check_std(self.tee, where="--tee")
+        if self.numa_binding is not None and self.numa_binding not in NUMA_MODES:
+            raise UsageError(f"--numa-binding must be one of {', '.join(NUMA_MODES)}, got {self.numa_binding!r}")
+        check_signals(self.signals_to_handle)
+        if self.local_ranks_filter is not None and (not self.local_ranks_filter or min(self.local_ranks_filter) < 0):
+            raise UsageError(f"--local-ranks-filter takes local ranks 0 or more, got {self.local_ranks_filter}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
     """One ``disttrain run``; every field is validated here, naming its flag."""
@@ -106,6 +176,19 @@ class LaunchSpec:
     # The launching shell's environment goes to every rank (minus host- and session-specific
     # variables, see workerenv.forwarded_env); False: only the communication settings.
     forward_env: bool = True
+    # torchrun's --nnodes MIN:MAX: the job may start with MIN nodes (None: nnodes, a fixed count).
+    min_nnodes: int | None = None
+    rdzv_id: str | None = None  # None: disttrain's (see LaunchPlan.rendezvous_id)
+    rdzv_conf: dict[str, str] = field(default_factory=dict)  # --rdzv-conf, over disttrain's settings
+    local_addr: str | None = None  # this node's address (one node's part only); None: found from the routes
+    no_python: bool = False  # the script is a program (--no-python)
+    run_path: bool = False  # runpy.run_path in a multiprocessing worker (--run-path)
+    agent: AgentOptions = field(default_factory=AgentOptions)
+
+    @property
+    def elastic(self) -> bool:
+        """``--nnodes MIN:MAX`` with MIN < MAX: the node count is decided by the rendezvous."""
+        return self.min_nnodes is not None and self.min_nnodes < self.nnodes
 
     def to_json(self) -> str:
         """The one serialised form of a spec: how it travels (a Slurm batch job's step,
@@ -133,6 +216,8 @@ class LaunchSpec:
         for name in ("script_args", "ranks"):
             if data.get(name) is not None:
                 data[name] = tuple(data[name])
+        if "agent" in data:
+            data["agent"] = AgentOptions.from_dict(data["agent"])
         return cls(**data)
 
     def __post_init__(self) -> None:
@@ -158,9 +243,22 @@ class LaunchSpec:
             raise UsageError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts cannot be negative, got {self.max_restarts}")
-        if self.rdzv_backend not in RDZV_BACKENDS:
+        if self.rdzv_backend not in RDZV_BACKENDS and self.rdzv_backend not in rdzv_backends():
             raise UsageError(
-                f"--rdzv-backend must be one of {', '.join(RDZV_BACKENDS)}, got {self.rdzv_backend!r}")
+                f"--rdzv-backend must be one of {', '.join(rdzv_backends())}, got {self.rdzv_backend!r}")
+        if self.min_nnodes is not None and not 1 <= self.min_nnodes <= self.nnodes:
+            raise UsageError(f"--nnodes {self.min_nnodes}:{self.nnodes}: need 1 <= MIN <= MAX")
+        if self.elastic and self.rdzv_backend == "static":
+            raise UsageError(f"--nnodes {self.min_nnodes}:{self.nnodes} needs a dynamic rendezvous (the static one "
+                             "waits for a fixed count): add --rdzv-backend c10d")
+        if self.rdzv_id is not None and not self.rdzv_id.strip():
+            raise UsageError("--rdzv-id must not be empty")
+        if self.no_python and self.is_module:
+            raise UsageError("--no-python runs SCRIPT as a program, -m as a Python module: give one of them")
+        if self.run_path and self.framework == "tensorflow":
+            raise UsageError("--run-path cannot carry --framework tensorflow's TF_CONFIG: leave out --run-path")
+        if self.no_python and self.framework == "tensorflow":
+            raise UsageError("--framework tensorflow starts Python workers: leave out --no-python")
         if self.rdzv_timeout_s < 1:
             raise UsageError(f"--rdzv-timeout must be at least 1 second, got {self.rdzv_timeout_s}")
         if self.hang_timeout_s < 0:

@@ -105,7 +105,10 @@ def banner(plan: LaunchPlan, note: str = "") -> str:
     """The one start line: how many workers, of what, where, the rendezvous and the logs."""
     where = ", ".join(node.host for node in plan.nodes)
     kind = "TensorFlow" if plan.framework == "tensorflow" else plan.backend
-    return (f"disttrain: {plan.world_size} worker{'s' if plan.world_size != 1 else ''} ({kind}) on {where}"
+    count = f"{plan.world_size} worker{'s' if plan.world_size != 1 else ''}"
+    if plan.min_nodes and plan.min_nodes < plan.nnodes:  # --nnodes MIN:MAX: the rendezvous decides
+        count = f"{plan.world_size * plan.min_nodes // plan.nnodes} to {plan.world_size} workers"
+    return (f"disttrain: {count} ({kind}) on {where}"
             f"{f' ({note})' if note else ''}, rendezvous {plan.master_addr}:{plan.master_port}; logs: {plan.run_dir}")
 
 

@@ -10,10 +10,13 @@ with its share of the cores and GPUs, as on separate machines.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
 
+from .. import net
 from ..config.launch import LaunchSpec
 from ..errors import UsageError
 from ..net import free_port, port_in_use
@@ -27,6 +30,13 @@ from .flow import agent_argv, run_agents
 def check_entry(spec: LaunchSpec, cwd: str) -> None:
     """A missing script or module is reported before any process starts (here, or on a
     filesystem the nodes share)."""
+    if spec.no_python:  # a program: a path, or a name looked up on PATH (as the workers' exec does)
+        path = Path(cwd) / spec.entry
+        found = os.access(path, os.X_OK) and path.is_file() if "/" in spec.entry else shutil.which(spec.entry)
+        if not found:
+            raise UsageError(f"program not found: {spec.entry} (--no-python runs SCRIPT itself: an executable "
+                             "file, or a program on PATH)")
+        return
     if spec.is_module:
         sys.path.insert(0, cwd)
         try:
@@ -43,15 +53,30 @@ def check_entry(spec: LaunchSpec, cwd: str) -> None:
 
 def choose_port(spec: LaunchSpec) -> int:
     host = spec.master_addr or "127.0.0.1"
+    hosting = check_rendezvous_address(spec)
     if spec.master_port is None:
         return free_port(host)
     # Only the node that hosts the rendezvous store binds the port.
-    if spec.node_rank == 0 and port_in_use(host, spec.master_port):
+    if hosting and port_in_use(host, spec.master_port):
         raise UsageError(
             f"--master-port {spec.master_port} is already in use on {host}: "
             "pick another port or omit --master-port to use a free one"
         )
     return spec.master_port
+
+
+def check_rendezvous_address(spec: LaunchSpec) -> bool:
+    """Whether this node hosts the rendezvous store; a master address that cannot work is one
+    line (exit 2) here, before anything starts."""
+    host = spec.master_addr or "127.0.0.1"
+    if spec.rdzv_backend == "static":
+        net.check_master(host, flag="--master-addr", must_be_here=spec.node_rank == 0,
+                         why="node rank 0 hosts the rendezvous")
+        return spec.node_rank == 0
+    forced = spec.rdzv_conf.get("is_host", "").lower() in ("1", "true", "yes", "y")
+    net.check_master(host, flag="the rendezvous endpoint", must_be_here=forced,
+                     why="--rdzv-conf is_host=1 says this node hosts it")
+    return net.hosts_c10d_store(host) is True
 
 
 class LocalLauncher(Launcher):
@@ -66,10 +91,12 @@ class LocalLauncher(Launcher):
     def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
         if self.instances is None:  # a job checks its own inputs
             check_entry(spec, ctx.cwd)
-        here = local_facts(self.cpus)
-        if self.instances is None:
-            return Facts(nodes=here, master_addr=spec.master_addr or "127.0.0.1", master_port=choose_port(spec),
+            port = choose_port(spec)  # the master's address is checked first
+            # A node of a job started by hand finds its own address and interface toward the master.
+            here = local_facts(self.cpus, toward=spec.master_addr if spec.nnodes > 1 else None)
+            return Facts(nodes=here, master_addr=spec.master_addr or "127.0.0.1", master_port=port,
                          where=(here.hostname,))
+        here = local_facts(self.cpus)
         n = len(self.instances)
         cpus, gpus = max(1, here.cpus // n), here.cuda_devices // n
         nodes = tuple(NodeFacts(hostname=name, cpus=cpus, cuda_devices=gpus) for name in self.instances)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..config.launch import LaunchSpec
+from ..config.launch import AgentOptions, LaunchSpec
 from ..errors import UsageError
 from ..placement import auto_nproc, choose_backend, omp_threads
 from ..tfconfig import SHIM, tf_config, worker_addresses
@@ -57,12 +57,6 @@ class NodePlan:
     opt_ml: str | None = None
     opt_ml_required: bool = False  # no mount namespace on that machine: an error, not a note
 
-    def shown_local_ranks(self, shown: tuple[int, ...] | None) -> set[int] | None:
-        """Local ranks whose output reaches the terminal (None: all of them)."""
-        if shown is None:
-            return None
-        return {w.local_rank for w in self.workers if w.rank in shown}
-
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchPlan:
@@ -88,13 +82,27 @@ class LaunchPlan:
     # they reach agents over a private channel only (:meth:`to_private_json`).
     env_forwarded: dict[str, str] = dataclasses.field(default_factory=dict)
     env_set: dict[str, str] = dataclasses.field(default_factory=dict)
+    # torchrun's options (config/torchrun.py): the elastic minimum (None: nnodes), the user's
+    # rendezvous id and settings, the entry as a function (--run-path), and the agent's own.
+    min_nodes: int | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: dict[str, str] = dataclasses.field(default_factory=dict)
+    run_path: bool = False
+    agent: AgentOptions = dataclasses.field(default_factory=AgentOptions)
+
+    @property
+    def by_hand(self) -> bool:
+        """This plan is one node's part of a job whose other nodes were started by hand."""
+        return len(self.nodes) != self.nnodes
 
     @property
     def rendezvous_id(self) -> str:
-        """The key the nodes meet under. A plan made for every node (--hosts, Slurm, a job) carries
-        one run id; nodes started by hand (``--nnodes 2 --node-rank K``) each made their own, so
-        there the rendezvous endpoint, which every node was given alike, names the job."""
-        if len(self.nodes) == self.nnodes:
+        """The key the nodes meet under: ``--rdzv-id`` if given. A plan made for every node (--hosts,
+        Slurm, a job) carries one run id; nodes started by hand (``--nnodes 2 --node-rank K``) each
+        made their own, so there the rendezvous endpoint, which every node was given alike, names the job."""
+        if self.rdzv_id:
+            return self.rdzv_id
+        if not self.by_hand:
             return self.run_id
         return f"disttrain-{self.master_addr}-{self.master_port}"
 
@@ -124,9 +132,29 @@ class ContainerPlanner(Protocol):
 
 
 def _nproc(spec: LaunchSpec, facts: NodeFacts) -> int:
+    if spec.nproc_per_node == "cpu":  # torchrun's: one per core
+        return facts.cpus
+    if spec.nproc_per_node == "gpu":
+        if facts.cuda_devices < 1:
+            raise UsageError(f"--nproc-per-node gpu: {facts.hostname} has no CUDA GPUs; give a number or auto")
+        return facts.cuda_devices
     if spec.nproc_per_node != "auto":
         return int(spec.nproc_per_node)
     return facts.slots or auto_nproc(cuda_devices=facts.cuda_devices, cpus=facts.cpus)
+
+
+def _argv(spec: LaunchSpec, python: str, container: ContainerSetup | None) -> tuple[str, ...]:
+    """What each worker runs: ``python -u SCRIPT`` (``-m MODULE``), or the program itself (--no-python);
+    a job's container may name the interpreter (its venv) and a wrapper (its ps task)."""
+    if spec.no_python:
+        return (spec.entry, *spec.script_args)
+    target = ("-m", spec.entry) if spec.is_module else (spec.entry,)
+    if spec.framework == "tensorflow":
+        target = ("-m", SHIM, *target)  # adds the worker's TF_CONFIG, then execs the script
+    if container is not None and container.wrapper:
+        target = ("-m", container.wrapper, *target)
+    worker_python = container.python if container is not None and container.python else python
+    return (worker_python, "-u", *target, *spec.script_args)
 
 
 def _tf_workers(placed: tuple, *, nnodes: int, master_addr: str, master_port: int) -> tuple[str, ...]:
@@ -188,22 +216,18 @@ def make_plan(
     master_addr = spec.master_addr or "127.0.0.1"
     setups = _instances(container, len(placed))
 
-    target = ("-m", spec.entry) if spec.is_module else (spec.entry,)
     tf_workers: tuple[str, ...] = ()
     if spec.framework == "tensorflow":
-        target = ("-m", SHIM, *target)  # adds the worker's TF_CONFIG, then execs the script
         tf_workers = _tf_workers(placed, nnodes=nnodes, master_addr=master_addr, master_port=master_port)
-    if container is not None and container.wrapper:
-        target = ("-m", container.wrapper, *target)
-    worker_python = container.python if container is not None and container.python else python
-    argv = (worker_python, "-u", *target, *spec.script_args)
+    argv = _argv(spec, python, container)
     show_tf_config = bool(tf_workers) and "TF_CONFIG" not in inherited_env and "TF_CONFIG" not in spec.env
 
     nodes = tuple(
         NodePlan(
             node_rank=node_rank,
             host=node_facts.hostname,
-            address=node_facts.address,
+            # --local-addr names the address of the one node a by-hand plan is for.
+            address=(spec.local_addr if len(placed) == 1 and spec.local_addr else node_facts.address),
             nproc=nproc,
             env=launcher_env(
                 backend=backend,
@@ -220,6 +244,9 @@ def make_plan(
                 tf_first_task=first,
                 grad_compression=spec.grad_compression,
                 bucket_mb=spec.bucket_mb,
+                cuda_devices=node_facts.cuda_devices,
+                local_world_size=nproc,
+                nnodes=None if spec.elastic or len({n for _, _, n, _ in placed}) > 1 else nnodes,
             ) | dict(setup.env),  # the container's variables over the launcher's (the user's over both)
             workers=tuple(
                 WorkerPlan(
@@ -264,6 +291,11 @@ def make_plan(
         framework=spec.framework,
         env_forwarded=dict(forwarded_env or {}),
         env_set=dict(spec.env),
+        min_nodes=spec.min_nnodes,
+        rdzv_id=spec.rdzv_id,
+        rdzv_conf=dict(spec.rdzv_conf),
+        run_path=spec.run_path,
+        agent=spec.agent,
     )
 
 
@@ -286,6 +318,8 @@ def plan_from_json(text: str) -> LaunchPlan:
         for node in data.pop("nodes")
     )
     shown = data.pop("shown_ranks")
+    if "agent" in data:
+        data["agent"] = AgentOptions.from_dict(data["agent"])
     return LaunchPlan(
         **{**data, "argv": tuple(data["argv"])},
         shown_ranks=None if shown is None else tuple(shown),

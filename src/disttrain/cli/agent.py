@@ -11,10 +11,9 @@ import threading
 import time
 from pathlib import Path
 
-from ..config.launch import LaunchSpec
 from ..errors import UsageError
 from ..launch import Context
-from ..plan.launch import plan_from_json
+from ..wire import DumpRequest, LaunchStep, PlanMessage, StepEnded, WireError
 from ..workerenv import login_env
 
 STOP_MARGIN_S = 10  # after the workers' stop grace, for the agent's own shutdown
@@ -75,7 +74,7 @@ def _watch_stdin(lines: _Lines, on_request, *, signalled_by: int | None, host: s
     # reader aborts the interpreter at exit ("could not acquire lock ... at interpreter shutdown").
     def watch() -> None:
         while (line := lines.next()) is not None:
-            on_request(line.decode(errors="replace").strip())
+            on_request(line)
         # A launcher that died has had the kernel send us SIGTERM already (PR_SET_PDEATHSIG).
         # A second one, landing while torch's agent stops the workers, cuts that short and can
         # leave it waiting at exit for log tailers that were never stopped: one signal only.
@@ -115,33 +114,43 @@ def handle_agent(args: argparse.Namespace) -> int:
     line = lines.next()  # the launcher writes the plan first
     if line is None:
         raise UsageError("disttrain agent: stdin closed before the plan arrived (the launcher went away)")
-    return _run_agent(json.loads(line), lines, signalled_by=parent if armed else None)
+    return _run_agent(PlanMessage.from_line(line), lines, signalled_by=parent if armed else None)
 
 
-def _run_agent(message: dict, lines: _Lines, *, signalled_by: int | None = None) -> int:
+def _run_agent(message: PlanMessage, lines: _Lines, *, signalled_by: int | None = None) -> int:
     """``signalled_by``: the parent whose death already sends this process SIGTERM."""
     from ..agent.node import LauncherLink, run_node  # torch's elastic agent: not for every command
 
-    plan = plan_from_json(json.dumps(message["plan"]))
-    if message.get("cwd"):
+    plan = message.plan
+    if message.cwd:
         try:
-            os.chdir(message["cwd"])
+            os.chdir(message.cwd)
         except OSError as err:
-            raise UsageError(f"cannot work in {message['cwd']}: {err.strerror}") from None
-    nodes = [n for n in plan.nodes if n.node_rank == message["node_rank"]]
+            raise UsageError(f"cannot work in {message.cwd}: {err.strerror}") from None
+    nodes = [n for n in plan.nodes if n.node_rank == message.node_rank]
     if not nodes:
-        raise UsageError(f"the plan has no node rank {message['node_rank']}")
+        raise UsageError(f"the plan has no node rank {message.node_rank}")
     os.environ.update(login_env(os.environ))  # an agent started without a login (srun --export)
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     link = LauncherLink()
-    _watch_stdin(lines, lambda word: link.request(word, plan), signalled_by=signalled_by, host=nodes[0].host,
+    _watch_stdin(lines, lambda line: _request(line, link, plan), signalled_by=signalled_by, host=nodes[0].host,
                  grace_s=plan.stop_grace_s)
     return run_node(plan, nodes[0], link=link)
 
 
+def _request(line: bytes, link, plan) -> None:
+    """A line from the launcher after the plan: only the dump request is expected."""
+    try:
+        DumpRequest.from_line(line)
+    except WireError as err:
+        print(f"disttrain: warning: ignored a line from the launcher: {err}", file=sys.stderr, flush=True)
+        return
+    link.dump(plan)
+
+
 def handle_launch_step(args: argparse.Namespace) -> int:
     """Inside a Slurm batch job: the spec the submitting side shipped, launched on the allocation."""
-    from ..launch.slurm import STEP_ENV, SlurmAllocationLauncher, record_outcome
+    from ..launch.slurm import STEP_ENV, SlurmAllocationLauncher, record_end
     from ..launch.slurm_env import SlurmAllocation
     from .steps import events_for_step
 
@@ -153,16 +162,15 @@ def handle_launch_step(args: argparse.Namespace) -> int:
     if not shipped:
         raise UsageError(f"disttrain launch-step: {STEP_ENV} is not in the job's environment: run it only as the "
                          "command of the batch script that `disttrain run --launcher slurm` submits")
-    step = json.loads(shipped)
-    spec = LaunchSpec.from_json(json.dumps(step["spec"]))
-    run_dir = step["run_dir"]
+    step = LaunchStep.from_line(shipped)
+    run_dir = step.run_dir
     if alloc.restart_count:  # a requeued job: the first run's logs stay as they were
         run_dir = str(Path(run_dir) / f"requeue_{alloc.restart_count}")
-    ctx = Context(run_id=step["run_id"], run_dir=run_dir, cwd=step["cwd"], python=step["python"],
-                  paths=tuple(step["paths"]), environ=dict(os.environ))
-    launcher = SlurmAllocationLauncher(alloc, nodes=step["nodes"])
-    outcome = launcher.run(spec, ctx, events_for_step(step["client"]))
-    record_outcome(step["run_dir"], outcome)
+    ctx = Context(run_id=step.run_id, run_dir=run_dir, cwd=step.cwd, python=step.python, paths=step.paths,
+                  environ=dict(os.environ))
+    launcher = SlurmAllocationLauncher(alloc, nodes=step.nodes)
+    outcome = launcher.run(step.spec, ctx, events_for_step(step.client))
+    record_end(step.run_dir, StepEnded(outcome=outcome, where=launcher.names))
     return outcome.exit_code
 
 
@@ -204,7 +212,7 @@ def _session(args: argparse.Namespace) -> int:
         reach.close_listeners(socks)  # the master port is the rendezvous' next
     if line is None:
         return 0
-    return _run_agent(json.loads(line), lines)
+    return _run_agent(PlanMessage.from_line(line), lines)
 
 
 def handle_receive(args: argparse.Namespace) -> int:

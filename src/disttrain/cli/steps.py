@@ -7,15 +7,13 @@ is importable (the launch package imports none of them).
 
 from __future__ import annotations
 
-from ..errors import UsageError
 from ..jobs.runner import JobStepEvents
 from ..launch import Events
+from ..wire import JobClient, RunClient
 from .run import RunEvents
 
 
-def events_for_step(client: dict | None) -> Events:
-    if client is None or client.get("kind") == "run":
-        return RunEvents()
-    if client.get("kind") == "job":
+def events_for_step(client: RunClient | JobClient | None) -> Events:
+    if isinstance(client, JobClient):
         return JobStepEvents.from_step(client)
-    raise UsageError(f"launch step: unknown client {client.get('kind')!r} (written by another disttrain version?)")
+    return RunEvents()

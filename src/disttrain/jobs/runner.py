@@ -27,6 +27,7 @@ from ..launch import Context, Events, Facts, Launcher, Outcome
 from ..plan.launch import LaunchPlan
 from ..private import write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
+from ..wire import JobClient
 from . import container  # SageMaker's container around the script (hooks marked "container:")
 from .distribution import parse_distribution, processes_per_instance
 from .launchers import launcher_for
@@ -119,17 +120,17 @@ class JobStepEvents(Events):
         self.ready = ready
 
     @classmethod
-    def from_step(cls, client: dict) -> JobStepEvents:
+    def from_step(cls, client: JobClient) -> JobStepEvents:
         """Inside a Slurm allocation, from what :meth:`JobRun.step` shipped (each node's agent
         makes its instance's private /opt/ml, as over ssh)."""
-        cwd = Path(client["cwd"])
-        spec = spec_from_mapping(client["spec"], base_dir=cwd, source="the launch step")
-        layout = JobLayout(Path(client["job_dir"]), instance_names(spec.instance_count))
+        cwd = Path(client.cwd)
+        spec = spec_from_mapping(client.spec, base_dir=cwd, source="the launch step")
+        layout = JobLayout(Path(client.job_dir), instance_names(spec.instance_count))
         venv_python = layout.root / "venv" / "bin" / "python"  # requirements.txt (container.prepare)
         ready = container.Prepared(distribution=parse_distribution(spec.distribution, framework=spec.framework),
                                    python=str(venv_python) if venv_python.exists() else None,
                                    private_opt_ml=spec.private_opt_ml != "off")
-        return cls(spec, layout, client["name"], cwd, ready)
+        return cls(spec, layout, client.name, cwd, ready)
 
     def placed(self, plan: LaunchPlan, facts: Facts) -> LaunchPlan:
         nodes = facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,)
@@ -214,9 +215,9 @@ class JobRun(JobStepEvents):
     def ran_on(self, where: tuple[str, ...]) -> None:
         self.store.update(self.id, hosts=[{"instance": i, "host": w} for i, w in zip(self.layout.hosts, where)])
 
-    def step(self) -> dict:
-        return {"kind": "job", "name": self.record.name, "job_dir": str(self.layout.root), "cwd": str(self.cwd),
-                "spec": self.spec.to_dict()}  # whole (masking is for records): the step runs it
+    def step(self) -> JobClient:
+        return JobClient(name=self.record.name, job_dir=str(self.layout.root), cwd=str(self.cwd),
+                         spec=self.spec.to_dict())  # whole (masking is for records): the step runs it
 
     def _finish(self, outcome: Outcome) -> JobRecord:
         layout = self.layout

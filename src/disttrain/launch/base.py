@@ -29,16 +29,7 @@ from typing import ClassVar, TextIO
 from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
 from ..plan.launch import LaunchPlan, NodeFacts, make_plan
-
-
-@dataclass(frozen=True, kw_only=True)
-class Outcome:
-    """How a launch ended; the same for every launcher."""
-
-    exit_code: int
-    failed: int | None = None  # node rank of the agent that failed first
-    report: str = ""  # that agent's own root-cause block, as it printed it
-    signal: int | None = None  # SIGINT/SIGTERM that made the launcher stop every node
+from ..wire import JobClient, Outcome, RunClient
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,8 +81,8 @@ class Events:
     def ran_on(self, where: tuple[str, ...]) -> None:
         """A batch job ended; it ran on these nodes (placed inside the allocation)."""
 
-    def step(self) -> dict | None:
-        """How to rebuild this sink inside a batch allocation (JSON); None: the default sink."""
+    def step(self) -> RunClient | JobClient | None:
+        """How to rebuild this sink inside a batch allocation; None: the default sink."""
         return None
 
 

@@ -14,7 +14,6 @@ kept for its root-cause block.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from typing import TextIO
 
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from .base import Outcome
+from ..wire import DumpRequest, Outcome, PlanMessage
 from .diagnostics import Diagnostics
 
 AGENT_LINES_KEPT = 200
@@ -38,13 +37,6 @@ _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
 def agent_argv(python: str) -> list[str]:
     """The hidden per-node command; which node it runs and the plan come on its stdin."""
     return [python, "-m", "disttrain", "agent", "--plan-stdin"]
-
-
-def plan_message(plan: LaunchPlan, node_rank: int, cwd: str | None = None) -> str:
-    """The line an agent reads: its node rank, the whole plan (values included), and the folder
-    to work in when its command did not start there (a probe session turning agent)."""
-    where = f', "cwd": {json.dumps(cwd)}' if cwd else ""
-    return f'{{"node_rank": {node_rank}{where}, "plan": {plan.to_private_json()}}}\n'
 
 
 class Relay:
@@ -136,7 +128,8 @@ def run_agents(
             proc = argv_or_proc if isinstance(argv_or_proc, subprocess.Popen) else start(argv_or_proc, cwd=cwd)
             procs.append(proc)
             try:
-                proc.stdin.write(plan_message(plan, plan.nodes[index].node_rank, agent_cwd))
+                proc.stdin.write(PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan,
+                                             cwd=agent_cwd).to_line() + "\n")
                 proc.stdin.flush()
             except OSError:  # it died at once; its exit code and stderr tell why
                 pass
@@ -176,7 +169,7 @@ def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int
         if diag.stalled():  # no rank anywhere moved: every agent dumps its ranks' stacks, then stops
             diag.hung = True
             for proc in procs:
-                _send(proc, "dump\n")
+                _send(proc, DumpRequest().to_line() + "\n")
             return None
         codes = [p.poll() for p in procs]
         for index, code in enumerate(codes):

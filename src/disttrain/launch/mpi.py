@@ -32,6 +32,7 @@ from ..agent.optml import instance_prefix
 from ..atomic import write_atomic
 from ..errors import UsageError
 from ..plan.launch import LaunchPlan
+from ..wire import InstanceEnv
 from .base import Context, Events, Outcome
 from .local import LocalLauncher
 
@@ -64,7 +65,7 @@ def mpirun_argv(*, mpirun: str, ranks_per_instance: int, instance_envs: Sequence
 
 
 def write_instance_env(path: Path, env: dict[str, str]) -> Path:
-    return write_atomic(path, json.dumps(env), mode=0o600)  # the job's env values: owner only
+    return write_atomic(path, InstanceEnv(env=env).to_line() + "\n", mode=0o600)  # the job's env values: owner only
 
 
 class Untag:
@@ -184,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if len(argv) < 3 or argv[1] != "--":
         sys.exit("usage: python -m disttrain.launch.mpi ENV.json -- COMMAND...")
     with open(argv[0]) as fh:
-        os.environ.update(json.load(fh))
+        os.environ.update(InstanceEnv.from_line(fh.read()).env)
     # torchrun-style names too, so a script that reads RANK/WORLD_SIZE runs under mpi as well
     for mpi_name, name in (("OMPI_COMM_WORLD_RANK", "RANK"), ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"),
                            ("OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"),

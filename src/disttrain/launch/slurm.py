@@ -26,7 +26,6 @@ forwarded values travel with the plan on the agent's stdin, as over ssh.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -48,6 +47,7 @@ from ..errors import DisttrainError, UsageError
 from ..plan.launch import LaunchPlan, NodeFacts
 from ..preflight.checks import fact_checks, first_failure
 from ..preflight.facts import route_to
+from ..wire import LaunchStep, StepEnded
 from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import Context, Events, Facts, Launcher, Outcome
 from .flow import agent_argv, run_agents
@@ -131,7 +131,7 @@ class SlurmPaths:
 
     @property
     def outcome(self) -> Path:
-        """How the launch inside the allocation ended (an :class:`Outcome` as JSON)."""
+        """How the launch inside the allocation ended (:class:`~disttrain.wire.StepEnded`)."""
         return self.run_dir / "outcome.json"
 
 
@@ -574,10 +574,9 @@ class SlurmBatchLauncher(Launcher):
 
     def run(self, spec: LaunchSpec, ctx: Context, events: Events) -> Outcome:
         spec = with_requeue_checkpoints(spec, self.options, ctx.run_dir)
-        step = json.dumps({"spec": json.loads(spec.to_json()), "run_id": ctx.run_id, "run_dir": ctx.run_dir,
-                           "cwd": ctx.cwd, "python": ctx.python, "paths": list(ctx.paths),
-                           "nodes": self.options.nodes, "client": events.step()})
-        job = submit(self.script(spec, ctx), ctx.run_dir, step=step, env=self.env)
+        step = LaunchStep(spec=spec, run_id=ctx.run_id, run_dir=ctx.run_dir, cwd=ctx.cwd, python=ctx.python,
+                          paths=tuple(ctx.paths), nodes=self.options.nodes, client=events.step())
+        job = submit(self.script(spec, ctx), ctx.run_dir, step=step.to_line(), env=self.env)
         events.submitted(job.job_id, ctx.run_dir)
         if self.no_wait:
             return Outcome(exit_code=0)
@@ -592,11 +591,10 @@ class SlurmBatchLauncher(Launcher):
         if job.interrupted:  # follow cancelled the job and said so; the step's own end is moot
             return Outcome(exit_code=code)
         paths = SlurmPaths(Path(ctx.run_dir))
-        plan_file = paths.run_dir / "plan.json"
-        if plan_file.exists():  # the nodes the step placed the job on
-            events.ran_on(tuple(n["host"] for n in json.loads(plan_file.read_text())["nodes"]))
         if paths.outcome.exists():
-            return Outcome(**json.loads(paths.outcome.read_text()))
+            ended = StepEnded.from_line(paths.outcome.read_text())
+            events.ran_on(ended.where)  # the nodes the step placed the job on
+            return ended.outcome
         if not code:
             return Outcome(exit_code=0)
         # The step ended before its launch did (a bad node, no disttrain there): its own words are last.
@@ -606,9 +604,9 @@ class SlurmBatchLauncher(Launcher):
         return Outcome(exit_code=code, report=report)
 
 
-def record_outcome(run_dir: str, outcome: Outcome) -> None:
+def record_end(run_dir: str, ended: StepEnded) -> None:
     """Inside the allocation: how the launch ended, for the submitting side to read."""
-    write_atomic(SlurmPaths(Path(run_dir)).outcome, json.dumps(dataclasses.asdict(outcome)))
+    write_atomic(SlurmPaths(Path(run_dir)).outcome, ended.to_line() + "\n")
 
 
 class _Tee:

@@ -245,7 +245,7 @@ class Outcome(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class HostFacts(Record):
-    """What a host says about itself (``disttrain probe``; ``doctor`` compares them)."""
+    """What a host says about itself (its probe session; ``doctor`` compares them)."""
 
     hostname: str
     address: str  # this host's source address toward the master (from its routes)

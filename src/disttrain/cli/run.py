@@ -196,7 +196,7 @@ def launch(spec: LaunchSpec, launcher: Launcher, args: argparse.Namespace) -> in
                   paths=() if spec.is_module else (spec.entry,),
                   preflight=not args.no_preflight and not args.dry_run, environ=dict(os.environ))
     if args.dry_run:
-        print(launcher.dry_run(spec, ctx), end="")
+        print(launcher.dry_run(spec, ctx).text(), end="")
         return 0
     outcome = launcher.run(spec, ctx, RunEvents(no_wait=args.no_wait, log_dir=spec.log_dir))
     if outcome.signal:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -87,9 +87,11 @@ def receive(root: str, stdin: BinaryIO, stdout) -> int:
 _TRUSTED = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
 
 
-def send(host: Host, root: str, files: Manifest, *, python: str, options: Sequence[str]) -> tuple[int, int]:
-    """Bring ``host``'s copy of ``root`` up to date; (files sent, bytes sent)."""
-    argv = ssh_argv(host, [python, "-m", "disttrain", "receive", root], options=options)
+def send(host: Host, root: str, files: Manifest, *, python: str, options: Sequence[str],
+         env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """Bring ``host``'s copy of ``root`` up to date; (files sent, bytes sent). ``env``: what the
+    receiving disttrain needs to start (its import path), as for the agent."""
+    argv = ssh_argv(host, [python, "-m", "disttrain", "receive", root], options=options, env=env)
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     need: list[str] = []
     try:
@@ -115,12 +117,13 @@ def send(host: Host, root: str, files: Manifest, *, python: str, options: Sequen
     return len(need), sum(files[rel][0] for rel in need)
 
 
-def sync_all(hosts: Sequence[Host], root: str, *, python: str, options: Sequence[str]) -> None:
+def sync_all(hosts: Sequence[Host], root: str, *, python: str, options: Sequence[str],
+             env: Mapping[str, str] | None = None) -> None:
     """Copy ``root`` to every host in parallel, saying what went where."""
     start = time.monotonic()
     files = manifest(root)
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        futures = [pool.submit(send, h, root, files, python=python, options=options) for h in hosts]
+        futures = [pool.submit(send, h, root, files, python=python, options=options, env=env) for h in hosts]
     for host, future in zip(hosts, futures):
         if future.exception():
             raise future.exception()

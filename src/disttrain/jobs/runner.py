@@ -176,6 +176,9 @@ class JobRun(JobStepEvents):
             try:
                 return self._run()
             except JobStopped as stop:
+                timed_out = self.watch.failure() if self.watch else None
+                if timed_out:  # container: max_run's own SIGTERM, come before the launch took over the signal
+                    return self._end(JobState.FAILED, 128 + stop.signum, failure=timed_out)
                 return self._end(JobState.STOPPED, 128 + stop.signum, failure=f"stopped by {stop}")
             except KeyboardInterrupt:
                 return self._end(JobState.STOPPED, 130, failure="stopped by SIGINT")

@@ -173,6 +173,21 @@ class ProbeSession:
             pass  # it ended; the next read says why
 
 
+def open_sessions(transports: Sequence[Transport], *, python: str, master: str, port: int | None, cwd: str,
+                  paths: Sequence[str] = (), reach: bool = True) -> list[ProbeSession]:
+    """A probe session per node, in node order; ``reach``: each listens for the reachability
+    round (the master on the rendezvous port too)."""
+    sessions: list[ProbeSession] = []
+    try:
+        for i, transport in enumerate(transports):
+            command = probe_command(python, master=master, port=port, cwd=cwd, paths=paths,
+                                    listen=listen_ports(i, port) if reach else ())
+            sessions.append(ProbeSession(transport, command, cwd=cwd))
+    except BaseException:
+        close_all(sessions)
+        raise
+    return sessions
+
 
 def close_all(sessions: Sequence[ProbeSession], grace_s: float = 10) -> None:
     """End sessions that will not become agents (stdin closed: each ends quietly), all at once."""
@@ -259,10 +274,8 @@ class SessionLauncher(AgentLauncher):
     def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
         master, port = self.rendezvous(spec, ctx)
         reach = ctx.preflight and self.reach_checks
-        for i, transport in enumerate(self.transports(ctx)):
-            command = probe_command(self.session_python(ctx), master=master, port=port, cwd=ctx.cwd, paths=ctx.paths,
-                                    listen=listen_ports(i, port) if reach else ())
-            self._sessions.append(ProbeSession(transport, command, cwd=ctx.cwd))
+        self._sessions = open_sessions(self.transports(ctx), python=self.session_python(ctx), master=master,
+                                       port=port, cwd=ctx.cwd, paths=ctx.paths, reach=reach)
         answers = ask_facts(self._sessions, self.probe_timeout_s)
         hosts = [Host(name=session.name) for session in self._sessions]
         facts = [a if isinstance(a, Exception) else a.facts for a in answers]

@@ -30,7 +30,7 @@ from ..preflight.facts import route_to
 from ..wire import HostFacts, JobClient, LaunchStep, Outcome, RunClient, StepEnded
 from .base import STEP_ENV, Context, Events
 from .local import check_entry
-from .probe import ProbeSession, SessionLauncher, SrunTransport, Transport, ask_facts, close_all, probe_command
+from .probe import SessionLauncher, SrunTransport, Transport, ask_facts, close_all, open_sessions
 from .slurm import record_end, slurm_command
 from .slurm_env import SlurmAllocation
 
@@ -61,12 +61,12 @@ def find_master(alloc: SlurmAllocation, nodes: tuple[str, ...], *, python: str, 
             return route_to(peer)[0]
         except OSError as err:
             raise DisttrainError(f"{nodes[0]}: no route to {nodes[1]} at {peer}: {err}") from None
-    session = ProbeSession(SrunTransport(nodes[0], environ=environ),
-                           probe_command(python, master=peer, port=None, cwd=cwd), cwd=cwd)
+    sessions = open_sessions([SrunTransport(nodes[0], environ=environ)], python=python, master=peer, port=None,
+                             cwd=cwd, reach=False)
     try:
-        (answer,) = ask_facts([session], PROBE_TIMEOUT_S)
+        (answer,) = ask_facts(sessions, PROBE_TIMEOUT_S)
     finally:
-        close_all([session])
+        close_all(sessions)
     if isinstance(answer, Exception):
         raise answer
     return answer.facts.address

@@ -22,18 +22,17 @@ from ..config.hosts import DEFAULT_MULTIHOST_PORT, Host
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodeFacts
-from ..preflight.checks import CheckResult, fact_checks, listen_ports
+from ..preflight.checks import CheckResult, fact_checks
 from ..wire import HostFacts, Outcome
 from ..workerenv import BOOTSTRAP_NAMES
 from .base import Context, Events, Facts
 from .probe import (
-    ProbeSession,
     SessionLauncher,
     SshTransport,
     Transport,
     ask_facts,
     close_all,
-    probe_command,
+    open_sessions,
     reach_round,
 )
 from .sync import sync_all
@@ -132,10 +131,8 @@ def check_hosts(hosts: Sequence[Host], *, python: str, master: str, port: int, p
     TCP connects from every host to the master port and to every other host -- the round a
     launch runs, over one probe session per host, none of which becomes an agent."""
     env = bootstrap_env(environ)
-    sessions = [ProbeSession(SshTransport(host, options=options, env=env),
-                             probe_command(python, master=master, port=port, cwd=cwd, paths=paths,
-                                           listen=listen_ports(i, port)))
-                for i, host in enumerate(hosts)]
+    sessions = open_sessions([SshTransport(host, options=options, env=env) for host in hosts], python=python,
+                             master=master, port=port, cwd=cwd, paths=paths)
     try:
         answers = ask_facts(sessions)
         facts = [a if isinstance(a, Exception) else a.facts for a in answers]

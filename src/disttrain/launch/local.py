@@ -138,6 +138,13 @@ class InstancesLauncher(SessionLauncher):
     def session_python(self, ctx: Context) -> str:
         return sys.executable  # disttrain's own interpreter (the job's may be its own venv)
 
+    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+        check_entry(spec, ctx.cwd)  # one machine: what this process sees, every instance sees
+        return super().facts(spec, ctx)
+
+    def probe_paths(self, ctx: Context) -> Sequence[str]:
+        return ()  # a job checks its own inputs (its folder is made only when it runs, not for --dry-run)
+
     def forwarded(self, spec: LaunchSpec, ctx: Context) -> dict[str, str]:
         return {}  # the agents inherit this process's environment, and their workers theirs
 

@@ -271,11 +271,15 @@ class SessionLauncher(AgentLauncher):
     def session_python(self, ctx: Context) -> str:
         return ctx.python
 
+    def probe_paths(self, ctx: Context) -> Sequence[str]:
+        """What every node is asked to have (relative to ``ctx.cwd``)."""
+        return ctx.paths
+
     def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
         master, port = self.rendezvous(spec, ctx)
         reach = ctx.preflight and self.reach_checks
         self._sessions = open_sessions(self.transports(ctx), python=self.session_python(ctx), master=master,
-                                       port=port, cwd=ctx.cwd, paths=ctx.paths, reach=reach)
+                                       port=port, cwd=ctx.cwd, paths=self.probe_paths(ctx), reach=reach)
         answers = ask_facts(self._sessions, self.probe_timeout_s)
         hosts = [Host(name=session.name) for session in self._sessions]
         facts = [a if isinstance(a, Exception) else a.facts for a in answers]

@@ -27,7 +27,7 @@ $(VENV)/.demo: pyproject.toml constraints.txt
 # MultiWorkerMirroredStrategy). A venv made before held tensorflow-cpu, whose files the same
 # `tensorflow` folder would share: it goes first.
 $(VENV)/.test: $(VENV)/.demo
-	@echo "== installing the test extras: pytest, hypothesis, moto + s3fs, matplotlib, tensorflow + tf-keras (~2 GB, 1-3 min)"
+	@echo "== installing the test extras: pytest, hypothesis, moto + s3fs, matplotlib, tensorflow + tf-keras, MkDocs (~2 GB, 1-3 min)"
 	-$(PY) -m pip uninstall -y -q tensorflow-cpu 2>/dev/null
 	$(PIP) -q -e '.[test,plot,tensorflow]'
 	$(PY) tests/install_check.py

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib.util
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -446,9 +448,16 @@ def run_as_on_the_page(command: str, tmp: Path) -> list[str]:
     env = {**os.environ, "DISTTRAIN_HOME": str(home), "PATH": f"{bindir}:{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     env.pop("OMP_NUM_THREADS", None)  # the page shows what a user's shell gets
-    r = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=300)
-    _printed[command] = normalise(r.stdout, home=str(home))
+    # Its own process group, so that whatever it started goes with it, even after a timeout.
+    proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    _printed[command] = normalise(out, home=str(home))
     return _printed[command]
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from typing import TextIO
 
@@ -46,6 +47,23 @@ def _exported(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _handlers_kept() -> Iterator[None]:
+    """torch's worker group sets its own handlers for the stop signals and leaves them set; a
+    node run in a program's own process (the local launcher) gives the program its own back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # torch sets no handler outside the main thread either
+        return
+    signals = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: set from C, cannot be put back from Python
+                signal.signal(sig, handler)
 
 
 def _quiet_torch_elastic() -> None:
@@ -159,7 +177,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
-    with _exported(env), _watchdog(plan, node, link) as dog, RendezvousWait(
+    with _handlers_kept(), _exported(env), _watchdog(plan, node, link) as dog, RendezvousWait(
             awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node))

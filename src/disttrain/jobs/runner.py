@@ -125,7 +125,8 @@ class JobStepEvents(Events):
 
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
         planner = self.planner
-        planner.write_config(facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,))
+        planner.write_config(facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,),
+                             master_addr=plan.master_addr, master_port=plan.master_port)
         write_private(planner.layout.logs / "plan.json", plan.to_json())
         where = ", ".join(f"{i} on {w}" if i != w else i for i, w in zip(planner.layout.hosts, facts.where))
         how = {"mpi": "mpirun", "none": "once per instance"}.get(planner.spec.distribution.kind, plan.backend)

@@ -187,6 +187,60 @@ def test_max_run_exceeded_is_failed(sm_home, capsys):
     assert f"job {described['TrainingJobName']}" in shown and "MaxRuntimeExceeded" in shown
 
 
+
+def test_max_run_that_fires_before_the_launch_starts_is_failed(sm_home, monkeypatch):
+    """The max_run timer's SIGTERM reaching the runner outside the launch (here: a slow probe of
+    the instances, before the launch stops on SIGTERM itself) was recorded Stopped, "stopped by
+    SIGTERM" (issue 27); whichever of max_run and a stop comes first decides the record, once."""
+    import time as clock
+
+    from disttrain.jobs.runner import run_job
+    from disttrain.jobs.spec import spec_from_mapping
+    from disttrain.launch.local import LocalLauncher
+
+    write(sm_home / "src" / "quick.py", "print('ran', flush=True)\n")
+    probed = []
+
+    def slow_facts(self, spec, ctx):
+        probed.append(True)
+        clock.sleep(30)  # max_run (1 s) ends while the instances are being probed
+        raise AssertionError("max_run did not stop the job")
+
+    monkeypatch.setattr(LocalLauncher, "facts", slow_facts)
+    spec = spec_from_mapping({"name": "slowstart", "entry_point": "quick.py", "source_dir": "src", "max_run": 1,
+                              "private_opt_ml": "off"}, base_dir=sm_home)
+    record = run_job(spec)
+    assert probed and str(record.state) == "Failed", record.failure
+    assert record.failure.startswith("MaxRuntimeExceeded") and record.exit_code == 143
+
+
+
+def test_max_run_and_the_end_of_the_launch_decide_the_outcome_once(tmp_path):
+    """Whichever comes first wins: a launch that ended (or a stop that reached the runner) before
+    max_run fired stays as it ended; a max_run that fired first is the outcome whatever follows."""
+    import signal as signals
+
+    from disttrain.jobs.container import Watch
+    from disttrain.jobs.layout import JobLayout
+    from disttrain.jobs.spec import spec_from_mapping
+
+    spec = spec_from_mapping({"name": "w", "entry_point": "x.py", "max_run": 60}, base_dir=tmp_path)
+    layout = JobLayout(tmp_path / "job", ("algo-1",))
+    received: list[int] = []
+    previous = signals.signal(signals.SIGTERM, lambda signum, _frame: received.append(signum))
+    try:
+        ended_first = Watch(spec, layout, tmp_path / "jobs.db", 1, say=lambda _line: None)
+        assert ended_first.settle() is None
+        ended_first._expire()  # the timer firing a moment too late
+        assert (ended_first.timed_out, received) == (False, [])
+        fired_first = Watch(spec, layout, tmp_path / "jobs.db", 1, say=lambda _line: None)
+        fired_first._expire()
+        assert fired_first.settle().startswith("MaxRuntimeExceeded") and received == [signals.SIGTERM]
+        assert fired_first.settle().startswith("MaxRuntimeExceeded")  # asked again: the same answer
+    finally:
+        signals.signal(signals.SIGTERM, previous)
+
+
 CHECKPOINT_SCRIPT = """\
     import os
     path = "/opt/ml/checkpoints/step.txt"

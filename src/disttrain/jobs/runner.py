@@ -175,6 +175,9 @@ class JobRun(JobStepEvents):
             try:
                 return self._run()
             except JobStopped as stop:
+                timed_out = self.watch.settle() if self.watch else None  # the timer's own SIGTERM?
+                if timed_out:
+                    return self._end(JobState.FAILED, 128 + stop.signum, failure=timed_out)
                 return self._end(JobState.STOPPED, 128 + stop.signum, failure=f"stopped by {stop}")
             except KeyboardInterrupt:
                 return self._end(JobState.STOPPED, 130, failure="stopped by SIGINT")
@@ -198,7 +201,8 @@ class JobRun(JobStepEvents):
         self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
         with self.watch:
             outcome = self.launcher.run(launch, job_context(spec, layout, self.record.name, self.cwd), self)
-        return self._finish(outcome)
+            timed_out = self.watch.settle()  # decided: a max_run that fires from now on is too late
+        return self._finish(outcome, timed_out)
 
     # -- the launch's events: the record follows the launch --------------------------------
 
@@ -218,13 +222,12 @@ class JobRun(JobStepEvents):
         return {"kind": "job", "name": self.record.name, "job_dir": str(self.layout.root), "cwd": str(self.cwd),
                 "spec": self.spec.to_dict()}  # whole (masking is for records): the step runs it
 
-    def _finish(self, outcome: Outcome) -> JobRecord:
+    def _finish(self, outcome: Outcome, timed_out: str | None) -> JobRecord:
         layout = self.layout
         metrics = final_metrics(layout.logs)
         series = self.store.metric_series(self.id)
         if series:  # container: metric_definitions' last values
             metrics = {**(metrics or {}), **{name: points[-1][1] for name, points in series.items()}}
-        timed_out = self.watch.failure() if self.watch else None
         if timed_out:
             return self._end(JobState.FAILED, outcome.exit_code or 1, metrics=metrics, failure=timed_out)
         if outcome.signal:

@@ -20,7 +20,7 @@ import yaml
 
 from conftest import SCRIPTS, assert_all_gone, cli_env, descendants, disttrain
 from disttrain.jobs import Job
-from disttrain.store import JobStore
+from disttrain.store import JobState, JobStore
 
 NOTE = "a b; $(touch /tmp/pwned-job) 'q' \"dq\" `x` | & > <"
 
@@ -200,6 +200,51 @@ def test_jobs_stop_ends_a_running_job_and_its_processes(tmp_path, env, data):
     assert record["state"] == "Stopped" and record["events"][-1]["state"] == "Stopped"
     again = disttrain("jobs", "stop", "1", env=env)
     assert again.returncode == 0 and "already Stopped; nothing to stop" in again.stdout
+
+
+
+@pytest.mark.timeout(60)
+def test_jobs_logs_follow_ends_after_the_runners_last_line(tmp_path, env):
+    """The runner records the end, then writes its last line: a follower that ended when it saw
+    the end recorded missed that line (issue 27). It ends after the line, or at once when the
+    runner is gone without writing it."""
+    import socket
+
+    import psutil
+
+    logs = tmp_path / "job" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "job.log").write_text("[rank0] ready\n")
+    me = psutil.Process()
+    with JobStore(tmp_path / "jobs.db") as store:  # a job whose runner (this test) recorded Stopped
+        job = store.create(name="tail", spec={}, job_dir=str(tmp_path / "job"), log_dir=str(logs),
+                           runner_host=socket.gethostname(), runner_pid=me.pid, runner_started=me.create_time())
+        for state in ("Staging", "Running", "Stopped"):
+            store.transition(job.id, JobState(state))
+    follow = subprocess.Popen([sys.executable, "-m", "disttrain", "jobs", "logs", "tail", "-f"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert follow.stdout.readline() == "[rank0] ready\n"
+        with pytest.raises(subprocess.TimeoutExpired):
+            follow.wait(timeout=2)  # the runner is alive and has not written its last line
+        with open(logs / "job.log", "a") as fh:
+            fh.write(f"disttrain: job tail (id {job.id}) Stopped in 1.0 s, exit code 143; see ...\n")
+        rest, err = follow.communicate(timeout=30)
+        assert follow.returncode == 0, err
+        assert rest.startswith("disttrain: job tail (id 1) Stopped in 1.0 s")
+    finally:
+        follow.kill()
+        follow.communicate()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = psutil.Process(gone.pid).create_time()
+    gone.wait()
+    with JobStore(tmp_path / "jobs.db") as store:  # killed before its last line: nothing to wait for
+        job = store.create(name="killed", spec={}, job_dir=str(tmp_path / "job"), log_dir=str(logs),
+                           runner_host=socket.gethostname(), runner_pid=gone.pid, runner_started=started)
+        for state in ("Staging", "Running", "Stopped"):
+            store.transition(job.id, JobState(state))
+    result = disttrain("jobs", "logs", "killed", "-f", env=env, timeout=30)
+    assert result.returncode == 0 and result.stdout.startswith("[rank0] ready"), result.stderr
 
 
 # --- S3: a real S3-protocol server (moto) on loopback, reached through s3fs -------------------

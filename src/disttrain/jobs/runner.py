@@ -254,13 +254,19 @@ class JobRun(JobStepEvents):
         except TransitionError:  # `jobs stop` recorded the end first (the runner was unresponsive)
             record = self.store.get(self.id)
         took = (record.ended or time.time()) - record.created
-        line = f"disttrain: job {record.name} (id {record.id}) {record.state} in {took:.1f} s"
+        line = f"{last_line_start(record)} in {took:.1f} s"
         if record.state is JobState.COMPLETED:
             line += f"; model: {record.artifacts['model']}"
         else:
             line += f", exit code {exit_code}; see `disttrain jobs show {record.id}`"
         self.say(line)
         return record
+
+
+def last_line_start(record: JobRecord) -> str:
+    """How the runner's last line of a job's log begins (written just after the end is recorded,
+    so a follower of the log waits for it)."""
+    return f"disttrain: job {record.name} (id {record.id}) {record.state}"
 
 
 @contextlib.contextmanager

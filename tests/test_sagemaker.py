@@ -328,14 +328,17 @@ def test_requirements_txt_into_the_jobs_own_environment(sm_home):
 
 
 PS_SCRIPT = """\
-    import json, os, time
+    import json, os, socket, sys, time
     cfg = json.loads(os.environ["TF_CONFIG"])
     task = cfg["task"]
+    if task["type"] == "ps":
+        time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)  # --ps-start S: slow to start
     out = os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], f"{task['type']}.json")
     with open(out, "w") as fh:
         json.dump(cfg, fh)
-    if task["type"] == "ps":
-        time.sleep(300)  # a ps task serves until the job ends
+    if task["type"] == "ps":  # a ps task serves on its address until the job ends, as TF's Server
+        server = socket.create_server(("", int(cfg["cluster"]["ps"][task["index"]].rsplit(":", 1)[1])))
+        time.sleep(300)
 """
 
 
@@ -354,6 +357,24 @@ def test_parameter_server_tf_config_per_instance(sm_home):
     assert sorted(master["cluster"]) == ["master", "ps", "worker"] and len(master["cluster"]["ps"]) == 2
     assert master["task"] == {"type": "master", "index": 0} and worker["task"] == {"type": "worker", "index": 0}
     assert [p["task"] for p in ps] == [{"type": "ps", "index": 0}, {"type": "ps", "index": 1}]
+
+
+
+def test_parameter_server_ps_task_slow_to_start_is_kept_until_it_serves(sm_home):
+    """A ps task still starting (imports on a loaded machine) when the master's task ended was
+    stopped before it wrote anything: the job Completed without its output (issue 27). The ps task
+    is now stopped once it serves on its address (or has ended)."""
+    from disttrain.sagemaker.tensorflow import TensorFlow
+
+    write(sm_home / "src" / "ps.py", PS_SCRIPT)
+    est = TensorFlow(entry_point="ps.py", source_dir="src", instance_count=1, model_dir=False,
+                     hyperparameters={"ps-start": 3}, distribution={"parameter_server": {"enabled": True}},
+                     disttrain={"private_opt_ml": "off"})
+    est.fit()
+    job_dir = Path(est.latest_training_job.describe()["JobDir"])
+    assert (job_dir / "algo-1" / "output" / "data" / "master.json").exists()
+    ps = json.loads((job_dir / "algo-1" / "output" / "data" / "ps.json").read_text())
+    assert ps["task"] == {"type": "ps", "index": 0}
 
 
 def test_contract_units():

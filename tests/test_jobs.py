@@ -247,6 +247,72 @@ def test_jobs_logs_follow_ends_after_the_runners_last_line(tmp_path, env):
     assert result.returncode == 0 and result.stdout.startswith("[rank0] ready"), result.stderr
 
 
+
+STEPS_SCRIPT = """\
+import time
+for step in range(5):
+    print(f"step {step} loss={1.0 / (step + 1):.4f}", flush=True)
+    print(f"lr={0.1 / (step + 1):.4f}", flush=True)  # a line of its own, right after: no step in it
+    time.sleep(0.3)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_metric_points_are_timed_as_printed_and_plotted_by_step(tmp_path, env):
+    """Points were timed when a 0.5 s poll of the log found them (a batch shared one time: +0.0,
+    +0.0, +1.4, +1.4 s); now each line's point is timed when the launch relayed it, and the plot's
+    x axis is the step the job reports (issue 27)."""
+    from disttrain.jobs.metrics import plot_axes
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "steps.py").write_text(STEPS_SCRIPT)
+    spec = spec_file(tmp_path, "steps", entry_point="steps.py", source_dir=str(tmp_path / "src"),
+                     private_opt_ml="off",
+                     metric_definitions=[{"Name": "step", "Regex": r"step (\d+)"},
+                                         {"Name": "loss", "Regex": r"loss=([0-9.]+)"},
+                                         {"Name": "lr", "Regex": r"lr=([0-9.]+)"}])
+    result = disttrain("job", "run", str(spec), env=env, timeout=100)
+    assert result.returncode == 0, result.stderr
+    with JobStore(tmp_path / "jobs.db") as store:
+        series = store.metric_series(1)
+    assert len({t for name in ("loss", "lr") for t, _ in series[name]}) == 10  # every line its own time
+    assert [t for t, _ in series["step"]] == [t for t, _ in series["loss"]]
+    xlabel, drawn = plot_axes(series)
+    assert xlabel == "step"
+    assert drawn["loss"] == ([0, 1, 2, 3, 4], [1.0, 0.5, 0.3333, 0.25, 0.2])
+    assert drawn["lr"] == ([0, 1, 2, 3, 4], [0.1, 0.05, 0.0333, 0.025, 0.02])
+    plotted = disttrain("jobs", "metrics", "1", "--plot", str(tmp_path / "noext"), env=env)
+    assert plotted.returncode == 0, plotted.stderr
+    assert plotted.stdout.strip() == f"wrote {tmp_path / 'noext.png'}"
+    assert (tmp_path / "noext.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "noext").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("where", "fragment"), [
+    ("/proc/x.png", "cannot write in /proc"),
+    ("{tmp}/nonexistent/dir/x.png", "the folder {tmp}/nonexistent/dir does not exist"),
+    ("{tmp}/plot.foo", ".foo is not an image format"),
+])
+def test_a_plot_path_that_cannot_be_written_is_one_line(tmp_path, env, where, fragment):
+    with JobStore(tmp_path / "jobs.db") as store:
+        job = store.create(name="m", spec={}, job_dir=str(tmp_path / "job"))
+        store.add_metrics(job.id, [("loss", 1.0, 0.5), ("loss", 2.0, 0.25)])
+    where, fragment = where.format(tmp=tmp_path), fragment.format(tmp=tmp_path)
+    result = disttrain("jobs", "metrics", "m", "--plot", where, env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and fragment in result.stderr, result.stderr
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_a_metric_regex_without_a_group_is_refused_when_the_spec_is_read(tmp_path, env):
+    spec = spec_file(tmp_path, "nogroup", metric_definitions=[{"Name": "loss", "Regex": "loss=[0-9.]+"}])
+    result = disttrain("job", "run", str(spec), env=env)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "metric_definitions[0].Regex 'loss=[0-9.]+' has no group" in result.stderr
+    assert "(e.g. 'loss=([0-9.eE+-]+)')" in result.stderr
+    assert not (tmp_path / "jobs.db").exists() or disttrain("jobs", "ls", env=env).stdout.count("\n") == 1
+
+
 # --- S3: a real S3-protocol server (moto) on loopback, reached through s3fs -------------------
 
 @pytest.mark.timeout(150)

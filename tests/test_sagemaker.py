@@ -545,7 +545,7 @@ def test_mpirun_output_and_metric_definitions_units():
     assert untag.feed("mpirun's own line\n") == ["mpirun's own line\n"]
     assert untag.feed("[1,2]<stderr>:no newline yet") == []
     assert untag.flush() == ["[algo-2 rank2] no newline yet\n"]
-    defs = check_definitions([{"Name": "loss", "Regex": r"loss=([0-9.e+-]+)"}, {"Name": "n", "Regex": r"\d+"}])
+    defs = check_definitions([{"Name": "loss", "Regex": r"loss=([0-9.e+-]+)"}, {"Name": "n", "Regex": r"(\d+)"}])
     assert match_line(defs, "step 3 loss=2.5e-03") == [("loss", 0.0025), ("n", 3.0), ("n", 2.0), ("n", 5.0), ("n", 3.0)]
     with pytest.raises(UsageError, match=r"metric_definitions\[0\].Regex '\(' is not a regular expression"):
         check_definitions([{"Name": "x", "Regex": "("}])

@@ -186,14 +186,18 @@ def _print_from(path: Path, offset: int, tail: bytes) -> tuple[int, bytes]:
 
 
 def handle_metrics(args: argparse.Namespace) -> int:
+    if args.plot:
+        from ..plotfile import plot_path, require_matplotlib
+
+        require_matplotlib()
+        png = plot_path(args.plot)
     with _store(args) as store:
         record = store.get(args.job)
         series = store.metric_series(record.id)
     if args.plot:
         from ..jobs.metrics import plot_series
 
-        plot_series(series, Path(args.plot), title=f"job {record.name}")
-        print(f"wrote {args.plot}")
+        print(f"wrote {plot_series(series, png, title=f'job {record.name}')}")
     if args.json:
         print(json.dumps(series))
     elif not args.plot:

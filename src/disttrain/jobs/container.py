@@ -146,8 +146,7 @@ class Watch:
                  say: Callable[[str], None]) -> None:
         self.spec, self.layout, self.say = spec, layout, say
         # TensorBoard event files in the job folder: tensorboard --logdir ~/.disttrain/jobs shows every job
-        self.metrics = MetricWatcher(spec.metric_definitions, layout.transcript, store_path, job_id,
-                                     events_dir=layout.root / "tensorboard")
+        self.metrics = MetricWatcher(spec.metric_definitions, store_path, job_id, events_dir=layout.root / "tensorboard")
         self.syncer = (Syncer(spec.checkpoint_s3_uri, self._checkpoint_dirs(), spec.storage_options, say)
                        if spec.checkpoint_s3_uri else None)
         self.timed_out = False

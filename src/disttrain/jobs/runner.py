@@ -199,6 +199,7 @@ class JobRun(JobStepEvents):
         launch = launch_spec(spec, layout, self.cwd)
         # container: metrics, checkpoint sync and max_run (under Slurm, time in the queue counts too)
         self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
+        self.transcript = self.watch.metrics.tap(self.transcript)  # each line timed as the launch writes it
         with self.watch:
             outcome = self.launcher.run(launch, job_context(spec, layout, self.record.name, self.cwd), self)
             timed_out = self.watch.settle()  # decided: a max_run that fires from now on is too late

@@ -220,6 +220,7 @@ def usage_error(capsys, *argv: str) -> str:
     ([TINY, "--batch-arg=--per-proc", "--", "--per-proc=4"], "--per-proc=4 is in the script's"),
     ([TINY, "--samples", "5"], "unrecognized arguments: --samples 5; the script's own arguments go after `--`"),
     (["missing.py"], "script not found: missing.py"),
+    ([str(SCRIPTS)], f"{SCRIPTS} is a directory, not a script"),
     ([TINY, "--env", "oops"], "--env oops: oops is not set in this environment"),
     ([TINY, "--steps", "0"], "--steps must be at least 1"),
     ([TINY, "--timeout", "0"], "--timeout must be more than 0 seconds"),

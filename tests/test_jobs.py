@@ -248,6 +248,27 @@ def test_jobs_logs_follow_ends_after_the_runners_last_line(tmp_path, env):
 
 
 
+
+def test_jobs_logs_of_a_rank_that_printed_nothing_is_empty_not_an_error(tmp_path, env):
+    logs = tmp_path / "job" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "plan.json").write_text(json.dumps({"world_size": 2}))
+    (logs / "rank0.log").write_text("hello from 0\n")
+    with JobStore(tmp_path / "jobs.db") as store:
+        job = store.create(name="quiet", spec={}, job_dir=str(tmp_path / "job"), log_dir=str(logs))
+        for state in ("Staging", "Running", "Uploading", "Completed"):
+            store.transition(job.id, JobState(state))
+    assert disttrain("jobs", "logs", "quiet", "--rank", "0", env=env).stdout == "hello from 0\n"
+    silent = disttrain("jobs", "logs", "quiet", "--rank", "1", env=env)
+    assert (silent.returncode, silent.stdout) == (0, "")
+    assert silent.stderr == "disttrain: job quiet: rank 1 has printed nothing\n"
+    followed = disttrain("jobs", "logs", "quiet", "--rank", "1", "-f", env=env)
+    assert (followed.returncode, followed.stdout) == (0, "")
+    wrong = disttrain("jobs", "logs", "quiet", "--rank", "2", env=env)
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1
+    assert "--rank 2: job quiet has ranks 0..1" in wrong.stderr
+
+
 STEPS_SCRIPT = """\
 import time
 for step in range(5):

@@ -147,6 +147,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         global_batch=args.global_batch, batch_arg=args.batch_arg, steps=args.steps,
         warmup=args.warmup, timeout_s=args.timeout,
     )
+    if not spec.hosts and not launch.is_module and Path(spec.script).is_dir():
+        raise UsageError(f"{spec.script} is a directory, not a script: name the .py file to run in it")
     if not spec.hosts and not launch.is_module and not Path(spec.script).is_file():
         raise UsageError(f"script not found: {spec.script}")
     return spec

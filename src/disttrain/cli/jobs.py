@@ -136,14 +136,33 @@ def handle_logs(args: argparse.Namespace) -> int:
         record = store.get(args.job)
         logs = Path(record.log_dir or Path(record.job_dir) / "logs")
         path = logs / ("job.log" if args.rank is None else f"rank{args.rank}.log")
+        if args.rank is not None:
+            _check_rank(record, logs, args.rank)
         if not args.follow and not path.exists():
-            what = "no output yet" if args.rank is None else f"no output of rank {args.rank}"
-            raise UsageError(f"job {record.name}: {what} ({path})")
+            if args.rank is None:
+                raise UsageError(f"job {record.name}: no output yet ({path})")
+            # A rank that printed nothing is not a mistake: its (empty) output, and a word on stderr.
+            print(f"disttrain: job {record.name}: rank {args.rank} has printed nothing"
+                  f"{'' if record.state.final else ' yet'}", file=sys.stderr)
+            return 0
         if args.follow:
             _follow(store, record, path, job_log=args.rank is None)
         else:
             _print_from(path, 0, b"")
     return 0
+
+
+def _check_rank(record, logs: Path, rank: int) -> None:
+    """``--rank`` names one of the job's ranks (known once it started: its plan.json)."""
+    from ..errors import UsageError
+
+    try:
+        world = json.loads((logs / "plan.json").read_text())["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        world = None  # not started yet, or a plan from elsewhere: any rank may come
+    if rank < 0 or (world is not None and rank >= world):
+        ranks = f"ranks 0..{world - 1}" if world else "ranks from 0"
+        raise UsageError(f"--rank {rank}: job {record.name} has {ranks}")
 
 
 def _follow(store, record, path: Path, *, job_log: bool) -> None:

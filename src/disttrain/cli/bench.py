@@ -152,18 +152,12 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         launch=launch, where=tuple(where), counts=parse_counts(args.nproc), hosts=tuple(h.name for h in hosts or ()),
         global_batch=args.global_batch, batch_arg=args.batch_arg, steps=args.steps,
         warmup=args.warmup, timeout_s=args.timeout, repeat=args.repeat,
-        first_host=_host_text(hosts[0]) if hosts else None,
     )
     if not spec.hosts and not launch.is_module and Path(spec.script).is_dir():
         raise UsageError(f"{spec.script} is a directory, not a script: name the .py file to run in it")
     if not spec.hosts and not launch.is_module and not Path(spec.script).is_file():
         raise UsageError(f"script not found: {spec.script}")
     return spec
-
-
-def _host_text(host) -> str:
-    name = f"[{host.name}]" if ":" in host.name and host.port else host.name
-    return f"{host.user + '@' if host.user else ''}{name}{f':{host.port}' if host.port else ''}"
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -184,8 +178,7 @@ def handle(args: argparse.Namespace) -> int:
         raise UsageError(f"--link-gbit must be more than 0, got {args.link_gbit:g}")
     measurements = run_all(spec)
     comm_results = comm.measure(spec, link_gbit=args.link_gbit, plain={
-        m.nproc: m.samples_per_s for m in measurements if m.ok},
-        threads={m.nproc: m.threads for m in measurements}) if args.comm else []
+        m.nproc: m.samples_per_s for m in measurements if m.ok}) if args.comm else []
     rows = report.scaling(measurements)
     cpus, gpus = machine_facts(measurements, local=not spec.hosts)
     hosts = max(1, len(spec.hosts))

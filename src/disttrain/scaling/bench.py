@@ -33,7 +33,6 @@ class BenchSpec:
     warmup: int
     timeout_s: float
     repeat: int = 1  # runs of each count, the counts interleaved
-    first_host: str | None = None  # [user@]host[:port] of hosts[0], as --hosts takes it
 
     def __post_init__(self) -> None:
         for name, value, low in (("--global-batch", self.global_batch, 1), ("--steps", self.steps, 1),
@@ -82,24 +81,6 @@ class BenchSpec:
 
     def command(self) -> list[str]:
         return runner.count_argv(self.where)
-
-    def alone(self, nproc: int, *, warmup: int, env: dict[str, str]) -> tuple[list[str], LaunchSpec]:
-        """One process of count ``nproc`` by itself: its per-process batch, a world of one, on
-        the first host only (``--comm``'s compute reference). Returns (command, spec)."""
-        world = nproc * max(1, len(self.hosts))
-        spec = runner.count_spec(self.launch, nproc=1, batch_per_process=self.global_batch // world,
-                                 batch_arg=self.batch_arg, steps=self.steps, warmup=warmup, env=env)
-        where, skip = [], False
-        for word in self.where:  # every launcher flag but the host list...
-            if skip:
-                skip = False
-            elif word in ("--hosts", "--hostfile"):
-                skip = True
-            else:
-                where.append(word)
-        if self.first_host:  # ...which becomes its first host
-            where = ["--hosts", self.first_host, *where]
-        return runner.count_argv(tuple(where)), spec
 
 
 def parse_counts(text: str) -> tuple[int, ...]:

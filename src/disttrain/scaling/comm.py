@@ -2,28 +2,26 @@
 gradient compression is worth turning on.
 
 ``disttrain bench --comm`` times each multi-process count, through the same step timer, as
-asked, with each compression, and its compute reference: **one process of the count by
-itself** (its per-process batch and threads, a world of one, on the first host), with denormal
-floats flushed to zero. That is the fastest a rank can do its share of a step, so N of them,
-however they communicate, cannot go faster: a true upper bound. From them:
+asked, with each compression, and its compute reference: the same count with DDP exchanging
+no gradients at all (torch's no-op communication hook: the same steps, the same ranks sharing
+the same cores, no wire), with denormal floats flushed to zero, the better of OpenMP's two ways
+of waiting. From them:
 
-- compute time per step = the reference's step (the better of OpenMP's two ways of waiting:
-  busy, fastest on free cores; passive, far faster when other work holds them); the rest of
-  the synchronous step is
-  communication and waiting (for the wire, and for cores other ranks on the machine hold);
-- the bus bandwidth that remainder implies for the gradient size, against the ring
-  all-reduce's bound 2(N-1)/N * S / B when the link rate B is given;
+- compute time per step = the reference's step; communication = what the synchronous step
+  adds to it (what the all-reduce adds after overlapping with the backward pass);
+- the bus bandwidth that communication time implies for the gradient size, against the
+  ring all-reduce's bound 2(N-1)/N * S / B when the link rate B is given;
 - a recommendation: the fastest compression if it beats plain DDP by more than
   :data:`WORTH`, else none (a compute-bound job gains nothing and pays accuracy).
 
-The reference was once DDP with torch's no-op communication hook, every rank at once. On two
-namespace "hosts" sharing 2 cores it measured 245 samples/s against PowerSGD's 1,110: each
-host gave each rank 2 OpenMP threads, so 4 threads busy-waited for 2 cores whenever all ranks
-computed at once (a run that communicates leaves cores free while it waits), and the exact
-gradients of a model near convergence made the optimizer's state denormal, a slow path of the
-CPU that fp16's rounding and PowerSGD's approximation never take. Neither can touch a process
-alone with denormals flushed. Should a run still beat the reference (noise), the split is not
-given rather than given wrong.
+The reference must bound every run, and once did not: on two namespace "hosts" sharing 2
+cores it measured 273 samples/s against PowerSGD's 1,174 and plain DDP's 114. Two causes,
+each measured here: OpenMP threads busy-wait between parallel regions, and each host gave each
+rank 2 threads, so with all ranks computing at once 4 threads spun for 2 cores (passive
+waiting: 132 -> 859 samples/s); and the exact gradients of a model near convergence drive the
+arithmetic into denormal floats, the CPU's slow path, which fp16's rounding and PowerSGD's
+approximation never take (flushed: 859 -> 2,012, above PowerSGD's 1,886). Should a run still
+beat the reference (noise), the split is not given rather than given wrong.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ import sys
 from dataclasses import dataclass
 
 from ..runtime.comm import POWERSGD_START
-from ..workerenv import BENCH_FLUSH_DENORMAL
+from ..workerenv import BENCH_FLUSH_DENORMAL, BENCH_NO_SYNC
 from . import runner
 
 # A compression must beat plain all-reduce by this factor to be recommended: below it the
@@ -119,7 +117,7 @@ class CommResult:
     world_size: int
     global_batch: int
     plain: float | None  # samples/s
-    compute_only: float | None  # the reference: a process alone, times world_size (an upper bound)
+    compute_only: float | None  # the reference: no gradient sync, denormals flushed (an upper bound)
     compressed: dict[str, float]
     gradient_bytes: int | None
     link_gbit: float | None
@@ -154,7 +152,7 @@ class CommResult:
         return {
             "nproc": self.nproc, "world_size": self.world_size,
             "samples_per_s": {"plain": self.plain, "compute_reference": self.compute_only, **self.compressed},
-            "reference": "one process alone, denormals flushed, times the world size (an upper bound)",
+            "reference": "no gradient sync, denormals flushed, the better OpenMP wait (an upper bound)",
             "reference_beaten_by": {"run": beaten[0], "samples_per_s": beaten[1]} if beaten else None,
             "gradient_bytes": self.gradient_bytes,
             "step_s": split.step_s if split else None,
@@ -177,14 +175,13 @@ class CommResult:
         beaten = self.beaten_by
         if beaten:
             out = [f"{head} no split: {beaten[0]} ran at {beaten[1]:,.0f} samples/s, above the compute "
-                   f"reference's {self.compute_only:,.0f} (one process alone x {self.world_size}), which should "
-                   "bound every run: the machine's noise; run it again on a quiet machine"]
+                   f"reference's {self.compute_only:,.0f} (no gradient sync), which should bound every run: the "
+                   "machine's noise; run it again on a quiet machine"]
         elif split is None:
             return [f"{head} not measured ({'; '.join(self.errors) or 'no throughput'})"]
         else:
-            out = [f"{head} step {split.step_s * 1e3:,.0f} ms = compute {split.compute_s * 1e3:,.0f} ms (a process "
-                   f"alone) + communication and waiting {split.comm_s * 1e3:,.0f} ms ({split.comm_fraction:.0%}): "
-                   f"{split.bound}-bound"]
+            out = [f"{head} step {split.step_s * 1e3:,.0f} ms = compute {split.compute_s * 1e3:,.0f} ms "
+                   f"+ communication {split.comm_s * 1e3:,.0f} ms ({split.comm_fraction:.0%}): {split.bound}-bound"]
         if self.gradient_bytes and split:
             detail = f"  gradients {self.gradient_bytes / 1e6:,.1f} MB per step"
             bus = split.bus_gbit()
@@ -204,13 +201,16 @@ class CommResult:
 
 
 def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TRIED,
-            plain: dict[int, float] | None = None, threads: dict[int, int | None] | None = None) -> list[CommResult]:
+            plain: dict[int, float] | None = None) -> list[CommResult]:
     """Each count of ``spec`` (a :class:`~.bench.BenchSpec`) with two or more processes:
     plain, each compression in ``tried``, and the compute reference (see the module), one
     ``disttrain run`` after the other, ``spec.repeat`` rounds with the order rotated, the best
     run of each kept. ``plain``: samples/s per count already measured (the bench's own runs),
-    not measured again; ``threads``: each count's intra-op threads per process, as its runs
-    reported them (the reference gets as many)."""
+    not measured again."""
+    no_sync = {BENCH_NO_SYNC: "1", BENCH_FLUSH_DENORMAL: "1"}
+    # OpenMP threads busy-wait between parallel regions: fastest on free cores, far slower when
+    # other threads hold them; the reference takes the better of both ways of waiting.
+    references = {"reference": no_sync, "reference, passive wait": {**no_sync, "OMP_WAIT_POLICY": "PASSIVE"}}
     hosts = max(1, len(spec.hosts))
     results = []
     for n in spec.counts:
@@ -218,11 +218,6 @@ def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TR
         if world < 2:
             continue
         known = (plain or {}).get(n)
-        per_process = (threads or {}).get(n)
-        alone_env = {BENCH_FLUSH_DENORMAL: "1", **({"OMP_NUM_THREADS": str(per_process)} if per_process else {})}
-        # OpenMP threads busy-wait between parallel regions: fastest on free cores, far slower when
-        # something else holds them; the reference takes the better of both ways of waiting.
-        references = {"reference": alone_env, "reference, passive wait": {**alone_env, "OMP_WAIT_POLICY": "PASSIVE"}}
         variants = [*([] if known else ["plain"]), *references, *tried]
         rates: dict[str, float] = {"plain": known} if known else {}
         errors: dict[str, str] = {}
@@ -236,22 +231,17 @@ def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TR
                 # reference as late: a model's steps can get cheaper as it trains).
                 late = name == "powersgd" or (name in references and "powersgd" in tried)
                 warmup = max(spec.warmup, POWERSGD_START + 1) if late else spec.warmup
-                if name in references:
-                    argv, count = spec.alone(n, warmup=warmup, env=references[name])
-                else:
-                    argv = spec.command()
-                    count = spec.count(n, warmup=warmup, **({} if name == "plain" else {"grad_compression": name}))
-                outcome = runner.run_count(argv, count, timeout_s=spec.timeout_s)
+                fields = ({"env": references[name]} if name in references else
+                          {} if name == "plain" else {"grad_compression": name})
+                outcome = runner.run_count(spec.command(), spec.count(n, warmup=warmup, **fields),
+                                           timeout_s=spec.timeout_s)
                 parsed = runner.parse_output(outcome.stdout) if outcome.returncode == 0 else None
                 rate = parsed[1].get("samples_per_s") if parsed else None
                 if not rate:
                     errors[name] = f"{name}: exit {outcome.returncode}, no measurement"
                     continue
-                if name in references:
-                    rate *= world  # one process's samples/s, as if every rank ran alone at once
-                    name = "reference"
-                else:
-                    grad_bytes = grad_bytes or parsed[1].get("gradient_bytes")
+                grad_bytes = grad_bytes or parsed[1].get("gradient_bytes")
+                name = "reference" if name in references else name
                 rates[name] = max(rate, rates.get(name, 0.0))
         results.append(CommResult(
             nproc=n, world_size=world, global_batch=spec.global_batch, plain=rates.get("plain"),

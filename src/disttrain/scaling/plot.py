@@ -14,8 +14,8 @@ __all__ = ["require_matplotlib", "write_plot"]
 
 FIGURE_INCHES = (6.4, 4.4)
 TITLE_POINTS = 9
-# Characters of a title line that fit the figure's width at TITLE_POINTS (about 0.55 em a character).
-TITLE_CHARS = int(FIGURE_INCHES[0] * 72 / (TITLE_POINTS * 0.55)) - 4
+# Characters of a title line that fit the figure's width at TITLE_POINTS (about 0.6 em a character).
+TITLE_CHARS = int(FIGURE_INCHES[0] * 72 / (TITLE_POINTS * 0.6)) - 4
 
 
 def wrap_title(title: str) -> str:
@@ -52,6 +52,7 @@ def write_plot(path: str | os.PathLike[str], rows: Sequence[Row], *, title: str)
                 ax.annotate("failed", (r.world_size, 0), textcoords="offset points", xytext=(-3, 3),
                             ha="right", color="red", fontsize=8)
         ax.set_xticks(worlds)
+        ax.margins(x=0.15)  # room for the labels of the first and last points
         ax.set_xlabel("processes")
         ax.set_ylabel("speed-up (samples/s over the smallest count)")
         ax.set_ylim(bottom=0, top=max([*(r.ideal for r in rows), *(r.speedup for r in done)]) * 1.15)

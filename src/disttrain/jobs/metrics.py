@@ -24,7 +24,6 @@ from typing import Any, TextIO
 
 from ..errors import UsageError
 
-POLL_S = 0.5
 STEP_NAMES = ("step", "iteration", "iter", "epoch")  # a series by one of these names is the plots' x axis
 
 

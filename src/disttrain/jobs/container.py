@@ -163,8 +163,9 @@ class Watch:
             if self._settled:  # the launch ended, or a stop got there first: that is the outcome
                 return
             self.timed_out = True
+            # Said before the signal: once it is sent, the runner may end and close the job's log.
+            self.say(f"disttrain: {MAX_RUNTIME}: the job ran for max_run={self.spec.max_run} s; stopping it")
             os.kill(os.getpid(), signal.SIGTERM)  # the launch stops every instance, as on `jobs stop`
-        self.say(f"disttrain: {MAX_RUNTIME}: the job ran for max_run={self.spec.max_run} s; stopping it")
 
     def settle(self) -> str | None:
         """The launch has ended, or the runner is stopping (a SIGTERM it cannot tell from the

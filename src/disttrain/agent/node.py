@@ -27,6 +27,7 @@ from ..workerenv import HEARTBEAT_DIR, attempt_library_env
 from . import lifeline
 from .attempt_store import AttemptStores
 from .elastic_config import endpoint, launch_config
+from .oom import OomWatch
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
@@ -186,13 +187,14 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                 entry, args = run_path, list(plan.argv[2:])
             else:  # each worker dies with this agent, even when it is SIGKILLed (see lifeline.py)
                 entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable)
+            oom = OomWatch()  # the kernel's OOM kills from now on: a worker's SIGKILL may be one
             elastic_launch(config, entry)(*args)
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)
             first = root_cause(failures, plan.run_dir)
             failed = {f.rank for f in failures}
             finished = tuple(w.rank for w in node.workers if w.rank not in failed)
-            print(format_failure(first, failures, plan.run_dir, finished=finished),
+            print(format_failure(first, failures, plan.run_dir, finished=finished, oom=oom),
                   file=report_to, flush=True)
             return first.exit_code
         except SignalException as err:

@@ -255,16 +255,28 @@ def test_every_documented_option_is_real():
 # ------------------------------------------------------------------------ every environment variable, both ways
 
 ENV_NAME = re.compile(r"^[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+$")
-# String constants in src/ that look like variable names but name something else.
-NOT_VARIABLES = {
-    "BOOT_FAIL": "a Slurm job state", "NODE_FAIL": "a Slurm job state", "OUT_OF_MEMORY": "a Slurm job state",
-    "SPECIAL_EXIT": "a Slurm job state",
-}
 
 
 def _is_environ(node: ast.AST) -> bool:
     name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
     return name.lower().endswith("environ") or name == "getenv"
+
+
+def _environ_keys(node: ast.AST) -> list[ast.AST]:
+    """The key expressions ``node`` reads from something called ``environ``: ``environ.get(K)``,
+    ``environ[K]``, ``K in environ``, ``f(environ, K)``, ``os.getenv(K)``."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in ("get", "pop", "setdefault") and _is_environ(func.value) \
+                or _is_environ(func):
+            return node.args[:1]
+        if any(_is_environ(arg) for arg in node.args):
+            return list(node.args)
+    elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
+        return [node.slice]
+    elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
+        return [node.left]
+    return []
 
 
 def _text(node: ast.AST, constants: dict[str, str]) -> str | None:
@@ -275,12 +287,13 @@ def _text(node: ast.AST, constants: dict[str, str]) -> str | None:
 
 
 def source_variables() -> tuple[set[str], set[str]]:
-    """(the variables disttrain reads: required on a page, every string constant in src/ a page may name).
+    """(the variables disttrain reads: each must be on a page; every string constant in src/: a page may name those).
 
-    Read: every DISTTRAIN_-like constant (``NAME_WITH_UNDERSCORES``) in src/ outside ``__all__``, and any
-    constant -- a literal or a module constant naming one -- used as a key of something called ``environ``
-    (``environ.get(K)``, ``environ[K]``, ``K in environ``, ``f(environ, K)``, ``os.getenv(K)``); and torchrun's
-    ``PET_<DEST>`` variables, made from its option table."""
+    Read: every ``DISTTRAIN_*`` constant in src/ (outside ``__all__``); every constant -- a literal, or a module
+    constant naming one -- that is a key read from something called ``environ`` (see ``_environ_keys``), or, when
+    the key is a ``for`` loop's variable, the constants the loop goes over; and torchrun's ``PET_<DEST>``
+    variables, made from its option table. Names only written for the workers or a job's script (``SM_*``) are
+    not reads: they may be documented, as constants of src/, and need not be."""
     from disttrain.config import torchrun
 
     read, constants = set(), set()
@@ -292,28 +305,21 @@ def source_variables() -> tuple[set[str], set[str]]:
         exported = {id(elt) for node in tree.body if isinstance(node, ast.Assign)
                     and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
                     for elt in ast.walk(node.value)}
-
+        loops = {name.id: loop.iter for loop in ast.walk(tree) if isinstance(loop, ast.For)
+                 for name in ast.walk(loop.target) if isinstance(name, ast.Name)}
         for node in ast.walk(tree):
-            keys: list[ast.AST] = []
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in exported:
                 constants.add(node.value)
-                if ENV_NAME.match(node.value) and node.value not in NOT_VARIABLES:
+                if node.value.startswith("DISTTRAIN_") and ENV_NAME.match(node.value):
                     read.add(node.value)
-            elif isinstance(node, ast.Call):
-                func = node.func
-                if isinstance(func, ast.Attribute) and func.attr in ("get", "pop", "setdefault") and \
-                        _is_environ(func.value) or _is_environ(func):
-                    keys += node.args[:1]
-                elif any(_is_environ(arg) for arg in node.args):
-                    keys += node.args
-            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
-                keys.append(node.slice)
-            elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
-                keys.append(node.left)
-            for key in keys:
-                text = _text(key, module_constants)
-                if text and re.fullmatch(r"[A-Z][A-Z0-9_]*", text):
-                    read.add(text)
+            for key in _environ_keys(node):
+                candidates = [key]
+                if isinstance(key, ast.Name) and key.id in loops:
+                    candidates = [c for c in ast.walk(loops[key.id]) if isinstance(c, ast.Constant)]
+                for candidate in candidates:
+                    text = _text(candidate, module_constants)
+                    if text and re.fullmatch(r"[A-Z][A-Z0-9_]*", text):
+                        read.add(text)
     pet = {torchrun.env_name(option.dest) for option in torchrun.OPTIONS}
     return read | pet, constants | pet
 

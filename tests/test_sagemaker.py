@@ -196,7 +196,7 @@ def test_max_run_that_fires_before_the_launch_starts_is_failed(sm_home, monkeypa
 
     from disttrain.jobs.runner import run_job
     from disttrain.jobs.spec import spec_from_mapping
-    from disttrain.launch.local import LocalLauncher
+    from disttrain.launch.local import InstancesLauncher
 
     write(sm_home / "src" / "quick.py", "print('ran', flush=True)\n")
     probed = []
@@ -206,7 +206,7 @@ def test_max_run_that_fires_before_the_launch_starts_is_failed(sm_home, monkeypa
         clock.sleep(30)  # max_run (1 s) ends while the instances are being probed
         raise AssertionError("max_run did not stop the job")
 
-    monkeypatch.setattr(LocalLauncher, "facts", slow_facts)
+    monkeypatch.setattr(InstancesLauncher, "facts", slow_facts)
     spec = spec_from_mapping({"name": "slowstart", "entry_point": "quick.py", "source_dir": "src", "max_run": 1,
                               "private_opt_ml": "off"}, base_dir=sm_home)
     record = run_job(spec)

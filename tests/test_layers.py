@@ -1,6 +1,7 @@
 """The package's layering, as written in pyproject.toml's import-linter contracts: clients
-(cli, jobs) on the launchers on the agent/probes on the planner, no import cycle between
-sibling modules (imports inside functions count: grimp sees them)."""
+(cli, jobs) on the launchers on the agent on the probes on the messages (wire) on the planner,
+the launch side and the runtime apart, no import cycle between sibling modules (imports
+inside functions count: grimp sees them)."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_sigkill_of_job_runner_leaves_no_agent_or_worker(tmp_path):
         agents = [p.pid for p in psutil.Process(proc.pid).children()]
         assert agents
         # The agents stop their workers first, within their stop grace (15 s); an agent whose
-        # shutdown torch left waiting on its log tailers exits 10 s later (cli/agent.py).
+        # shutdown torch left waiting on its log tailers exits 10 s later (agent/entry.py).
         _sigkill_and_check(proc, pids + agents, timeout=40)
     finally:
         kill_tree(proc.pid)

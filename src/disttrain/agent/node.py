@@ -112,7 +112,8 @@ def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailur
 
 class LauncherLink:
     """An agent started by a launcher (``disttrain agent``): heartbeats go up on stderr, and the
-    launcher's one request, ``dump`` (no progress on any host), comes down on stdin."""
+    launcher's one request (:class:`~disttrain.wire.DumpRequest`: no progress on any host) comes
+    down on stdin."""
 
     def __init__(self) -> None:
         self.dog: Watchdog | None = None
@@ -121,8 +122,8 @@ class LauncherLink:
         sys.stderr.write(line + "\n")  # one write: torch's log tailers share the stream
         sys.stderr.flush()
 
-    def request(self, word: str, plan: LaunchPlan) -> None:
-        if word == "dump" and self.dog is not None:
+    def dump(self, plan: LaunchPlan) -> None:
+        if self.dog is not None:
             self.dog.dump_and_stop(plan.hang_timeout_s)
 
 

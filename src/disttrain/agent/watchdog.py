@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from ..wire import Beats
+
 HANG_EXIT = 124  # as timeout(1): the job ran out of time, nothing crashed
 POLL_S = 1.0
 DUMP_WAIT_S = 3.0
@@ -166,14 +168,9 @@ def _in_own_code(stack_text: str) -> bool:
     return bool(frames) and not _is_library(frames[0]["file"])
 
 
-BEATS_LINE = "disttrain-beats "  # an agent's heartbeat summary on stderr, consumed by the launcher
-
-
 def beats_line(host: str, beats: list[Beat], now: float) -> str:
-    """What the launcher needs from this node each second: every live rank's steps and the
-    age of its last progress (ages, not times: the hosts' clocks need not agree)."""
-    ranks = {b.rank: [b.steps, round(now - b.mtime, 2)] for b in beats}
-    return BEATS_LINE + json.dumps({"host": host, "ranks": ranks})
+    """What the launcher needs from this node each second (:class:`~disttrain.wire.Beats`)."""
+    return Beats(host=host, ranks={b.rank: (b.steps, round(now - b.mtime, 2)) for b in beats}).to_line()
 
 
 class Watchdog:

@@ -7,8 +7,8 @@ import json
 import os
 
 from ..errors import UsageError
-from ..launch.ssh import master_address, probe_all
-from ..preflight.checks import CheckResult, fact_checks, local_checks, reach_checks
+from ..launch.ssh import check_hosts, master_address
+from ..preflight.checks import CheckResult, local_checks
 from ..ssh import parse_ssh_options
 from .common import DEFAULT_MULTIHOST_PORT, add_host_args, hosts_from_args
 
@@ -45,11 +45,8 @@ def handle(args: argparse.Namespace) -> int:
         return report(local_checks(fact, master_port=args.master_port), as_json=args.json)
     options = parse_ssh_options(args.ssh_option)
     master = args.master_addr or master_address(hosts[0], options)
-    common = dict(python=args.python, options=options)
-    facts = probe_all(hosts, master=master, port=args.master_port, paths=args.path, cwd=os.getcwd(), **common)
-    results = fact_checks(hosts, facts, master_port=args.master_port)
-    if all(isinstance(f, dict) for f in facts):
-        results += reach_checks(hosts, facts, master_port=args.master_port, **common)
+    results = check_hosts(hosts, python=args.python, master=master, port=args.master_port, paths=args.path,
+                          cwd=os.getcwd(), options=options, environ=os.environ)
     return report(results, as_json=args.json)
 
 

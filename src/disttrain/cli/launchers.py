@@ -15,7 +15,8 @@ import sys
 from ..errors import UsageError
 from ..launch import LAUNCHERS, Launcher
 from ..launch.local import LocalLauncher
-from ..launch.slurm import SlurmAllocationLauncher, SlurmBatchLauncher, SlurmOptions
+from ..launch.slurm import SlurmBatchLauncher, SlurmOptions
+from ..launch.slurm_alloc import SlurmAllocationLauncher
 from ..launch.slurm_env import SlurmAllocation
 from ..launch.ssh import SshLauncher
 from ..placement import BACKENDS

@@ -7,9 +7,8 @@ import os
 import re
 import signal
 import sys
-import traceback
 
-from ..errors import DisttrainError, UsageError
+from ..errors import DisttrainError, UsageError, error_line
 from ..version import __version__
 from . import agent as agent_cmd
 from . import bench as bench_cmd
@@ -20,7 +19,7 @@ from . import run as run_cmd
 
 SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd, job_cmd, jobs_cmd)
 # What launchers run on the hosts; never offered to a user in help or errors.
-HIDDEN = frozenset({"agent", "probe", "receive", "launch-step", "run-spec"})
+HIDDEN = frozenset({"agent", "receive", "launch-step", "run-spec"})
 _INVALID_CHOICE = re.compile(r"argument \S+: invalid choice: '(.*)' \(choose from")
 
 
@@ -61,33 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def printable(text: str, *, keep_newlines: bool = False) -> str:
-    """``text`` with control characters escaped (``\\n``, ``\\x1b``): a file or script name the
-    user gave may hold a newline or a terminal escape, and a usage error stays one line."""
-    return "".join(ch if ch.isprintable() or (keep_newlines and ch == "\n") else ascii(ch)[1:-1] for ch in text)
-
-
-def _exit_at_once(code: int) -> None:
-    """A node's agent ends here, once its workers are stopped: at interpreter exit Python would
-    join torch's log-tailer threads, and a stop that cut torch's shutdown short leaves them
-    tailing for ever (the agent then outlived its launcher; seen with py-spy)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
 def main(argv: list[str] | None = None) -> int:
-    at_once = False  # a node's agent: see _exit_at_once
     try:
         args = build_parser().parse_args(argv)
-        at_once = getattr(args, "exit_at_once", False)
-        code = args.handler(args)
+        code = args.handler(args)  # a node's agent never returns: it ends its own process (agent/entry.py)
     except DisttrainError as err:
-        print(f"disttrain: error: {printable(str(err), keep_newlines=not isinstance(err, UsageError))}",
-              file=sys.stderr)
+        print(error_line(err), file=sys.stderr)
         code = err.exit_code
     except KeyboardInterrupt:
         print("disttrain: interrupted", file=sys.stderr)
@@ -97,13 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         # `cat` would; stdout goes to /dev/null so that the exit's own flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 128 + signal.SIGPIPE
-    except BaseException:
-        if not at_once:
-            raise
-        traceback.print_exc()  # a second stop signal in the middle of torch's shutdown, say
-        code = 1
-    if at_once:
-        _exit_at_once(code)
     return code
 
 

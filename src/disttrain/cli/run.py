@@ -29,6 +29,7 @@ from ..errors import UsageError
 from ..home import run_folder
 from ..launch import Context, Launcher, RunFolderEvents
 from ..runtime import comm
+from ..wire import RunSpec
 from ..workerenv import ACCELERATE_USE_CPU, cpu_library_warning
 from . import launchers
 from .common import add_host_args
@@ -79,8 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="arguments for the script, passed verbatim")
     p.set_defaults(handler=handle)
 
-    # `disttrain bench`'s counts: the launch spec as JSON on stdin (its --env values never on a
-    # command line); the flags say only where it runs.
+    # `disttrain bench`'s counts: the launch spec on stdin (disttrain.wire.RunSpec: its --env values
+    # never on a command line); the flags say only where it runs.
     shipped = sub.add_parser("run-spec")
     _add_where_args(shipped)
     shipped.set_defaults(handler=handle_spec)
@@ -298,7 +299,7 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def handle_spec(args: argparse.Namespace) -> int:
-    spec = LaunchSpec.from_json(sys.stdin.read())
+    spec = RunSpec.from_line(sys.stdin.read()).spec
     args.nnodes, args.node_rank = spec.nnodes, spec.node_rank  # what the launcher checks of the spec
     return launch(spec, launchers.launcher_from_args(args), args)
 
@@ -320,7 +321,7 @@ def launch(spec: LaunchSpec, launcher: Launcher, args: argparse.Namespace) -> in
                   paths=_entry_paths(spec),
                   preflight=not args.no_preflight and not args.dry_run, environ=dict(os.environ))
     if args.dry_run:
-        print(launcher.dry_run(spec, ctx), end="")
+        print(launcher.dry_run(spec, ctx).text(), end="")
         return 0
     script = None if spec.is_module or spec.no_python else Path(ctx.cwd) / spec.entry
     outcome = launcher.run(spec, ctx, RunEvents(no_wait=args.no_wait, log_dir=spec.log_dir, script=script))

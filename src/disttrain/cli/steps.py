@@ -7,19 +7,17 @@ is importable (the launch package imports none of them).
 
 from __future__ import annotations
 
-from ..errors import UsageError
 from ..jobs.runner import JobStepEvents
 from ..launch import Events
 from ..plan.launch import ContainerPlanner
+from ..wire import JobClient, RunClient
 from .run import RunEvents
 
 
-def client_for_step(client: dict | None) -> tuple[Events, ContainerPlanner | None]:
+def client_for_step(client: RunClient | JobClient | None) -> tuple[Events, ContainerPlanner | None]:
     """The client's event sink, and what it adds to the plan (a job's container; the launch
     context's ``container``)."""
-    if client is None or client.get("kind") == "run":
-        return RunEvents(), None
-    if client.get("kind") == "job":
+    if isinstance(client, JobClient):
         events = JobStepEvents.from_step(client)
         return events, events.planner
-    raise UsageError(f"launch step: unknown client {client.get('kind')!r} (written by another disttrain version?)")
+    return RunEvents(), None

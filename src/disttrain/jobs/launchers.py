@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..config.hosts import parse_hosts
 from ..launch import Launcher
-from ..launch.local import LocalLauncher
+from ..launch.local import InstancesLauncher
 from ..launch.mpi import MpiLauncher
 from ..launch.slurm import SlurmBatchLauncher
 from ..launch.ssh import SshLauncher
@@ -32,4 +32,4 @@ def launcher_for(spec: JobSpec, *, job_name: str) -> Launcher:
         return SlurmBatchLauncher(where.slurm_options(job_name=job_name), stop_on_signals=False)
     if where.launcher == "ssh":
         return SshLauncher(parse_hosts(",".join(where.hosts)), options=tuple(where.ssh_options))
-    return LocalLauncher(instances=instance_names(where.instance_count))
+    return InstancesLauncher(instance_names(where.instance_count))

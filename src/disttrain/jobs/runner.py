@@ -25,6 +25,7 @@ from ..launch import Events, Facts, Launcher, Outcome
 from ..plan.launch import LaunchPlan
 from ..private import private_opener, write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
+from ..wire import JobClient
 from . import container  # SageMaker's container around the script (hooks marked "container:")
 from .launchers import launcher_for
 from .layout import JobLayout, instance_names
@@ -84,7 +85,7 @@ def dry_run_job(spec: JobSpec, *, job_name: str | None = None) -> str:
     ready = container.foresee(spec, layout, Events().say)
     planner = JobPlanner(spec=spec, layout=layout, name=name, cwd=code_folder(spec, layout), ready=ready,
                          environ=os.environ)
-    return launcher.dry_run(planner.launch_spec(), planner.context())
+    return launcher.dry_run(planner.launch_spec(), planner.context()).text()
 
 
 def _checked(spec: JobSpec, job_name: str | None) -> tuple[str, Launcher]:
@@ -110,16 +111,16 @@ class JobStepEvents(Events):
         self.planner = planner
 
     @classmethod
-    def from_step(cls, client: dict) -> JobStepEvents:
+    def from_step(cls, client: JobClient) -> JobStepEvents:
         """Inside a Slurm allocation, from what :meth:`JobRun.step` shipped (each node's agent
         makes its instance's private /opt/ml, as over ssh)."""
-        cwd = Path(client["cwd"])
-        spec = spec_from_mapping(client["spec"], base_dir=cwd, source="the launch step")
-        layout = JobLayout(Path(client["job_dir"]), instance_names(spec.placement.instance_count))
+        cwd = Path(client.cwd)
+        spec = spec_from_mapping(client.spec, base_dir=cwd, source="the launch step")
+        layout = JobLayout(Path(client.job_dir), instance_names(spec.placement.instance_count))
         # requirements.txt was installed by the runner (container.prepare) before it submitted
         ready = container.Prepared(python=str(layout.venv_python) if layout.venv_python.exists() else None,
                                    private_opt_ml=spec.container.private_opt_ml != "off")
-        return cls(JobPlanner(spec=spec, layout=layout, name=client["name"], cwd=cwd, ready=ready,
+        return cls(JobPlanner(spec=spec, layout=layout, name=client.name, cwd=cwd, ready=ready,
                               environ=os.environ))
 
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
@@ -161,6 +162,9 @@ class JobRun(JobStepEvents):
             try:
                 return self._run()
             except JobStopped as stop:
+                timed_out = self.watch.failure() if self.watch else None
+                if timed_out:  # container: max_run's own SIGTERM, come before the launch took over the signal
+                    return self._end(JobState.FAILED, 128 + stop.signum, failure=timed_out)
                 return self._end(JobState.STOPPED, 128 + stop.signum, failure=f"stopped by {stop}")
             except KeyboardInterrupt:
                 return self._end(JobState.STOPPED, 130, failure="stopped by SIGINT")
@@ -202,9 +206,9 @@ class JobRun(JobStepEvents):
     def ran_on(self, where: tuple[str, ...]) -> None:
         self.store.update(self.id, hosts=[{"instance": i, "host": w} for i, w in zip(self.layout.hosts, where)])
 
-    def step(self) -> dict:
-        return {"kind": "job", "name": self.record.name, "job_dir": str(self.layout.root), "cwd": str(self.cwd),
-                "spec": self.spec.to_dict()}  # whole (masking is for records): the step runs it
+    def step(self) -> JobClient:
+        return JobClient(name=self.record.name, job_dir=str(self.layout.root), cwd=str(self.cwd),
+                         spec=self.spec.to_dict())  # whole (masking is for records): the step runs it
 
     def _finish(self, outcome: Outcome) -> JobRecord:
         layout = self.layout

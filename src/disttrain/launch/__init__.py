@@ -1,41 +1,69 @@
-"""Starting a job's agents: one interface, one module per launcher.
+"""Starting a job's agents: one interface, two kinds of launcher, one module per launcher.
 
-The interface is in :mod:`disttrain.launch.base` (``facts`` → ``place`` (pure) → ``launch``
-(plan + events → :class:`Outcome`)); the flow shared by every launcher that starts one agent
-process per node (plan on stdin, relayed output, first failure, stop all) is in
-:mod:`disttrain.launch.flow`, and what it learns from the agents' heartbeats (one hang
-watchdog across hosts, stragglers, steps/s per host) in :mod:`disttrain.launch.diagnostics`.
+Clients (``disttrain run``, the job runner) call :meth:`Launcher.run` and
+:meth:`Launcher.dry_run`, the same on every launcher (see :mod:`disttrain.launch.base`):
 
-========  =====================================================================
-local     this machine: one node in process, or a job's instances as agents
-ssh       one agent per ``--hosts`` host over OpenSSH
-slurm     inside an allocation: one agent per node with srun; outside: sbatch
-========  =====================================================================
+- **agent launchers** (:class:`AgentLauncher`): ``facts`` → ``place`` (pure) → ``launch``;
+  those whose nodes' agents start as probe sessions over a transport (ssh, srun, a local
+  process) share :class:`~disttrain.launch.probe.SessionLauncher`, and the flow every
+  agent-per-node launcher uses (plan on stdin, relayed output, first failure, stop all) is in
+  :mod:`disttrain.launch.flow`, with what it learns from the agents' heartbeats (one hang
+  watchdog across hosts, stragglers, steps/s per host) in :mod:`disttrain.launch.diagnostics`;
+- **batch launchers** (:class:`BatchLauncher`): ``script`` → ``submit`` → job id → ``follow``;
+  the spec is placed inside the allocation by an agent launcher.
 
-Adding a launcher (an MPI one, say) is one module here:
+=============  ======  ==============================================================
+module         kind    what
+=============  ======  ==============================================================
+local          agent   one node in this process; a job's instances as local agents
+ssh            agent   one agent per ``--hosts`` host over OpenSSH
+slurm_alloc    agent   inside a Slurm allocation: one agent per node with srun
+mpi            agent   a job's instances on this machine under one ``mpirun``
+slurm          batch   outside an allocation: sbatch, then follow the job
+=============  ======  ==============================================================
 
-1. subclass :class:`~disttrain.launch.base.Launcher`, set ``name``;
-2. ``facts(spec, ctx)``: ask the nodes for what :class:`~disttrain.plan.launch.NodeFacts`
-   holds (``disttrain probe`` prints it as JSON on any host) and pick the rendezvous
-   endpoint; return :class:`~disttrain.launch.base.Facts`. ``place`` is inherited (the
-   shared planner) unless the launcher adds per-node settings;
-3. ``launch(plan, events, ctx)``: build one argv per node that runs
-   :func:`~disttrain.launch.flow.agent_argv` there (``mpirun -np N --map-by node ...``,
-   ``ssh host ...``) and hand them to :func:`~disttrain.launch.flow.run_agents`, which
-   writes each agent its plan on stdin and returns the :class:`Outcome`. Put the user's
-   variables nowhere else: the plan carries them (``env_forwarded``, ``env_set``);
-4. add its name to :data:`LAUNCHERS` and, for ``disttrain run``, build it in
-   ``cli/launchers.py``; for jobs, in ``jobs/launchers.py``.
+Adding an agent launcher whose nodes run disttrain (a Kubernetes pod per node, say) is one
+module here:
+
+1. subclass :class:`~disttrain.launch.probe.SessionLauncher`, set ``name``;
+2. ``transports(ctx)``: how each node is reached, a :class:`~disttrain.launch.probe.Transport`
+   whose ``argv`` wraps a command (``kubectl exec -i POD -- ...``);
+   ``rendezvous(spec, ctx)``: the master's address and port;
+   ``node_facts(spec, ctx, facts)``: each node's :class:`~disttrain.plan.launch.NodeFacts`
+   from what its probe session said (:class:`~disttrain.wire.HostFacts`);
+3. ``place`` and ``launch`` are inherited: the shared planner, then the plan sent to every
+   session, which becomes that node's agent. Put the user's variables nowhere else: the
+   plan carries them (``env_forwarded``, ``env_set``);
+4. add its name to :data:`LAUNCHERS` if ``--launcher`` offers it, build it in
+   ``cli/launchers.py`` (``disttrain run``) or ``jobs/launchers.py`` (jobs), and add it to
+   ``tests/test_launcher_contract.py``.
+
+A batch launcher subclasses :class:`BatchLauncher`: ``script``, ``submission_argv``,
+``job_id_from``, ``command`` and ``follow``; its script runs ``disttrain launch-step``, or a
+command of its own that unpacks the :class:`~disttrain.wire.LaunchStep` and runs an agent
+launcher there.
 
 The layering (checked by import-linter, see ``pyproject.toml``): clients (``cli``, ``jobs``)
-import ``launch``; ``launch`` imports ``plan``, ``preflight`` and ``agent``; nothing here
-imports a client.
+import ``launch``; ``launch`` imports ``agent``, ``preflight``, ``wire`` and ``plan``; nothing
+here imports a client.
 """
 
 from __future__ import annotations
 
-from .base import Context, Events, Facts, Launcher, Outcome, RunFolderEvents, banner
+from .base import (
+    AgentLauncher,
+    BatchLauncher,
+    Context,
+    DryRun,
+    Events,
+    Facts,
+    Launcher,
+    Outcome,
+    RunFolderEvents,
+    banner,
+)
 
-LAUNCHERS = ("local", "ssh", "slurm")
+LAUNCHERS = ("local", "ssh", "slurm")  # what --launcher offers (mpi is a job's distribution)
 
-__all__ = ["LAUNCHERS", "Context", "Events", "Facts", "Launcher", "Outcome", "RunFolderEvents", "banner"]
+__all__ = ["LAUNCHERS", "AgentLauncher", "BatchLauncher", "Context", "DryRun", "Events", "Facts", "Launcher",
+           "Outcome", "RunFolderEvents", "banner"]

@@ -1,45 +1,56 @@
 """The launcher interface: the one way every client (``disttrain run``, the job runner) starts a job.
 
-A launch is three steps, each with one job (submitit's executors and torch elastic's agent
-template divide theirs the same way):
+Clients call two methods, the same on every launcher: :meth:`Launcher.run` (spec + context +
+an :class:`Events` sink → an :class:`~disttrain.wire.Outcome`) and :meth:`Launcher.dry_run`
+(→ a :class:`DryRun`: what would start, nothing started). Behind them, two kinds of launcher,
+each a template with its own steps (torch elastic's agent template and submitit's executors
+divide theirs the same way):
 
-1. :meth:`Launcher.facts` -- ask the nodes about themselves (cores, GPUs, the route to the
+**Agent launchers** (:class:`AgentLauncher`: local, the job's instances, ssh, a Slurm
+allocation, mpi) know the nodes before anything starts:
+
+1. :meth:`~AgentLauncher.facts` -- ask the nodes about themselves (cores, GPUs, the route to the
    master, a free port). The only step with side effects before the start; it may probe hosts.
-2. :meth:`Launcher.place` -- spec + facts → :class:`~disttrain.plan.launch.LaunchPlan`. Pure:
+2. :meth:`~AgentLauncher.place` -- spec + facts → :class:`~disttrain.plan.launch.LaunchPlan`. Pure:
    ``--dry-run`` prints exactly what would start.
-3. :meth:`Launcher.launch` -- plan + an :class:`Events` sink → an :class:`Outcome`, the same
-   shape for every launcher.
+3. :meth:`~AgentLauncher.launch` -- plan + events → the outcome.
 
-:meth:`Launcher.run` chains them; ``events.starting`` sees the plan before anything starts
-(``plan.json``, the banner, the job record). What a client adds to each node (a job's SageMaker
-container) is an input of the planner (``ctx.container``), not an edit of its plan, so the plan
-placed is the plan that runs. Clients never branch on the launcher; a launcher that cannot
-place before it starts (a batch scheduler: the nodes are known only inside the allocation)
-overrides :meth:`Launcher.run` and ships the spec there.
+``run`` chains them; ``events.starting`` sees the plan before anything starts (``plan.json``,
+the banner, the job record). What a client adds to each node (a job's SageMaker container) is
+an input of the planner (``ctx.container``), not an edit of its plan, so the plan placed is
+the plan that runs.
+
+**Batch launchers** (:class:`BatchLauncher`: Slurm's sbatch) hand a script to a scheduler,
+which picks the nodes later: the spec is shipped into the allocation (a
+:class:`~disttrain.wire.LaunchStep`), where an agent launcher places and launches it.
+
+1. :meth:`~BatchLauncher.script` -- the batch script (pure);
+2. :meth:`~BatchLauncher.submit` -- the script to the scheduler, the step in the job's
+   environment → the job id (hooks: :meth:`~BatchLauncher.submission_argv`,
+   :meth:`~BatchLauncher.job_id_from`);
+3. :meth:`~BatchLauncher.follow` -- the job's output while it runs → the outcome.
+
+Clients never branch on the kind: both return an Outcome from ``run`` and a DryRun from
+``dry_run``.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, TextIO
 
 from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
+from ..errors import UsageError
 from ..plan.launch import ContainerPlanner, LaunchPlan, NodeFacts, make_plan
-
-
-@dataclass(frozen=True, kw_only=True)
-class Outcome:
-    """How a launch ended; the same for every launcher."""
-
-    exit_code: int
-    failed: int | None = None  # node rank of the agent that failed first
-    report: str = ""  # that agent's own root-cause block, as it printed it
-    signal: int | None = None  # SIGINT/SIGTERM that made the launcher stop every node
+from ..wire import JobClient, LaunchStep, Outcome, RunClient
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,9 +69,9 @@ class Context:
 
 @dataclass(frozen=True, kw_only=True)
 class Facts:
-    """What :meth:`Launcher.facts` learned: one NodeFacts per node, the rendezvous endpoint."""
+    """What :meth:`AgentLauncher.facts` learned: one NodeFacts per node, the rendezvous endpoint."""
 
-    nodes: NodeFacts | tuple[NodeFacts, ...]  # one NodeFacts: this node's part of a torchrun-style job
+    nodes: tuple[NodeFacts, ...]
     master_addr: str
     master_port: int
     where: tuple[str, ...]  # per node: the machine it runs on (for records and messages)
@@ -88,8 +99,8 @@ class Events:
     def ran_on(self, where: tuple[str, ...]) -> None:
         """A batch job ended; it ran on these nodes (placed inside the allocation)."""
 
-    def step(self) -> dict | None:
-        """How to rebuild this sink inside a batch allocation (JSON); None: the default sink."""
+    def step(self) -> RunClient | JobClient | None:
+        """How to rebuild this sink inside a batch allocation; None: the default sink."""
         return None
 
 
@@ -112,10 +123,47 @@ def banner(plan: LaunchPlan, note: str = "") -> str:
             f"{f' ({note})' if note else ''}, rendezvous {plan.master_addr}:{plan.master_port}; logs: {plan.run_dir}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class DryRun:
+    """What a launcher would start, nothing started (``--dry-run``).
+
+    An agent launcher knows the nodes before anything starts: its dry run is the plan. A batch
+    launcher's nodes are known only inside the allocation: its dry run is the script it would
+    submit and the spec that script's step would place there.
+    """
+
+    launcher: str
+    plan: LaunchPlan | None = None
+    script: str | None = None
+    spec: LaunchSpec | None = None
+
+    def __post_init__(self) -> None:
+        if (self.plan is None) == (self.script is None) or (self.script is None) != (self.spec is None):
+            raise ValueError("a dry run is a plan, or a script with the spec it ships")
+
+    def text(self) -> str:
+        """What ``--dry-run`` prints: the plan (the user's variables by name only), or the
+        script exactly as it would be submitted (the spec travels in the job's environment)."""
+        return self.plan.to_json() + "\n" if self.plan is not None else self.script
+
+
 class Launcher(ABC):
-    """One way of starting a node's agent. See :mod:`disttrain.launch` for how to add one."""
+    """What every client uses. See :mod:`disttrain.launch` for the kinds and how to add one."""
 
     name: ClassVar[str]
+
+    @abstractmethod
+    def run(self, spec: LaunchSpec, ctx: Context, events: Events) -> Outcome:
+        """Launch ``spec`` to its end; how it ended, the same shape for every launcher."""
+
+    @abstractmethod
+    def dry_run(self, spec: LaunchSpec, ctx: Context) -> DryRun:
+        """What :meth:`run` would start, without starting it."""
+
+
+class AgentLauncher(Launcher):
+    """facts → place → launch: the nodes are known (and asked) before anything starts."""
+
     note: str = ""  # said in the start line, e.g. "Slurm job 12"
 
     @abstractmethod
@@ -123,13 +171,10 @@ class Launcher(ABC):
         """Ask the nodes about themselves (side effects allowed: probes, port checks)."""
 
     def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
-        """spec + facts (+ what a job's container adds) → the plan; pure. The shared planner serves
-        every launcher so far."""
-        if not isinstance(facts.nodes, NodeFacts):
-            spec = replace(spec, nnodes=len(facts.nodes), node_rank=0, master_addr=facts.master_addr,
-                           master_port=facts.master_port)
-        nodes = facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,)
-        container = (ctx.container(nodes, master_addr=facts.master_addr, master_port=facts.master_port)
+        """spec + facts → the plan of the whole job, one node per NodeFacts; pure."""
+        spec = replace(spec, nnodes=len(facts.nodes), node_rank=0, master_addr=facts.master_addr,
+                       master_port=facts.master_port)
+        container = (ctx.container(facts.nodes, master_addr=facts.master_addr, master_port=facts.master_port)
                      if ctx.container is not None else None)
         return make_plan(spec, facts.nodes, python=ctx.python, master_port=facts.master_port, run_id=ctx.run_id,
                          run_dir=ctx.run_dir, inherited_env={**ctx.environ, **facts.forwarded_env},
@@ -139,16 +184,116 @@ class Launcher(ABC):
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
         """Start every node's agent, relay their output, stop all at the first failure."""
 
+    def close(self) -> None:
+        """Let go of what :meth:`facts` left open for :meth:`launch` (probe sessions)."""
+
     def plan(self, spec: LaunchSpec, ctx: Context) -> tuple[LaunchPlan, Facts]:
         facts = self.facts(spec, ctx)
         return self.place(spec, facts, ctx), facts
 
-    def dry_run(self, spec: LaunchSpec, ctx: Context) -> str:
-        """What ``--dry-run`` prints: the plan, the user's variables by name only."""
-        return self.plan(spec, ctx)[0].to_json() + "\n"
+    def dry_run(self, spec: LaunchSpec, ctx: Context) -> DryRun:
+        try:
+            return DryRun(launcher=self.name, plan=self.plan(spec, ctx)[0])
+        finally:
+            self.close()
 
     def run(self, spec: LaunchSpec, ctx: Context, events: Events) -> Outcome:
         """The shared pipeline: facts → place → launch."""
-        plan, facts = self.plan(spec, ctx)
-        events.starting(plan, facts, self.note)
-        return self.launch(plan, events, ctx)
+        try:
+            plan, facts = self.plan(spec, ctx)
+            events.starting(plan, facts, self.note)
+            return self.launch(plan, events, ctx)
+        finally:
+            self.close()
+
+
+class BatchLauncher(Launcher):
+    """script → submit → job id → follow: a scheduler picks the nodes after submission, and the
+    spec is placed there, by the step the script runs (a :class:`~disttrain.wire.LaunchStep`)."""
+
+    nodes: int = 1  # what the step asks of the allocation
+    no_wait: bool = False  # submit, say the job id, return
+    env: Mapping[str, str] | None = None  # for the scheduler's commands (None: this process's)
+
+    @abstractmethod
+    def script(self, spec: LaunchSpec, ctx: Context) -> str:
+        """The batch script for ``spec``; pure, checked inputs."""
+
+    def shipped(self, spec: LaunchSpec, ctx: Context) -> LaunchSpec:
+        """The spec the step places (the launcher may fill in what the allocation needs)."""
+        return spec
+
+    @abstractmethod
+    def submission_argv(self) -> list[str]:
+        """The scheduler's submit command; the script comes on its stdin."""
+
+    @abstractmethod
+    def job_id_from(self, output: str) -> str:
+        """The job id in the submit command's output."""
+
+    @abstractmethod
+    def command(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                input: str | None = None) -> subprocess.CompletedProcess:
+        """Run one of the scheduler's client commands (errors naming it: missing, no answer)."""
+
+    def step_env(self) -> str:
+        """The job environment's variable that carries the step."""
+        return STEP_ENV
+
+    @abstractmethod
+    def follow(self, job_id: str, events: Events, ctx: Context) -> Outcome:
+        """The job's output while it runs, then how its step ended."""
+
+    def dry_run(self, spec: LaunchSpec, ctx: Context) -> DryRun:
+        spec = self.shipped(spec, ctx)
+        return DryRun(launcher=self.name, script=self.script(spec, ctx), spec=spec)
+
+    def run(self, spec: LaunchSpec, ctx: Context, events: Events) -> Outcome:
+        spec = self.shipped(spec, ctx)
+        step = LaunchStep(spec=spec, run_id=ctx.run_id, run_dir=ctx.run_dir, cwd=ctx.cwd, python=ctx.python,
+                          paths=tuple(ctx.paths), nodes=self.nodes, client=events.step())
+        job_id = self.submit(self.script(spec, ctx), step, ctx)
+        events.submitted(job_id, ctx.run_dir)
+        if self.no_wait:
+            return Outcome(exit_code=0)
+        return self.follow(job_id, events, ctx)
+
+    def submit(self, script: str, step: LaunchStep, ctx: Context) -> str:
+        """The script to the scheduler, the step in the job's environment (values go through its
+        environment, never its argv, which ``ps`` shows); the job id.
+
+        The run folder must exist before the job starts (the scheduler opens the output files
+        there, and does not create folders); a refused job leaves no folder behind. The
+        scheduler's refusal is a UsageError with its own words.
+        """
+        run_dir = Path(ctx.run_dir)
+        # The outermost folder this call creates: what to remove when the scheduler says no.
+        created = next((p for p in reversed((run_dir, *run_dir.parents)) if not p.exists()), None)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        argv = self.submission_argv()
+        try:
+            env = {**(os.environ if self.env is None else self.env), self.step_env(): step.to_line()}
+            result = self.command(argv, env=self.job_env(env), input=script)
+            if result.returncode != 0:
+                raise UsageError(f"{argv[0]} refused the job: {_last_line(result.stderr)}")
+            job_id = self.job_id_from(result.stdout)
+        except BaseException:
+            if created is not None:
+                shutil.rmtree(created, ignore_errors=True)
+            raise
+        self.keep(run_dir, script, job_id)
+        return job_id
+
+    def job_env(self, env: dict[str, str]) -> dict[str, str]:
+        """The submit command's environment, last word (drop what would override the script)."""
+        return env
+
+    def keep(self, run_dir: Path, script: str, job_id: str) -> None:
+        """What stays in the run folder of a submitted job (the script, the id)."""
+
+
+STEP_ENV = "DISTTRAIN_LAUNCH_STEP"  # the step, in a batch job's environment (it may hold --env values)
+
+
+def _last_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[-1]

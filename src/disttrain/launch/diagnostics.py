@@ -1,7 +1,7 @@
 """Diagnostics across hosts, at the launcher: one hang watchdog, stragglers, steps/s per host.
 
 Each node's agent sends its ranks' heartbeats (step count, age of the last progress) once a
-second on stderr (:func:`disttrain.agent.watchdog.beats_line`); only the launcher sees every
+second on stderr (:class:`disttrain.wire.Beats`); only the launcher sees every
 host, so only it can tell that *no rank anywhere* moved for ``--hang-timeout`` seconds (a rank
 on host b stuck in its own code, the others waiting for it in a collective), or that one rank
 is slower than the rest. Ages, not timestamps, travel: the hosts' clocks need not agree.
@@ -9,12 +9,11 @@ is slower than the rest. Ages, not timestamps, travel: the hosts' clocks need no
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections import deque
 
-from ..agent.watchdog import BEATS_LINE
+from ..wire import Beats, WireError
 
 STRAGGLER_FACTOR = 1.3  # a rank this much slower than the median step time is named
 WINDOW_S = 20.0  # step rates are measured over this much recent time
@@ -34,24 +33,23 @@ class Diagnostics:
 
     def consume(self, line: str) -> bool:
         """True when ``line`` was an agent's heartbeat summary (not shown to the user)."""
-        if not line.startswith(BEATS_LINE):
+        if not Beats.matches(line):
             return False
         try:
-            data = json.loads(line[len(BEATS_LINE):])
-        except ValueError:
+            beats = Beats.from_line(line)
+        except WireError:  # not ours after all (another version's): shown to the user as it came
             return False
         now = time.monotonic()
-        for rank, (steps, age) in data["ranks"].items():
-            rank = int(rank)
-            self.hosts[rank] = data["host"]
-            progress = now - float(age)
+        for rank, (steps, age) in beats.ranks.items():
+            self.hosts[rank] = beats.host
+            progress = now - age
             if self.last_progress is None or progress > self.last_progress:
                 self.last_progress = progress
             hist = self.history.setdefault(rank, deque())
-            hist.append((now, int(steps)))
+            hist.append((now, steps))
             while hist and now - hist[0][0] > WINDOW_S:
                 hist.popleft()
-            self.first.setdefault(rank, (now, int(steps)))
+            self.first.setdefault(rank, (now, steps))
         self._stragglers()
         return True
 

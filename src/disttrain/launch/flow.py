@@ -1,11 +1,13 @@
 """The flow every agent-per-node launcher shares: start, relay, first failure, stop all.
 
-Each node's agent (``disttrain agent --plan-stdin``) is one local process: ``ssh host ...``,
-``srun ...`` or the agent itself. Its plan, values of the user's variables included, is the
-first line it reads on stdin -- never on a command line, which every user of a host can read
-with ``ps``. stdin then stays open: closing it asks the agent to stop its workers (see
-``cli/agent.py``), which is how every node is stopped at the first failure or on Ctrl-C;
-agents that do not exit within the grace period are killed.
+Each node's agent (``disttrain agent``, started as a probe session: see
+:mod:`disttrain.launch.probe`) is one local process: ``ssh host ...``, ``srun ...`` or the
+agent itself. Its plan, values of the user's variables included, is the line it reads on
+stdin after the probe round (:class:`~disttrain.wire.PlanMessage`) -- never on a command line,
+which every user of a host can read with ``ps``. stdin then stays open: closing it asks the
+agent to stop its workers (see :mod:`disttrain.agent.entry`), which is how every node is
+stopped at the first failure or on Ctrl-C; agents that do not exit within the grace period
+are killed.
 
 The agents' output is already prefixed ``[host rankN]``; it is relayed to the terminal, to a
 per-rank log in the run folder and to an optional transcript, and each agent's own lines are
@@ -14,7 +16,6 @@ kept for its root-cause block.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
@@ -28,23 +29,11 @@ from typing import TextIO
 
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from .base import Outcome
+from ..wire import DumpRequest, Outcome, PlanMessage
 from .diagnostics import Diagnostics
 
 AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
-
-
-def agent_argv(python: str) -> list[str]:
-    """The hidden per-node command; which node it runs and the plan come on its stdin."""
-    return [python, "-m", "disttrain", "agent", "--plan-stdin"]
-
-
-def plan_message(plan: LaunchPlan, node_rank: int, cwd: str | None = None) -> str:
-    """The line an agent reads: its node rank, the whole plan (values included), and the folder
-    to work in when its command did not start there (a probe session turning agent)."""
-    where = f', "cwd": {json.dumps(cwd)}' if cwd else ""
-    return f'{{"node_rank": {node_rank}{where}, "plan": {plan.to_private_json()}}}\n'
 
 
 class Relay:
@@ -102,16 +91,14 @@ def start(argv: Sequence[str], *, cwd: str | None = None) -> subprocess.Popen:
 
 def run_agents(
     plan: LaunchPlan,
-    commands: Sequence[Sequence[str]] = (),
+    started: Sequence[subprocess.Popen],
     *,
-    started: Sequence[subprocess.Popen] = (),
-    cwd: str | None = None,
     agent_cwd: str | None = None,
     transcript: TextIO | None = None,
 ) -> Outcome:
-    """Start one agent per node (``commands[i]`` runs node ``i``; or take the ``started``
-    processes, waiting for their plan), hand each its plan on stdin, relay their output, stop
-    every node at the first failure or on SIGINT/SIGTERM, and say how it ended."""
+    """Hand each node's agent (``started[i]`` runs node ``i``, waiting for its plan) its plan on
+    stdin, relay their output, stop every node at the first failure or on SIGINT/SIGTERM, and
+    say how it ended."""
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
@@ -132,11 +119,11 @@ def run_agents(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for index, argv_or_proc in enumerate([*started, *commands]):
-            proc = argv_or_proc if isinstance(argv_or_proc, subprocess.Popen) else start(argv_or_proc, cwd=cwd)
+        for index, proc in enumerate(started):
             procs.append(proc)
             try:
-                proc.stdin.write(plan_message(plan, plan.nodes[index].node_rank, agent_cwd))
+                proc.stdin.write(PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan,
+                                             cwd=agent_cwd).to_line() + "\n")
                 proc.stdin.flush()
             except OSError:  # it died at once; its exit code and stderr tell why
                 pass
@@ -176,7 +163,7 @@ def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int
         if diag.stalled():  # no rank anywhere moved: every agent dumps its ranks' stacks, then stops
             diag.hung = True
             for proc in procs:
-                _send(proc, "dump\n")
+                _send(proc, DumpRequest().to_line() + "\n")
             return None
         codes = [p.poll() for p in procs]
         for index, code in enumerate(codes):

@@ -1,10 +1,13 @@
-"""``--launcher local``: this machine.
+"""``--launcher local``: this machine, two launchers.
 
-One node (``disttrain run``, also each node of a torchrun-style ``--nnodes`` job started by
-hand) runs torch's elastic agent in this very process: nothing to relay, no second Python
-start. Several instances on this machine (a job's ``instance_count``) are one agent process
-each, through the flow the remote launchers use, each its own process group on 127.0.0.1
-with its share of the cores and GPUs, as on separate machines.
+:class:`LocalLauncher`: one node (``disttrain run``, also each node of a torchrun-style
+``--nnodes`` job started by hand) runs torch's elastic agent in this very process: nothing to
+relay, no second Python start.
+
+:class:`InstancesLauncher`: several instances on this machine (a job's ``instance_count``),
+one agent process each, through the flow the remote launchers use (a probe session per
+instance that becomes its agent), each its own process group on 127.0.0.1 with its share of
+the cores and GPUs, as on separate machines.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import importlib.util
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,10 +25,11 @@ from ..config.launch import LaunchSpec
 from ..errors import UsageError
 from ..net import free_port, port_in_use
 from ..placement import oversubscription_hint
-from ..plan.launch import LaunchPlan, NodeFacts
+from ..plan.launch import LaunchPlan, NodeFacts, make_plan
 from ..preflight.facts import local_facts
-from .base import Context, Events, Facts, Launcher, Outcome
-from .flow import agent_argv, run_agents
+from ..wire import HostFacts, Outcome
+from .base import AgentLauncher, Context, Events, Facts
+from .probe import LocalTransport, SessionLauncher, Transport
 
 
 def check_entry(spec: LaunchSpec, cwd: str) -> None:
@@ -79,53 +84,101 @@ def check_rendezvous_address(spec: LaunchSpec) -> bool:
     return net.hosts_c10d_store(host) is True
 
 
-class LocalLauncher(Launcher):
-    """``instances``: names of a job's instances (several agents); None: one node, in process."""
+class LocalLauncher(AgentLauncher):
+    """This machine as one node, torch's elastic agent in this very process (``cpus``: the CPUs
+    it may use, a Slurm job step's share; None: all usable)."""
 
     name = "local"
 
-    def __init__(self, *, instances: tuple[str, ...] | None = None, cpus: int | None = None) -> None:
-        self.instances = instances
-        self.cpus = cpus  # the CPUs this node may use (a Slurm job step's share), None: all usable
+    def __init__(self, *, cpus: int | None = None) -> None:
+        self.cpus = cpus
 
     def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
-        if self.instances is None:  # a job checks its own inputs
-            check_entry(spec, ctx.cwd)
-            port = choose_port(spec)  # the master's address is checked first
-            # A node of a job started by hand finds its own address and interface toward the master.
-            here = local_facts(self.cpus, toward=spec.master_addr if spec.nnodes > 1 else None)
-            return Facts(nodes=here, master_addr=spec.master_addr or "127.0.0.1", master_port=port,
-                         where=(here.hostname,))
-        here = local_facts(self.cpus)
-        n = len(self.instances)
-        cpus, gpus = max(1, here.cpus // n), here.cuda_devices // n
-        nodes = tuple(NodeFacts(hostname=name, cpus=cpus, cuda_devices=gpus) for name in self.instances)
-        return Facts(nodes=nodes, master_addr="127.0.0.1", master_port=choose_port(spec),
-                     where=(here.hostname,) * n)
+        check_entry(spec, ctx.cwd)
+        port = choose_port(spec)  # the master's address is checked first
+        # A node of a job started by hand finds its own address and interface toward the master.
+        here = local_facts(self.cpus, toward=spec.master_addr if spec.nnodes > 1 else None)
+        return Facts(nodes=(here,), master_addr=spec.master_addr or "127.0.0.1", master_port=port,
+                     where=(here.hostname,))
 
     def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
-        plan = super().place(spec, facts, ctx)
-        gpus = facts.nodes[0].cuda_devices if isinstance(facts.nodes, tuple) else 0
-        if gpus and len(plan.nodes) > 1:  # each instance its own GPUs, as on separate machines
-            plan = replace(plan, nodes=tuple(
-                replace(node, env={"CUDA_VISIBLE_DEVICES": ",".join(str(k * gpus + g) for g in range(gpus)),
-                                   **node.env})
-                for k, node in enumerate(plan.nodes)))
-        return plan
+        """This node's part of ``spec.nnodes`` (torchrun-style: every node started by hand
+        plans its own part, with the node rank it was given)."""
+        (here,) = facts.nodes
+        return make_plan(spec, here, python=ctx.python, master_port=facts.master_port, run_id=ctx.run_id,
+                         run_dir=ctx.run_dir, inherited_env=ctx.environ)
 
     def plan(self, spec: LaunchSpec, ctx: Context) -> tuple[LaunchPlan, Facts]:
         plan, facts = super().plan(spec, ctx)
-        here = facts.nodes
-        if isinstance(here, NodeFacts) and not here.cuda_devices:
+        (here,) = facts.nodes
+        if not here.cuda_devices:
             hint = oversubscription_hint(nproc=plan.nodes[0].nproc, cpus=here.cpus, host=here.hostname)
             if hint:  # said at planning time, so --dry-run says it too
                 print(f"disttrain: note: {hint}", file=sys.stderr, flush=True)
         return plan, facts
 
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
-        if self.instances is None:
-            from ..agent.node import run_node  # torch's elastic agent: imported only to launch
+        from ..agent.node import run_node  # torch's elastic agent: imported only to launch
 
+        here = os.getcwd()
+        os.chdir(ctx.cwd)  # the workers' folder (the launcher's own, for `disttrain run`)
+        try:
             return Outcome(exit_code=run_node(plan, plan.nodes[0]))
-        commands = [agent_argv(sys.executable) for _ in plan.nodes]
-        return run_agents(plan, commands, cwd=ctx.cwd, transcript=events.transcript)
+        finally:
+            os.chdir(here)
+
+
+def instance_nodes(instances: Sequence[str], *, cpus: int, gpus: int) -> tuple[NodeFacts, ...]:
+    """A job's instances on one machine of ``cpus`` and ``gpus``: each an equal share."""
+    n = len(instances)
+    return tuple(NodeFacts(hostname=name, cpus=max(1, cpus // n), cuda_devices=gpus // n) for name in instances)
+
+
+def own_gpus(plan: LaunchPlan, per_instance: int) -> LaunchPlan:
+    """Each instance its own GPUs, as on separate machines."""
+    if not per_instance or len(plan.nodes) < 2:
+        return plan
+    return replace(plan, nodes=tuple(
+        replace(node, env={"CUDA_VISIBLE_DEVICES": ",".join(str(k * per_instance + g) for g in range(per_instance)),
+                           **node.env})
+        for k, node in enumerate(plan.nodes)))
+
+
+class InstancesLauncher(SessionLauncher):
+    """A job's instances on this machine: one agent process each (a probe session first), each
+    its own process group on 127.0.0.1 with its share of the cores and GPUs."""
+
+    name = "local"
+    reach_checks = False  # one machine: every instance reaches the others over loopback
+
+    def __init__(self, instances: Sequence[str]) -> None:
+        super().__init__()
+        self.instances = tuple(instances)
+
+    def rendezvous(self, spec: LaunchSpec, ctx: Context) -> tuple[str, int]:
+        return "127.0.0.1", choose_port(spec)
+
+    def transports(self, ctx: Context) -> list[Transport]:
+        return [LocalTransport(name) for name in self.instances]
+
+    def session_python(self, ctx: Context) -> str:
+        return sys.executable  # disttrain's own interpreter (the job's may be its own venv)
+
+    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+        check_entry(spec, ctx.cwd)  # one machine: what this process sees, every instance sees
+        return super().facts(spec, ctx)
+
+    def probe_paths(self, ctx: Context) -> Sequence[str]:
+        return ()  # a job checks its own inputs (its folder is made only when it runs, not for --dry-run)
+
+    def forwarded(self, spec: LaunchSpec, ctx: Context) -> dict[str, str]:
+        return {}  # the agents inherit this process's environment, and their workers theirs
+
+    def where(self, facts: Sequence[HostFacts]) -> tuple[str, ...]:
+        return tuple(f.hostname for f in facts)
+
+    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Sequence[HostFacts]) -> tuple[NodeFacts, ...]:
+        return instance_nodes(self.instances, cpus=facts[0].cpus, gpus=facts[0].cuda_devices)
+
+    def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
+        return own_gpus(super().place(spec, facts, ctx), facts.nodes[0].cuda_devices)

@@ -1,6 +1,6 @@
 """``distribution={'mpi': {...}}``: Open MPI's ``mpirun`` across a job's instances.
 
-:class:`MpiLauncher` places like the local launcher (a job's instances on this machine) and
+:class:`MpiLauncher` places like the instances launcher (a job's instances on this machine) and
 launches with Open MPI instead of torch's agents: a pure function turns the placed plan
 into one ``mpirun`` argv — one application context per instance, ``processes_per_host``
 ranks each — and a small wrapper (``python -m disttrain.launch.mpi ENV.json -- ...``) gives
@@ -30,10 +30,14 @@ from typing import TextIO
 
 from ..agent.optml import instance_prefix
 from ..atomic import write_atomic
+from ..config.launch import LaunchSpec
 from ..errors import UsageError
+from ..net import free_port
 from ..plan.launch import LaunchPlan
-from .base import Context, Events, Outcome
-from .local import LocalLauncher
+from ..preflight.facts import local_facts
+from ..wire import InstanceEnv, Outcome
+from .base import AgentLauncher, Context, Events, Facts
+from .local import instance_nodes, own_gpus
 
 STOP_GRACE_S = 15
 WRAPPER = "disttrain.launch.mpi"
@@ -64,7 +68,7 @@ def mpirun_argv(*, mpirun: str, ranks_per_instance: int, instance_envs: Sequence
 
 
 def write_instance_env(path: Path, env: dict[str, str]) -> Path:
-    return write_atomic(path, json.dumps(env), mode=0o600)  # the job's env values: owner only
+    return write_atomic(path, InstanceEnv(env=env).to_line() + "\n", mode=0o600)  # the job's env values: owner only
 
 
 class Untag:
@@ -152,16 +156,30 @@ def run_mpirun(argv: list[str], *, cwd: str, transcript: TextIO | None, hosts: S
     return Outcome(exit_code=code, report="" if code == 0 else f"disttrain: mpirun exited with code {code}")
 
 
-class MpiLauncher(LocalLauncher):
+class MpiLauncher(AgentLauncher):
     """A job's instances on this machine, started by one ``mpirun`` (``distribution={'mpi': ...}``)."""
 
     name = "mpi"
 
     def __init__(self, *, instances: tuple[str, ...], ranks_per_instance: int,
                  custom_mpi_options: str = "") -> None:
-        super().__init__(instances=instances)
+        self.instances = tuple(instances)
         self.ranks_per_instance = ranks_per_instance
         self.custom_mpi_options = custom_mpi_options
+
+    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+        """This machine, shared by the instances as :class:`~disttrain.launch.local.InstancesLauncher`
+        shares it (mpirun starts the ranks: no agent process asks)."""
+        missing = [path for path in ctx.paths if not (Path(ctx.cwd) / path).exists()]
+        if missing:
+            raise UsageError(f"{missing[0]} not found in {ctx.cwd}")
+        here = local_facts()
+        return Facts(nodes=instance_nodes(self.instances, cpus=here.cpus, gpus=here.cuda_devices),
+                     master_addr="127.0.0.1", master_port=free_port("127.0.0.1"),
+                     where=(here.hostname,) * len(self.instances))
+
+    def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
+        return own_gpus(super().place(spec, facts, ctx), facts.nodes[0].cuda_devices)
 
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
         folder = Path(ctx.run_dir) / "mpi"
@@ -184,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if len(argv) < 3 or argv[1] != "--":
         sys.exit("usage: python -m disttrain.launch.mpi ENV.json -- COMMAND...")
     with open(argv[0]) as fh:
-        os.environ.update(json.load(fh))
+        os.environ.update(InstanceEnv.from_line(fh.read()).env)
     # torchrun-style names too, so a script that reads RANK/WORLD_SIZE runs under mpi as well
     for mpi_name, name in (("OMPI_COMM_WORLD_RANK", "RANK"), ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"),
                            ("OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"),

@@ -1,37 +1,21 @@
-"""``--launcher slurm``: Slurm, all in one module.
+"""``--launcher slurm`` outside an allocation: a batch job (:class:`SlurmBatchLauncher`).
 
-Two launchers share it:
-
-- :class:`SlurmBatchLauncher` (outside an allocation): render an sbatch script, submit it,
-  follow it, cancel it. The script is what a user would write by hand -- ``#SBATCH`` lines,
-  then one command, ``disttrain launch-step``, which runs on the allocation's first node.
-  The step -- the launch spec as :meth:`LaunchSpec.to_json` wrote it, not re-rendered
-  flags, and how to rebuild the client's event sink there (a job's runner adds its
-  variables) -- travels in the job's environment (:data:`STEP_ENV`), the way Slurm carries
-  every variable of a job: it may hold ``--env`` values, so it is never written to the
-  run folder.
-- :class:`SlurmAllocationLauncher` (inside one: the batch script, a ``salloc`` shell): one
-  torch elastic agent per allocated node, each started by its own ``srun`` so that the first
-  node to fail is known and the others are stopped through the shared flow.
-
-The master is the first node, at the address that node uses toward the second node's
-``NodeAddr``, found on the first node itself (a node's own hostname often resolves to
-127.0.x.1). Each node reports its facts (``disttrain probe`` in one srun step) and is
-planned for as ``--hosts`` are.
-
-The environment follows the rule of every launcher (:func:`disttrain.workerenv.forwarded_env`),
-not Slurm's ``--export=ALL``: the agents' srun exports only the bootstrap names, and the
-forwarded values travel with the plan on the agent's stdin, as over ssh.
+Render an sbatch script, submit it, follow it, cancel it. The script is what a user would
+write by hand -- ``#SBATCH`` lines, then one command, ``disttrain launch-step``, which runs on
+the allocation's first node and launches there with
+:class:`~disttrain.launch.slurm_alloc.SlurmAllocationLauncher` (also what ``disttrain run``
+uses inside a ``salloc`` shell). The step (:class:`~disttrain.wire.LaunchStep`: the launch
+spec as :meth:`LaunchSpec.to_json` wrote it, not re-rendered flags, and how to rebuild the
+client's event sink there -- a job's runner adds its variables) travels in the job's
+environment (:data:`~disttrain.launch.base.STEP_ENV`), the way Slurm carries every variable of
+a job: it may hold ``--env`` values, so it is never written to the run folder. How the step
+ended comes back in the run folder (:class:`~disttrain.wire.StepEnded`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -42,17 +26,11 @@ from pathlib import Path
 from typing import TextIO
 
 from ..atomic import write_atomic
-from ..config.hosts import Host
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError, UsageError
-from ..plan.launch import LaunchPlan, NodeFacts
-from ..preflight.checks import fact_checks, first_failure
-from ..preflight.facts import route_to
-from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
-from .base import Context, Events, Facts, Launcher, Outcome
-from .flow import agent_argv, run_agents
+from ..wire import Outcome, StepEnded
+from .base import STEP_ENV, BatchLauncher, Context, Events
 from .local import check_entry
-from .slurm_env import SlurmAllocation
 
 SLURM_TIMEOUT_S = 60  # any one sbatch/scontrol/scancel call
 POLL_S = 0.5  # the output files
@@ -60,7 +38,6 @@ STATUS_EVERY_S = (0.5, 3.0)  # scontrol: often in the first minute, then gently 
 LOST_CONTROLLER_S = 120  # scontrol failing this long ends `follow` with an error
 GONE_WAIT_S = 120  # after scancel: until the job's processes are gone (KillWait is 30 s by default)
 STILL_PENDING_EVERY_S = 300
-STEP_ENV = "DISTTRAIN_LAUNCH_STEP"  # the step, in the batch job's environment (see the module's doc)
 # States after which a job never runs again (REQUEUED/REQUEUE_HOLD are on the way back to PENDING).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
          "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
@@ -131,7 +108,7 @@ class SlurmPaths:
 
     @property
     def outcome(self) -> Path:
-        """How the launch inside the allocation ended (an :class:`Outcome` as JSON)."""
+        """How the launch inside the allocation ended (:class:`~disttrain.wire.StepEnded`)."""
         return self.run_dir / "outcome.json"
 
 
@@ -190,7 +167,7 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
     return "\n".join(lines)
 
 
-def _slurm(argv: Sequence[str], *, timeout: float = SLURM_TIMEOUT_S, env: Mapping[str, str] | None = None,
+def slurm_command(argv: Sequence[str], *, timeout: float = SLURM_TIMEOUT_S, env: Mapping[str, str] | None = None,
            input: str | None = None):
     try:
         return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input,
@@ -205,37 +182,6 @@ def _slurm(argv: Sequence[str], *, timeout: float = SLURM_TIMEOUT_S, env: Mappin
 
 def _last_line(text: str) -> str:
     return (text.strip().splitlines() or [""])[-1]
-
-
-def submit(script: str, run_dir: str | os.PathLike, *, step: str, env: Mapping[str, str] | None = None) -> SlurmJob:
-    """``sbatch`` the script with ``step`` in its environment; keep the script and the job id
-    in the run folder.
-
-    The folder must exist before the job starts (Slurm opens the output files there, and does
-    not create folders); a refused job leaves no folder behind. sbatch's refusal (a partition
-    that does not exist, a time limit too long) is a UsageError with sbatch's own words.
-    """
-    paths = SlurmPaths(Path(run_dir))
-    # The outermost folder this call creates: what to remove when sbatch says no.
-    created = next((p for p in reversed((paths.run_dir, *paths.run_dir.parents)) if not p.exists()), None)
-    paths.run_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        # Values go through sbatch's environment, never its argv (which `ps` shows).
-        job_env = {**(os.environ if env is None else env), STEP_ENV: step}
-        job_env.pop("SBATCH_EXPORT", None)  # it would override the script's --export=ALL
-        result = _slurm(["sbatch", "--parsable"], env=job_env, input=script)  # the script on stdin
-        if result.returncode != 0:
-            raise UsageError(f"sbatch refused the job: {_last_line(result.stderr)}")
-        job_id = result.stdout.strip().split(";")[0]
-        if not job_id.isdigit():
-            raise DisttrainError(f"sbatch answered {result.stdout.strip()!r}, not a job id")
-    except BaseException:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
-    write_atomic(paths.script, script)
-    write_atomic(paths.job_id, job_id + "\n")
-    return SlurmJob(job_id, paths.run_dir, env)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,7 +254,7 @@ class SlurmJob:
 
     def status(self) -> JobStatus | None:
         """The job's state now; None once slurmctld has forgotten it (MinJobAge after its end)."""
-        result = _slurm(["scontrol", "show", "job", "-o", self.job_id], env=self.env)
+        result = slurm_command(["scontrol", "show", "job", "-o", self.job_id], env=self.env)
         if result.returncode != 0:
             if "Invalid job id" in result.stderr:
                 return None
@@ -320,10 +266,10 @@ class SlurmJob:
 
         False when it is still there after ``wait_s`` seconds.
         """
-        _slurm(["scancel", self.job_id], env=self.env)
+        slurm_command(["scancel", self.job_id], env=self.env)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            result = _slurm(["squeue", "-h", "-j", self.job_id, "-o", "%T"], env=self.env)
+            result = slurm_command(["squeue", "-h", "-j", self.job_id, "-o", "%T"], env=self.env)
             if not result.stdout.strip() and result.returncode == 0 or "Invalid job id" in result.stderr:
                 return True
             time.sleep(POLL_S)
@@ -421,166 +367,55 @@ class SlurmJob:
         return code
 
 
-# --- inside an allocation ------------------------------------------------------------------
-
-PROBE_TIMEOUT_S = 180  # an srun step that imports torch on every node
-_LABELLED = re.compile(r"^\s*(\d+): (.*)$")
-
-
-def job_port(job_id: str) -> int:
-    """The rendezvous port when none is given: fixed per job, so two jobs sharing a node
-    are unlikely to meet; checked free on the master before the launch."""
-    return 29500 + int(job_id) % 1000 if job_id.isdigit() else 29500
-
-
-def node_address(name: str) -> str:
-    """The address slurm.conf gives node ``name`` (NodeAddr; the name itself by default)."""
-    result = _slurm(["scontrol", "show", "node", "-o", name])
-    match = re.search(r"(?:^|\s)NodeAddr=(\S+)", result.stdout)
-    return match[1] if result.returncode == 0 and match else name
-
-
-def _probe(nodes: tuple[str, ...], *, python: str, master: str, port: int | None, paths: Sequence[str],
-           cwd: str) -> list[dict]:
-    """``disttrain probe`` on each of ``nodes`` in one srun step; their facts in node order."""
-    n = len(nodes)
-    argv = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
-            "--label", python, "-m", "disttrain", "probe", "--master", master, "--cwd", cwd]
-    if port is not None:
-        argv += ["--port", str(port)]
-    for path in paths:
-        argv += ["--path", path]
-    result = _slurm(argv, timeout=PROBE_TIMEOUT_S)
-    if result.returncode != 0:
-        raise DisttrainError(f"asking the nodes {','.join(nodes)} for their facts (srun ... disttrain probe) "
-                             f"failed with exit {result.returncode}: {_last_line(result.stderr)}; is disttrain "
-                             f"installed on every node at {python}?")
-    facts: dict[int, dict] = {}
-    for line in result.stdout.splitlines():
-        match = _LABELLED.match(line)
-        if match and match[2].startswith("{"):
-            facts[int(match[1])] = json.loads(match[2])  # tasks 0..n-1 are the nodes in order
-    missing = [nodes[i] for i in range(n) if i not in facts]
-    if missing:
-        raise DisttrainError(f"no facts from {', '.join(missing)} (srun ... disttrain probe): "
-                             f"{_last_line(result.stderr) or 'no output'}")
-    return [facts[i] for i in range(n)]
-
-
-def find_master(alloc: SlurmAllocation, nodes: tuple[str, ...], *, python: str, cwd: str) -> str:
-    """The first node's address toward the second, found on the first node."""
-    if len(nodes) == 1:
-        return "127.0.0.1"
-    peer = node_address(nodes[1])
-    if alloc.this_node == nodes[0]:  # the batch script runs on the first node
-        try:
-            return route_to(peer)[0]
-        except OSError as err:
-            raise DisttrainError(f"{nodes[0]}: no route to {nodes[1]} at {peer}: {err}") from None
-    return _probe(nodes[:1], python=python, master=peer, port=None, paths=[], cwd=cwd)[0]["address"]
-
-
-def agent_srun_argv(node: str, *, python: str, cpus: int | None, environ: Mapping[str, str]) -> list[str]:
-    """One node's agent as a one-task job step on that node, with the node's CPUs; its plan,
-    the forwarded variables' values included, comes on stdin (srun hands its stdin to the one
-    task). srun exports the bootstrap names only (and Slurm's own SLURM_*), not the
-    launching shell: the environment rule is applied by the plan, as for every launcher."""
-    names = [name for name in BOOTSTRAP_NAMES if name in environ]
-    argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--unbuffered",
-            f"--export={','.join(names) or 'NONE'}"]
-    if cpus:
-        argv.append(f"--cpus-per-task={cpus}")
-    return [*argv, *agent_argv(python)]
-
-
-class SlurmAllocationLauncher(Launcher):
-    """The first ``nodes`` nodes of the allocation this process runs in, one agent each."""
-
-    name = "slurm"
-
-    def __init__(self, alloc: SlurmAllocation, *, nodes: int | None = None) -> None:
-        if nodes is not None and nodes > len(alloc.nodes):
-            raise UsageError(f"--nodes {nodes}: Slurm job {alloc.job_id} has only {len(alloc.nodes)} node(s)")
-        self.alloc = alloc
-        self.names = alloc.nodes[: nodes or len(alloc.nodes)]
-        self.note = f"Slurm job {alloc.job_id}"
-
-    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
-        check_entry(spec, ctx.cwd)  # a shared filesystem is Slurm's norm: the nodes see it where we do
-        alloc, names = self.alloc, self.names
-        master = spec.master_addr or find_master(alloc, names, python=ctx.python, cwd=ctx.cwd)
-        port = spec.master_port or job_port(alloc.job_id)
-        facts = _probe(names, python=ctx.python, master=master, port=port, paths=ctx.paths, cwd=ctx.cwd)
-        failed = first_failure(fact_checks([Host(name=name) for name in names], facts, master_port=port))
-        if failed:
-            raise UsageError(f"{failed.host}: {failed.detail}; fix: {failed.fix}")
-        multi = len(names) > 1
-        cpus = alloc.cpus_per_node[: len(names)] or tuple(f["cpus"] for f in facts)
-        nodes = tuple(
-            NodeFacts(
-                hostname=name,
-                cpus=cpu,
-                cuda_devices=alloc.gpus_per_node if alloc.gpus_per_node is not None else f["cuda_devices"],
-                # One node talks over loopback; several over the route each found to the master.
-                socket_ifname=f["ifname"] if multi else None,
-                address=f["address"] if multi else None,
-            )
-            for name, cpu, f in zip(names, cpus, facts)
-        )
-        return Facts(nodes=nodes, master_addr=master, master_port=port, where=names,
-                     forwarded_env=forwarded_env(ctx.environ, everything=spec.forward_env))
-
-    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
-        cpus = self.alloc.cpus_per_node or (None,) * len(plan.nodes)
-        commands = [agent_srun_argv(node.host, python=ctx.python, cpus=cpus[i], environ=ctx.environ)
-                    for i, node in enumerate(plan.nodes)]
-        outcome = run_agents(plan, commands, cwd=ctx.cwd, transcript=events.transcript)
-        if outcome.failed is not None and not outcome.report and not outcome.signal:
-            host = plan.nodes[outcome.failed].host
-            events.say(f"disttrain: the agent on {host} (srun) exited with code {outcome.exit_code}; "
-                       "the other nodes were stopped")
-        return outcome
-
-
 # --- submitting a batch job ----------------------------------------------------------------
 
 
-class SlurmBatchLauncher(Launcher):
-    """sbatch, then follow. Placing happens inside the allocation (the nodes are not known
-    before), so this launcher ships the spec there instead of a plan: :meth:`run` is its own."""
+class SlurmBatchLauncher(BatchLauncher):
+    """sbatch, then follow. The nodes are placed inside the allocation, by the step the script
+    runs (:func:`disttrain.launch.slurm_alloc.run_step`)."""
 
     name = "slurm"
 
     def __init__(self, options: SlurmOptions, *, no_wait: bool = False, pending_timeout_s: float | None = None,
                  stop_on_signals: bool = True, env: Mapping[str, str] | None = None) -> None:
         self.options = options
+        self.nodes = options.nodes
         self.no_wait = no_wait
         self.pending_timeout_s = pending_timeout_s
         self.stop_on_signals = stop_on_signals  # False: the client handles SIGTERM/SIGINT itself
         self.env = env  # for the Slurm commands (a test's cluster)
 
-    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
-        raise UsageError("a Slurm batch job is placed inside its allocation: nothing to plan before submitting")
-
-    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
-        raise UsageError("a Slurm batch job is launched inside its allocation")
-
     def script(self, spec: LaunchSpec, ctx: Context) -> str:
         check_entry(spec, ctx.cwd)  # a shared filesystem is Slurm's norm: the nodes see it where we do
         return render_sbatch(spec, self.options, run_dir=ctx.run_dir, python=ctx.python, cwd=ctx.cwd)
 
-    def dry_run(self, spec: LaunchSpec, ctx: Context) -> str:
-        return self.script(spec, ctx)
+    def shipped(self, spec: LaunchSpec, ctx: Context) -> LaunchSpec:
+        return with_requeue_checkpoints(spec, self.options, ctx.run_dir)
 
-    def run(self, spec: LaunchSpec, ctx: Context, events: Events) -> Outcome:
-        spec = with_requeue_checkpoints(spec, self.options, ctx.run_dir)
-        step = json.dumps({"spec": json.loads(spec.to_json()), "run_id": ctx.run_id, "run_dir": ctx.run_dir,
-                           "cwd": ctx.cwd, "python": ctx.python, "paths": list(ctx.paths),
-                           "nodes": self.options.nodes, "client": events.step()})
-        job = submit(self.script(spec, ctx), ctx.run_dir, step=step, env=self.env)
-        events.submitted(job.job_id, ctx.run_dir)
-        if self.no_wait:
-            return Outcome(exit_code=0)
+    def submission_argv(self) -> list[str]:
+        return ["sbatch", "--parsable"]  # the script on stdin
+
+    def job_id_from(self, output: str) -> str:
+        job_id = output.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise DisttrainError(f"sbatch answered {output.strip()!r}, not a job id")
+        return job_id
+
+    def command(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                input: str | None = None) -> subprocess.CompletedProcess:
+        return slurm_command(argv, env=env, input=input)
+
+    def job_env(self, env: dict[str, str]) -> dict[str, str]:
+        env.pop("SBATCH_EXPORT", None)  # it would override the script's --export=ALL
+        return env
+
+    def keep(self, run_dir: Path, script: str, job_id: str) -> None:
+        paths = SlurmPaths(run_dir)
+        write_atomic(paths.script, script)
+        write_atomic(paths.job_id, job_id + "\n")
+
+    def follow(self, job_id: str, events: Events, ctx: Context) -> Outcome:
+        job = SlurmJob(job_id, Path(ctx.run_dir), self.env)
         try:
             code = job.follow(out=_Tee(sys.stdout, events.transcript), err=_Tee(sys.stderr, events.transcript),
                               pending_timeout_s=self.pending_timeout_s, stop_on_signals=self.stop_on_signals)
@@ -592,11 +427,10 @@ class SlurmBatchLauncher(Launcher):
         if job.interrupted:  # follow cancelled the job and said so; the step's own end is moot
             return Outcome(exit_code=code)
         paths = SlurmPaths(Path(ctx.run_dir))
-        plan_file = paths.run_dir / "plan.json"
-        if plan_file.exists():  # the nodes the step placed the job on
-            events.ran_on(tuple(n["host"] for n in json.loads(plan_file.read_text())["nodes"]))
         if paths.outcome.exists():
-            return Outcome(**json.loads(paths.outcome.read_text()))
+            ended = StepEnded.from_line(paths.outcome.read_text())
+            events.ran_on(ended.where)  # the nodes the step placed the job on
+            return ended.outcome
         if not code:
             return Outcome(exit_code=0)
         # The step ended before its launch did (a bad node, no disttrain there): its own words are last.
@@ -606,9 +440,9 @@ class SlurmBatchLauncher(Launcher):
         return Outcome(exit_code=code, report=report)
 
 
-def record_outcome(run_dir: str, outcome: Outcome) -> None:
+def record_end(run_dir: str, ended: StepEnded) -> None:
     """Inside the allocation: how the launch ended, for the submitting side to read."""
-    write_atomic(SlurmPaths(Path(run_dir)).outcome, json.dumps(dataclasses.asdict(outcome)))
+    write_atomic(SlurmPaths(Path(run_dir)).outcome, ended.to_line() + "\n")
 
 
 class _Tee:

@@ -3,8 +3,8 @@
 The tutorial has no shared filesystem: code and data are copied to every node by hand.
 One ssh connection per host carries a small exchange, both ends being disttrain:
 
-1. the launcher sends a manifest (path, size, mtime of every file) as one JSON line;
-2. the host answers with the paths it lacks or holds in another version (size or mtime
+1. the launcher sends a manifest (path, size, mtime of every file: :class:`~disttrain.wire.SyncOffer`);
+2. the host answers (:class:`~disttrain.wire.SyncWanted`) with the paths it lacks or holds in another version (size or mtime
    differ, as rsync's quick check), so a host that already has the files -- the launcher's
    own machine, a shared filesystem, a second run -- gets nothing;
 3. the launcher streams those files as a tar archive; the host unpacks them in place.
@@ -15,13 +15,12 @@ and a virtual environment only works on the machine that made it.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -29,6 +28,7 @@ from typing import BinaryIO
 from ..config.hosts import Host
 from ..errors import DisttrainError
 from ..ssh import ssh_argv
+from ..wire import SyncOffer, SyncWanted
 
 SKIPPED_DIRS = frozenset({
     ".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".nox", ".mypy_cache",
@@ -68,9 +68,9 @@ def receive(root: str, stdin: BinaryIO, stdout) -> int:
     """The host's end (``disttrain receive DIR``): answer the manifest, unpack what comes."""
     target = Path(root)
     target.mkdir(parents=True, exist_ok=True)
-    offered = {rel: tuple(v) for rel, v in json.loads(stdin.readline()).items()}
+    offered = SyncOffer.from_line(stdin.readline()).files
     need = wanted(target, offered)
-    print(json.dumps(need), file=stdout, flush=True)
+    print(SyncWanted(paths=tuple(need)).to_line(), file=stdout, flush=True)
     if not need:
         return 0
     allowed = set(need)
@@ -87,17 +87,19 @@ def receive(root: str, stdin: BinaryIO, stdout) -> int:
 _TRUSTED = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
 
 
-def send(host: Host, root: str, files: Manifest, *, python: str, options: Sequence[str]) -> tuple[int, int]:
-    """Bring ``host``'s copy of ``root`` up to date; (files sent, bytes sent)."""
-    argv = ssh_argv(host, [python, "-m", "disttrain", "receive", root], options=options)
+def send(host: Host, root: str, files: Manifest, *, python: str, options: Sequence[str],
+         env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """Bring ``host``'s copy of ``root`` up to date; (files sent, bytes sent). ``env``: what the
+    receiving disttrain needs to start (its import path), as for the agent."""
+    argv = ssh_argv(host, [python, "-m", "disttrain", "receive", root], options=options, env=env)
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     need: list[str] = []
     try:
-        proc.stdin.write(json.dumps(files).encode() + b"\n")
+        proc.stdin.write(SyncOffer(files=files).to_line().encode() + b"\n")
         proc.stdin.flush()
         answer = proc.stdout.readline()
         if answer:
-            need = json.loads(answer)
+            need = list(SyncWanted.from_line(answer).paths)
             if need:
                 with tarfile.open(fileobj=proc.stdin, mode="w|", format=tarfile.PAX_FORMAT) as archive:
                     for rel in need:
@@ -115,12 +117,13 @@ def send(host: Host, root: str, files: Manifest, *, python: str, options: Sequen
     return len(need), sum(files[rel][0] for rel in need)
 
 
-def sync_all(hosts: Sequence[Host], root: str, *, python: str, options: Sequence[str]) -> None:
+def sync_all(hosts: Sequence[Host], root: str, *, python: str, options: Sequence[str],
+             env: Mapping[str, str] | None = None) -> None:
     """Copy ``root`` to every host in parallel, saying what went where."""
     start = time.monotonic()
     files = manifest(root)
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        futures = [pool.submit(send, h, root, files, python=python, options=options) for h in hosts]
+        futures = [pool.submit(send, h, root, files, python=python, options=options, env=env) for h in hosts]
     for host, future in zip(hosts, futures):
         if future.exception():
             raise future.exception()

@@ -1,19 +1,15 @@
-"""``doctor``'s checks: each a CheckResult (ok / warn / fail, what was seen, the fix)."""
+"""``doctor``'s checks, also run before every multi-host launch: each a CheckResult (ok / warn /
+fail, what was seen, the fix), from what the hosts' probe sessions said (:mod:`disttrain.wire`)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 from ..config.hosts import Host
 from ..errors import DisttrainError, UsageError
-from ..ssh import ssh_argv
+from ..wire import HostFacts, Listening
 
-LISTENER_START_S = 20
 CONNECT_ROUND_S = 20
 
 
@@ -29,87 +25,76 @@ class CheckResult:
         return asdict(self)
 
 
-def fact_checks(hosts: Sequence[Host], facts: Sequence[dict | Exception], *, master_port: int) -> list[CheckResult]:
+def fact_checks(hosts: Sequence[Host], facts: Sequence[HostFacts | Exception], *,
+                master_port: int) -> list[CheckResult]:
     """What each host said about itself, compared with the first host."""
     out: list[CheckResult] = []
-    base = facts[0] if isinstance(facts[0], dict) else None
+    base = facts[0] if isinstance(facts[0], HostFacts) else None
     for host, fact in zip(hosts, facts):
         if isinstance(fact, Exception):
             out.append(CheckResult(check="ssh", host=host.name, status="fail", detail=str(fact),
                                    fix="check the host name, your ssh key (--ssh-option IdentityFile=...) "
                                        "and that disttrain is installed there"))
             continue
-        out.append(CheckResult(check="ssh", host=host.name, status="ok", detail=f"reached; hostname {fact['hostname']}"))
-        if not fact["cwd_exists"]:
+        out.append(CheckResult(check="ssh", host=host.name, status="ok", detail=f"reached; hostname {fact.hostname}"))
+        if not fact.cwd_exists:
             out.append(CheckResult(
                 check="path", host=host.name, status="fail",
-                detail=f"the working directory {fact['cwd']} does not exist there",
+                detail=f"the working directory {fact.cwd} does not exist there",
                 fix="`disttrain run --sync` copies it, or create it (a shared filesystem)",
             ))
-        for path, present in fact["paths"].items():
+        for path, present in fact.paths.items():
             out.append(CheckResult(
                 check="path", host=host.name, status="ok" if present else "fail",
-                detail=f"{path} {'present' if present else 'not found'} in {fact['cwd']}",
+                detail=f"{path} {'present' if present else 'not found'} in {fact.cwd}",
                 fix="" if present else "`disttrain run --sync` copies the working directory, "
                                        "or copy it yourself (or use a shared filesystem)",
             ))
         if base is not None and fact is not base:
-            diffs = [f"{k} {v} (vs {base['versions'][k]} on {hosts[0].name})"
-                     for k, v in fact["versions"].items() if v != base["versions"][k]]
+            diffs = [f"{k} {v} (vs {base.versions[k]} on {hosts[0].name})"
+                     for k, v in fact.versions.items() if v != base.versions[k]]
             out.append(CheckResult(
                 check="versions", host=host.name, status="fail" if diffs else "ok",
                 detail="; ".join(diffs) or "same python, torch, NCCL and disttrain as the master",
                 fix="install the same versions on every host" if diffs else "",
             ))
         out.append(CheckResult(
-            check="interface", host=host.name, status="ok" if fact["ifname"] else "warn",
-            detail=f"reaches the master from {fact['address']} via {fact['ifname'] or 'an unknown interface'}",
-            fix="" if fact["ifname"] else "set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME yourself",
+            check="interface", host=host.name, status="ok" if fact.ifname else "warn",
+            detail=f"reaches the master from {fact.address} via {fact.ifname or 'an unknown interface'}",
+            fix="" if fact.ifname else "set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME yourself",
         ))
-        out.append(CheckResult(check="gpus", host=host.name, status="ok", detail=f"{fact['cuda_devices']} GPU(s), {fact['cpus']} CPU(s)"))
-        if fact["port_free"] is not None:
+        out.append(CheckResult(check="gpus", host=host.name, status="ok", detail=f"{fact.cuda_devices} GPU(s), {fact.cpus} CPU(s)"))
+        if fact.port_free is not None:
             out.append(CheckResult(
-                check="master port", host=host.name, status="ok" if fact["port_free"] else "fail",
-                detail=f"port {master_port} {'free' if fact['port_free'] else 'already in use'}",
-                fix="" if fact["port_free"] else "pick another --master-port",
+                check="master port", host=host.name, status="ok" if fact.port_free else "fail",
+                detail=f"port {master_port} {'free' if fact.port_free else 'already in use'}",
+                fix="" if fact.port_free else "pick another --master-port",
             ))
     return out
 
 
-def local_checks(fact: dict, *, master_port: int) -> list[CheckResult]:
+def local_checks(fact: HostFacts, *, master_port: int) -> list[CheckResult]:
     """``disttrain doctor`` without hosts: can this machine run a job on its own?"""
-    host = Host(name=fact["hostname"])
+    host = Host(name=fact.hostname)
     rows = [replace(r, fix="check the path: it is looked up from the current folder") if r.fix and r.check == "path"
             else r for r in fact_checks((host,), (fact,), master_port=master_port) if r.check not in ("ssh", "interface")]
-    v = fact["versions"]
+    v = fact.versions
     rows.insert(0, CheckResult(
         check="versions", host=host.name, status="ok",
         detail=f"python {v['python']}, torch {v['torch']}, NCCL {v['nccl'] or 'none'}, disttrain {v['disttrain']}"))
     return rows
 
 
-def _start_listener(host: Host, ports: list[int], *, python: str, options: Sequence[str]):
-    argv = [python, "-m", "disttrain", "probe", "--listen", ",".join(map(str, ports))]
-    proc = subprocess.Popen(ssh_argv(host, argv, options=options), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(LISTENER_START_S)
-    answer = json.loads(line[0]) if line and line[0].strip() else {"error": "no answer"}
-    return proc, answer
-
-
-def reach_targets(facts: Sequence[dict], answers: Sequence[dict]) -> dict[str, tuple[int, str]]:
+def reach_targets(facts: Sequence[HostFacts], answers: Sequence[Listening]) -> dict[str, tuple[int, str]]:
     """``{"addr:port": (host index, "rendezvous" | "mesh")}``: every host's listeners."""
     targets: dict[str, tuple[int, str]] = {}
     for j, answer in enumerate(answers):
-        if "error" in answer:
+        if answer.error is not None or not answer.ports:
             continue
-        addr = facts[j]["address"]
+        addr = facts[j].address
         if j == 0:
-            targets[f"{addr}:{answer['ports'][0]}"] = (0, "rendezvous")
-        targets[f"{addr}:{answer['ports'][-1]}"] = (j, "mesh")
+            targets[f"{addr}:{answer.ports[0]}"] = (0, "rendezvous")
+        targets[f"{addr}:{answer.ports[-1]}"] = (j, "mesh")
     return targets
 
 
@@ -123,14 +108,14 @@ def listen_ports(i: int, master_port: int) -> list[int]:
     return [master_port, 0] if i == 0 else [0]
 
 
-def reach_results(hosts: Sequence[Host], answers: Sequence[dict], targets: dict[str, tuple[int, str]],
+def reach_results(hosts: Sequence[Host], answers: Sequence[Listening], targets: dict[str, tuple[int, str]],
                   seen: Sequence[dict[str, str]]) -> list[CheckResult]:
     """What the listeners and the connects say, as checks naming each pair."""
     out: list[CheckResult] = []
     for j, answer in enumerate(answers):
-        if "error" in answer:
+        if answer.error is not None:
             out.append(CheckResult(check="listen", host=hosts[j].name, status="fail",
-                                   detail=answer["error"], fix="free the port or pick another --master-port"))
+                                   detail=answer.error, fix="free the port or pick another --master-port"))
     for i, results in enumerate(seen):
         for target, why in results.items():
             j, kind = targets[target]
@@ -153,47 +138,6 @@ def reach_results(hosts: Sequence[Host], answers: Sequence[dict], targets: dict[
     return out
 
 
-def reach_checks(hosts: Sequence[Host], facts: Sequence[dict], *, master_port: int, python: str,
-                 options: Sequence[str]) -> list[CheckResult]:
-    """Real TCP connects from every host to the master port and to every other host
-    (``doctor``; a launch does the same inside its one probe session per host)."""
-    listeners = []
-    try:
-        with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
-            listeners = list(pool.map(
-                lambda i: _start_listener(hosts[i], listen_ports(i, master_port), python=python, options=options),
-                range(len(hosts)),
-            ))
-        answers = [answer for _, answer in listeners]
-        targets = reach_targets(facts, answers)
-
-        def connect_from(i: int) -> dict[str, str]:
-            mine = targets_for(targets, i)
-            if not mine:
-                return {}
-            argv = [python, "-m", "disttrain", "probe", "--connect", ",".join(mine)]
-            try:
-                res = subprocess.run(ssh_argv(hosts[i], argv, options=options), capture_output=True,
-                                     text=True, timeout=CONNECT_ROUND_S, stdin=subprocess.DEVNULL)
-                return json.loads(res.stdout.strip().splitlines()[-1])
-            except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
-                return {t: "no answer from the host" for t in mine}
-
-        with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
-            seen = list(pool.map(connect_from, range(len(hosts))))
-        return reach_results(hosts, answers, targets, seen)
-    finally:
-        for proc, _ in listeners:
-            if proc.stdin:
-                proc.stdin.close()
-        for proc, _ in listeners:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 def first_failure(results: Sequence[CheckResult]) -> CheckResult | None:
     return next((r for r in results if r.status == "fail"), None)
 
@@ -204,7 +148,7 @@ def raise_on_failure(results: Sequence[CheckResult]) -> None:
         raise DisttrainError(f"preflight ({failed.check}, {failed.host}): {failed.detail}; fix: {failed.fix}")
 
 
-def check_facts(hosts: Sequence[Host], facts: Sequence[dict | Exception], *, master_port: int) -> None:
+def check_facts(hosts: Sequence[Host], facts: Sequence[HostFacts | Exception], *, master_port: int) -> None:
     """What would make the job fail or hang later (doctor's own checks), raised before launch."""
     for fact in facts:
         if isinstance(fact, Exception):

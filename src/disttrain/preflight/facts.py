@@ -1,6 +1,6 @@
 """Facts a node reports about itself, for planning and for ``doctor``.
 
-Run on each host (``disttrain probe``); printed as one JSON object. The address and
+Run on each host (``disttrain agent``, its probe round), sent as :class:`~disttrain.wire.ProbeFacts`. The address and
 interface toward the master come from the routing table, never from the hostname (which
 resolves to 127.0.0.1 on many machines).
 """
@@ -18,6 +18,7 @@ import psutil
 from ..net import port_in_use
 from ..placement import usable_cpus
 from ..version import __version__
+from ..wire import HostFacts
 
 
 def route_to(addr: str) -> tuple[str, str | None]:
@@ -51,26 +52,26 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def node_facts(*, master: str, port: int | None = None, paths: list[str] = (), cwd: str | None = None) -> dict:
+def node_facts(*, master: str, port: int | None = None, paths: list[str] = (), cwd: str | None = None) -> HostFacts:
     """This host's facts; ``paths`` are looked up relative to ``cwd`` (the launcher's)."""
     import torch
 
     cwd = cwd or os.getcwd()
     source, ifname = route_to(master)
     is_master = source == master or ipaddress.ip_address(master).is_loopback
-    return {
-        "hostname": socket.gethostname(),
-        "address": source,
-        "ifname": ifname,
-        "is_master": is_master,
-        "cpus": usable_cpus(),
-        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "versions": versions(),
-        "paths": {p: (Path(cwd) / p).exists() for p in paths},
-        "cwd": cwd,
-        "cwd_exists": Path(cwd).is_dir(),
-        "port_free": (not port_in_use(master, port)) if (is_master and port) else None,
-    }
+    return HostFacts(
+        hostname=socket.gethostname(),
+        address=source,
+        ifname=ifname,
+        is_master=is_master,
+        cpus=usable_cpus(),
+        cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        versions=versions(),
+        paths={p: (Path(cwd) / p).exists() for p in paths},
+        cwd=cwd,
+        cwd_exists=Path(cwd).is_dir(),
+        port_free=(not port_in_use(master, port)) if (is_master and port) else None,
+    )
 
 
 def local_facts(cpus: int | None = None, *, toward: str | None = None):

@@ -6,23 +6,23 @@ makes the rendezvous succeed and the job hang forever. So each host listens on t
 master port (the master) and on a random port (everyone), and every host connects to every
 other host's listeners, with a short timeout.
 
-Both halves run on the hosts themselves (``disttrain probe --listen`` / ``--connect``).
+Both halves run on the hosts themselves, in each host's probe session (``disttrain agent``,
+see :mod:`disttrain.agent.entry`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import socket
-import sys
 import threading
+
+from ..wire import Listening
 
 CONNECT_TIMEOUT_S = 3.0
 
 
-def open_listeners(ports: list[int]) -> tuple[list[socket.socket], dict]:
-    """Listen on ``ports`` (0: a free one), accepting in the background; the sockets and
-    ``{"ports": [...]}`` or ``{"error": why}``."""
+def open_listeners(ports: list[int]) -> tuple[list[socket.socket], Listening]:
+    """Listen on ``ports`` (0: a free one), accepting in the background; the sockets, and
+    the ports or why not."""
     socks = []
     for port in ports:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -33,7 +33,7 @@ def open_listeners(ports: list[int]) -> tuple[list[socket.socket], dict]:
             sock.close()
             for other in socks:
                 other.close()
-            return [], {"error": f"cannot listen on port {port}: {err.strerror}"}
+            return [], Listening(error=f"cannot listen on port {port}: {err.strerror}")
         sock.listen(64)
         socks.append(sock)
 
@@ -47,7 +47,7 @@ def open_listeners(ports: list[int]) -> tuple[list[socket.socket], dict]:
 
     for sock in socks:
         threading.Thread(target=accept, args=(sock,), daemon=True).start()
-    return socks, {"ports": [s.getsockname()[1] for s in socks]}
+    return socks, Listening(ports=tuple(s.getsockname()[1] for s in socks))
 
 
 def close_listeners(socks: list[socket.socket]) -> None:
@@ -59,18 +59,6 @@ def close_listeners(socks: list[socket.socket]) -> None:
         except OSError:
             pass
         sock.close()
-
-
-def listen(ports: list[int]) -> int:
-    """Listen on ``ports``, print them as JSON, accept until stdin closes."""
-    socks, answer = open_listeners(ports)
-    print(json.dumps(answer), flush=True)
-    if not socks:
-        return 1
-    fd = sys.stdin.fileno()
-    while os.read(fd, 4096):  # held open by the checker for as long as it needs us
-        pass
-    return 0
 
 
 def connect(targets: list[str], timeout: float = CONNECT_TIMEOUT_S) -> dict[str, str]:

@@ -311,11 +311,11 @@ class TrainingJob:
 
     @classmethod
     def start(cls, spec, name: str, *, logs: bool) -> TrainingJob:
-        import json
+        from ..wire import FitRequest
 
-        fd, spec_file = tempfile.mkstemp(prefix="disttrain-fit-", suffix=".json")
+        fd, spec_file = tempfile.mkstemp(prefix="disttrain-fit-", suffix=".json")  # 0600
         with os.fdopen(fd, "w") as fh:
-            json.dump(spec.to_dict(), fh)
+            fh.write(FitRequest(spec=spec.to_dict()).to_line() + "\n")
         process = subprocess.Popen(
             [sys.executable, "-m", "disttrain.sagemaker.runjob", spec_file, name],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,

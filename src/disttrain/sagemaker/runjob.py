@@ -6,7 +6,6 @@ step) and exits with the job's exit code. It deletes the spec file it was given.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -15,15 +14,16 @@ def main(argv: list[str] | None = None) -> int:
     from ..errors import DisttrainError
     from ..jobs.runner import run_job
     from ..jobs.spec import spec_from_mapping
+    from ..wire import FitRequest
 
     spec_file, name = (sys.argv[1:] if argv is None else argv)[:2]
     try:
         with open(spec_file) as fh:
-            data = json.load(fh)
+            line = fh.read()
     finally:
         os.unlink(spec_file)
     try:
-        spec = spec_from_mapping(data, base_dir="/", source="estimator")
+        spec = spec_from_mapping(FitRequest.from_line(line).spec, base_dir="/", source="estimator")
         record = run_job(spec, job_name=name)
     except DisttrainError as err:
         print(f"disttrain: {err}", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 
 from ..config.launch import LaunchSpec
+from ..wire import RunSpec
 from ..workerenv import BENCH_MARKER as MARKER
 from ..workerenv import BENCH_STEPS, BENCH_WARMUP
 from .report import SCRIPT_SUMMARY, STEP_TIMER, Measurement
@@ -71,7 +72,7 @@ def run_count(argv: Sequence[str], spec: LaunchSpec, *, timeout_s: float, env: M
     proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=None if env is None else dict(env), cwd=cwd)
     try:
-        stdout, stderr = proc.communicate(input=spec.to_json(), timeout=timeout_s)
+        stdout, stderr = proc.communicate(input=RunSpec(spec=spec).to_line() + "\n", timeout=timeout_s)
     except subprocess.TimeoutExpired:
         stdout, stderr = _stop(proc)
         return Outcome(proc.returncode, stdout, stderr, time.perf_counter() - start, timed_out=True)

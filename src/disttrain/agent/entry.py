@@ -1,0 +1,194 @@
+"""A node's agent process, from its first line to its exit: the one owner of that process.
+
+A launcher starts one process per node -- ``disttrain agent``, over ssh, srun or as a plain
+process (:mod:`disttrain.launch.probe`) -- and talks to it over its stdin/stdout/stderr with
+the messages of :mod:`disttrain.wire`. This module is that process's whole life, as torch's
+``launch_agent`` is torchrun's and submitit's ``process_job`` a job's: the CLI only parses
+the flags and calls :func:`agent_main`, which never returns.
+
+1. the kernel's parent-death signal is armed before anything slow (torch's import), so a
+   launcher SIGKILLed meanwhile is not missed (:func:`disttrain.agent.lifeline.follow_parent`);
+2. the probe round: the host's facts out, what to connect to in, what it reached out;
+3. the plan is read, then stdin is watched for the rest of the run: a line is a request (the
+   hang dump), EOF asks the node to stop (SIGTERM to itself, which torch's agent turns into
+   stopping its workers), and the stop has a deadline -- the workers' grace plus
+   :data:`STOP_MARGIN_S` -- after which the process exits whatever torch's shutdown is doing;
+4. the node runs (:func:`disttrain.agent.node.run_node`, torch's elastic agent);
+5. the process ends with ``os._exit``: at interpreter exit Python would join torch's log-tailer
+   threads, and a stop that cut torch's shutdown short leaves them tailing for ever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from ..errors import DisttrainError, UsageError, error_line
+from ..wire import ConnectResults, ConnectTargets, DumpRequest, Listening, PlanMessage, ProbeFacts, WireError
+from ..workerenv import login_env
+from .lifeline import follow_parent
+
+STOP_MARGIN_S = 10  # after the workers' stop grace, for the agent's own shutdown
+
+
+class Lines:
+    """Lines from a raw descriptor, without a buffered reader (see :func:`watch_stdin`)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.buffer = fd, b""
+
+    def next(self) -> bytes | None:
+        """The next line; None when the launcher closed the stream first (it went away or is done)."""
+        while b"\n" not in self.buffer:
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
+
+
+def end_process(code: int) -> NoReturn:
+    """Flush what was said, then exit at once (no interpreter shutdown: see the module's doc)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def run_to_exit(body: Callable[[], int]) -> NoReturn:
+    """Run ``body`` and end the process with its exit code, whatever it raises: a known error
+    is one line, anything else (a second stop signal in torch's shutdown, say) a traceback."""
+    try:
+        code = body()
+    except DisttrainError as err:
+        print(error_line(err), file=sys.stderr)
+        code = err.exit_code
+    except KeyboardInterrupt:
+        print("disttrain: interrupted", file=sys.stderr)
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    end_process(code)
+
+
+def agent_main(*, master: str, port: int | None, paths: Sequence[str] = (), cwd: str | None = None,
+               listen: Sequence[int] = ()) -> NoReturn:
+    """``disttrain agent``: a node's process for a whole launch -- one connection, one Python
+    start, torch imported once (for the facts, then by torch's agent).
+
+    It says this host's facts (and listens on ``listen``), reads what to connect to and says
+    what it reached, then reads its plan -- on stdin, never on the command line, which ``ps``
+    shows every user of the host -- and runs the node to its end. EOF before the plan ends it
+    quietly (``doctor``, a check that failed on another host).
+    """
+
+    def body() -> int:
+        from ..preflight import reach
+        from ..preflight.facts import node_facts
+
+        # The launcher (ssh session, job runner, srun) gone, even SIGKILLed: stop. Armed before
+        # importing torch (seconds), so that a launcher dying meanwhile is not missed.
+        parent = os.getppid()
+        armed = follow_parent(signal.SIGTERM, parent=parent)
+        facts = node_facts(master=master, port=port, paths=list(paths), cwd=cwd)
+        socks, listening = reach.open_listeners(list(listen)) if listen else ([], Listening())
+        print(ProbeFacts(facts=facts, listen=listening).to_line(), flush=True)
+        lines = Lines(sys.stdin.fileno())
+        try:
+            line = lines.next()
+            if line is None:
+                return 0
+            targets = ConnectTargets.from_line(line).targets
+            print(ConnectResults(results=reach.connect(list(targets)) if targets else {}).to_line(), flush=True)
+            line = lines.next()
+        finally:
+            reach.close_listeners(socks)  # the master port is the rendezvous' next
+        if line is None:
+            return 0
+        return serve(PlanMessage.from_line(line), lines, signalled_by=parent if armed else None)
+
+    run_to_exit(body)
+
+
+def serve(message: PlanMessage, lines: Lines, *, signalled_by: int | None = None) -> int:
+    """Run the node ``message`` names, watching stdin for requests and the stop.
+
+    ``signalled_by``: the parent whose death already sends this process SIGTERM.
+    """
+    from .node import LauncherLink, run_node  # torch's elastic agent: not for every command
+
+    plan = message.plan
+    if message.cwd:
+        try:
+            os.chdir(message.cwd)
+        except OSError as err:
+            raise UsageError(f"cannot work in {message.cwd}: {err.strerror}") from None
+    nodes = [n for n in plan.nodes if n.node_rank == message.node_rank]
+    if not nodes:
+        raise UsageError(f"the plan has no node rank {message.node_rank}")
+    os.environ.update(login_env(os.environ))  # an agent started without a login (srun --export)
+    Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
+    link = LauncherLink()
+    watch_stdin(lines, lambda line: _request(line, lambda: link.dump(plan)), signalled_by=signalled_by,
+                host=nodes[0].host, grace_s=plan.stop_grace_s)
+    return run_node(plan, nodes[0], link=link)
+
+
+def _request(line: bytes, dump: Callable[[], None]) -> None:
+    """A line from the launcher after the plan: only the dump request is expected."""
+    try:
+        DumpRequest.from_line(line)
+    except WireError as err:
+        print(f"disttrain: warning: ignored a line from the launcher: {err}", file=sys.stderr, flush=True)
+        return
+    dump()
+
+
+def watch_stdin(lines: Lines, on_line: Callable[[bytes], None], *, signalled_by: int | None, host: str,
+                grace_s: float) -> None:
+    """In a daemon thread: each line to ``on_line``; at EOF, stop this node, with a deadline.
+
+    ssh/srun give the agent the launcher's pipe as stdin: EOF means the launcher is gone or
+    wants us to stop. Raw reads, not sys.stdin: a daemon thread blocked inside a buffered reader
+    aborts the interpreter at exit ("could not acquire lock ... at interpreter shutdown").
+    """
+
+    def watch() -> None:
+        while (line := lines.next()) is not None:
+            on_line(line)
+        # A launcher that died has had the kernel send us SIGTERM already (PR_SET_PDEATHSIG).
+        # A second one, landing while torch's agent stops the workers, cuts that short and can
+        # leave it waiting at exit for log tailers that were never stopped: one signal only.
+        if signalled_by is None or not parent_gone(signalled_by):
+            os.kill(os.getpid(), signal.SIGTERM)
+        # Stopping is bounded whatever happens in torch's shutdown: its grace, then a margin.
+        time.sleep(grace_s + STOP_MARGIN_S)
+        try:  # the launcher may be gone, and its pipe with it
+            print(f"disttrain: the agent on {host} was still running {grace_s + STOP_MARGIN_S:.0f} s after it "
+                  "was asked to stop; exiting (its workers die with it)", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
+
+
+def parent_gone(parent: int, wait_s: float = 0.2) -> bool:
+    """Whether ``parent`` has exited: the kernel re-parents us just after it closed our stdin."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

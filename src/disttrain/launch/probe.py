@@ -1,0 +1,302 @@
+"""Asking the nodes about themselves: one probe session per node, over a transport.
+
+A probe session is ``python -m disttrain agent`` on the node (:func:`disttrain.agent.entry.agent_main`),
+started through a :class:`Transport` -- ssh to a host, srun to a node of a Slurm allocation,
+or a plain process on this machine -- and spoken to with :mod:`disttrain.wire`'s messages on
+its stdin and stdout:
+
+1. it says its facts (:class:`~disttrain.wire.ProbeFacts`), listening on the ports it was given;
+2. it is told what to connect to (:class:`~disttrain.wire.ConnectTargets`) and says what it
+   reached (:class:`~disttrain.wire.ConnectResults`);
+3. it is sent its plan (:class:`~disttrain.wire.PlanMessage`) and becomes that node's agent --
+   or its stdin is closed and it ends (``doctor``, a check that failed).
+
+One connection and one Python start per node for a whole launch, and the same code for every
+transport: the same round (:func:`ask_facts`, :func:`reach_round`), the same errors naming
+the node.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar, TypeVar
+
+from ..config.hosts import Host
+from ..config.launch import LaunchSpec
+from ..errors import DisttrainError
+from ..plan.launch import LaunchPlan, NodeFacts
+from ..preflight.checks import (
+    CONNECT_ROUND_S,
+    CheckResult,
+    check_facts,
+    listen_ports,
+    raise_on_failure,
+    reach_results,
+    reach_targets,
+    targets_for,
+)
+from ..ssh import ssh_argv
+from ..wire import ConnectResults, ConnectTargets, HostFacts, Listening, Message, Outcome, ProbeFacts, WireError
+from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
+from .base import AgentLauncher, Context, Events, Facts
+from .flow import run_agents, start, stop
+
+PROBE_TIMEOUT_S = 30
+
+M = TypeVar("M", bound=Message)
+
+
+class Transport(ABC):
+    """How a command reaches one node: ``argv`` wraps it; ``name`` is the node in messages."""
+
+    over: ClassVar[str]  # "over ssh": how the node is reached, for messages
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @abstractmethod
+    def argv(self, command: Sequence[str]) -> list[str]:
+        """The local argv that runs ``command`` on the node."""
+
+    def own_failure(self, code: int, last: str) -> str | None:
+        """What the transport itself says went wrong (not the command), if that exit was its own."""
+        return None
+
+
+class SshTransport(Transport):
+    over = "over ssh"
+
+    def __init__(self, host: Host, *, options: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+        super().__init__(host.name)
+        self.host, self.options, self.env = host, tuple(options), env
+
+    def argv(self, command: Sequence[str]) -> list[str]:
+        return ssh_argv(self.host, command, options=self.options, env=self.env)
+
+    def own_failure(self, code: int, last: str) -> str | None:
+        return f"ssh failed: {last}" if code == 255 else None
+
+
+class SrunTransport(Transport):
+    """One task on one node of the allocation this process runs in, with that node's CPUs.
+
+    srun exports the bootstrap names only (and Slurm's own SLURM_*), not the launching shell:
+    the environment rule is applied by the plan, as for every launcher."""
+
+    over = "through srun"
+
+    def __init__(self, node: str, *, cpus: int | None = None, environ: Mapping[str, str] | None = None) -> None:
+        super().__init__(node)
+        self.cpus = cpus
+        self.names = [name for name in BOOTSTRAP_NAMES if name in (environ or {})]
+
+    def argv(self, command: Sequence[str]) -> list[str]:
+        argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.name}", "--unbuffered",
+                f"--export={','.join(self.names) or 'NONE'}"]
+        if self.cpus:
+            argv.append(f"--cpus-per-task={self.cpus}")
+        return [*argv, *command]
+
+    def own_failure(self, code: int, last: str) -> str | None:
+        return last if last.startswith("srun: error") else None  # srun's own words, not the command's
+
+
+class LocalTransport(Transport):
+    """A process on this machine (a job's instance, each its own node)."""
+
+    over = "from its process"
+
+    def argv(self, command: Sequence[str]) -> list[str]:
+        return list(command)
+
+
+def probe_command(python: str, *, master: str, port: int | None, cwd: str, paths: Sequence[str] = (),
+                  listen: Sequence[int] = ()) -> list[str]:
+    """``disttrain agent`` with what the node is asked about (no ``cd`` into ``cwd``: it may
+    not exist there yet, which is a finding, not a failure)."""
+    argv = [python, "-m", "disttrain", "agent", "--master", master, "--cwd", cwd]
+    if port is not None:
+        argv += ["--port", str(port)]
+    for path in paths:
+        argv += ["--path", path]
+    if listen:
+        argv += ["--listen", ",".join(map(str, listen))]
+    return argv
+
+
+class ProbeSession:
+    """One node's probe session: its process, read and written one message at a time."""
+
+    def __init__(self, transport: Transport, command: Sequence[str], *, cwd: str | None = None) -> None:
+        self.transport, self.command = transport, list(command)
+        argv = transport.argv(command)
+        try:
+            self.proc = start(argv, cwd=cwd)
+        except OSError as err:  # no ssh/srun here, or a working folder that is not
+            raise DisttrainError(f"{transport.name}: cannot start `{argv[0]}`: {err.strerror}") from None
+
+    @property
+    def name(self) -> str:
+        return self.transport.name
+
+    def read(self, kind: type[M], timeout: float, what: str) -> M:
+        """The next message; an error naming the node when it does not come in time, is not
+        ``kind``, or the session ended (with the transport's or the command's own last words)."""
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if reader.is_alive():
+            raise DisttrainError(f"{self.name}: no answer {self.transport.over} within {timeout:.0f} s ({what})")
+        if line and line[0].strip():
+            try:
+                return kind.from_line(line[0])
+            except WireError as err:
+                raise DisttrainError(f"{self.name}: unexpected answer to {what}: {err}") from None
+        code = self.proc.wait()
+        last = (self.proc.stderr.read().strip().splitlines() or [""])[-1]
+        own = self.transport.own_failure(code, last)
+        if own:
+            raise DisttrainError(f"{self.name}: {own}")
+        raise DisttrainError(
+            f"{self.name}: `{self.command[0]} -m disttrain agent` failed (exit {code}): {last}; "
+            "is disttrain installed there (same path, or pass --python)?")
+
+    def send(self, message: Message) -> None:
+        try:
+            self.proc.stdin.write(message.to_line() + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it ended; the next read says why
+
+
+def open_sessions(transports: Sequence[Transport], *, python: str, master: str, port: int | None, cwd: str,
+                  paths: Sequence[str] = (), reach: bool = True) -> list[ProbeSession]:
+    """A probe session per node, in node order; ``reach``: each listens for the reachability
+    round (the master on the rendezvous port too)."""
+    sessions: list[ProbeSession] = []
+    try:
+        for i, transport in enumerate(transports):
+            command = probe_command(python, master=master, port=port, cwd=cwd, paths=paths,
+                                    listen=listen_ports(i, port) if reach else ())
+            sessions.append(ProbeSession(transport, command, cwd=cwd))
+    except BaseException:
+        close_all(sessions)
+        raise
+    return sessions
+
+
+def close_all(sessions: Sequence[ProbeSession], grace_s: float = 10) -> None:
+    """End sessions that will not become agents (stdin closed: each ends quietly), all at once."""
+    stop([session.proc for session in sessions], grace_s=grace_s)
+
+
+def _each(sessions: Sequence[ProbeSession], call) -> list:
+    """``call(session)`` for every session in parallel; a DisttrainError is that session's result."""
+    def safe(session: ProbeSession):
+        try:
+            return call(session)
+        except DisttrainError as err:
+            return err
+
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(sessions)))) as pool:
+        return list(pool.map(safe, sessions))
+
+
+def ask_facts(sessions: Sequence[ProbeSession], timeout: float = PROBE_TIMEOUT_S) -> list[ProbeFacts | DisttrainError]:
+    """Every node's first answer, in node order; a node that failed gives its error."""
+    return _each(sessions, lambda s: s.read(ProbeFacts, timeout, "the probe"))
+
+
+def reach_round(sessions: Sequence[ProbeSession], hosts: Sequence[Host], facts: Sequence[HostFacts],
+                listening: Sequence[Listening]) -> list[CheckResult]:
+    """Every node connects to every other node's listeners: checks naming each pair."""
+    targets = reach_targets(facts, listening)
+    for i, session in enumerate(sessions):
+        session.send(ConnectTargets(targets=tuple(targets_for(targets, i))))
+    answers = _each(sessions, lambda s: s.read(ConnectResults, CONNECT_ROUND_S, "the reachability checks"))
+    seen = [{t: "no answer from the host" for t in targets_for(targets, i)} if isinstance(a, Exception)
+            else a.results for i, a in enumerate(answers)]
+    return reach_results(hosts, listening, targets, seen)
+
+
+def skip_reach(sessions: Sequence[ProbeSession]) -> None:
+    """The round without connects (``--no-preflight``, Slurm): each session only answers."""
+    for session in sessions:
+        session.send(ConnectTargets(targets=()))
+    for answer in _each(sessions, lambda s: s.read(ConnectResults, CONNECT_ROUND_S, "the probe")):
+        if isinstance(answer, Exception):
+            raise answer
+
+
+class SessionLauncher(AgentLauncher):
+    """An agent launcher whose nodes' probe sessions become their agents: the job's instances on
+    this machine, ssh hosts, the nodes of a Slurm allocation.
+
+    A subclass says where the rendezvous is (:meth:`rendezvous`), how each node is reached
+    (:meth:`transports`) and what its facts make of each node (:meth:`node_facts`); the round
+    (facts, checks, reachability), the plan sent to every session and the shared flow
+    (:func:`~disttrain.launch.flow.run_agents`) are here, once.
+    """
+
+    probe_timeout_s: float = PROBE_TIMEOUT_S
+    reach_checks: bool = True  # the TCP round between the nodes before the start (unless --no-preflight)
+
+    def __init__(self) -> None:
+        self._sessions: list[ProbeSession] = []
+
+    @abstractmethod
+    def rendezvous(self, spec: LaunchSpec, ctx: Context) -> tuple[str, int]:
+        """The master's address and port, known before the nodes are asked (they check routes to it)."""
+
+    @abstractmethod
+    def transports(self, ctx: Context) -> list[Transport]:
+        """How each node is reached, in node order (the first is the master)."""
+
+    @abstractmethod
+    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Sequence[HostFacts]) -> tuple[NodeFacts, ...]:
+        """What the planner needs of each node, from what the node said."""
+
+    def where(self, facts: Sequence[HostFacts]) -> tuple[str, ...]:
+        """The machine each node runs on (for records and messages)."""
+        return tuple(session.name for session in self._sessions)
+
+    def forwarded(self, spec: LaunchSpec, ctx: Context) -> Mapping[str, str]:
+        """The launching shell's variables that travel with the plan (local workers inherit them)."""
+        return forwarded_env(ctx.environ, everything=spec.forward_env)
+
+    def session_python(self, ctx: Context) -> str:
+        return ctx.python
+
+    def probe_paths(self, ctx: Context) -> Sequence[str]:
+        """What every node is asked to have (relative to ``ctx.cwd``)."""
+        return ctx.paths
+
+    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+        master, port = self.rendezvous(spec, ctx)
+        reach = ctx.preflight and self.reach_checks
+        self._sessions = open_sessions(self.transports(ctx), python=self.session_python(ctx), master=master,
+                                       port=port, cwd=ctx.cwd, paths=self.probe_paths(ctx), reach=reach)
+        answers = ask_facts(self._sessions, self.probe_timeout_s)
+        hosts = [Host(name=session.name) for session in self._sessions]
+        facts = [a if isinstance(a, Exception) else a.facts for a in answers]
+        check_facts(hosts, facts, master_port=port)
+        if reach:
+            raise_on_failure(reach_round(self._sessions, hosts, facts, [a.listen for a in answers]))
+        else:
+            skip_reach(self._sessions)
+        return Facts(nodes=self.node_facts(spec, ctx, facts), master_addr=master, master_port=port,
+                     where=self.where(facts), forwarded_env=self.forwarded(spec, ctx))
+
+    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
+        """Every session becomes its node's agent (the plan tells it where to work)."""
+        sessions, self._sessions = self._sessions, []
+        return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript)
+
+    def close(self) -> None:
+        """End the sessions that never became agents."""
+        close_all(self._sessions)
+        self._sessions = []

@@ -1,0 +1,148 @@
+"""Inside a Slurm allocation (a batch script, a ``salloc`` shell): one agent per node, each its
+own ``srun`` step, so that the first node to fail is known and the others are stopped through
+the shared flow.
+
+Each node's step is a probe session over :class:`~disttrain.launch.probe.SrunTransport` that
+says the node's facts and then becomes its agent (one step per node for the whole launch).
+The master is the first node, at the address that node uses toward the second node's
+``NodeAddr``, found on the first node itself (a node's own hostname often resolves to
+127.0.x.1).
+
+The environment follows the rule of every launcher (:func:`disttrain.workerenv.forwarded_env`),
+not Slurm's ``--export=ALL``: the steps export only the bootstrap names, and the forwarded
+values travel with the plan on the agent's stdin, as over ssh.
+
+:func:`run_step` is what a batch job's one command (``disttrain launch-step``) runs: the
+spec the submitting side shipped (:class:`~disttrain.wire.LaunchStep`), launched here, and
+how it ended written back for the submitter (:class:`~disttrain.wire.StepEnded`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from pathlib import Path
+
+from ..config.launch import LaunchSpec
+from ..errors import DisttrainError, UsageError
+from ..plan.launch import LaunchPlan, NodeFacts
+from ..preflight.facts import route_to
+from ..wire import HostFacts, JobClient, LaunchStep, Outcome, RunClient, StepEnded
+from .base import STEP_ENV, Context, Events
+from .local import check_entry
+from .probe import SessionLauncher, SrunTransport, Transport, ask_facts, close_all, open_sessions
+from .slurm import record_end, slurm_command
+from .slurm_env import SlurmAllocation
+
+PROBE_TIMEOUT_S = 180  # an srun step that imports torch on a busy node
+
+
+def job_port(job_id: str) -> int:
+    """The rendezvous port when none is given: fixed per job, so two jobs sharing a node
+    are unlikely to meet; checked free on the master before the launch."""
+    return 29500 + int(job_id) % 1000 if job_id.isdigit() else 29500
+
+
+def node_address(name: str) -> str:
+    """The address slurm.conf gives node ``name`` (NodeAddr; the name itself by default)."""
+    result = slurm_command(["scontrol", "show", "node", "-o", name])
+    match = re.search(r"(?:^|\s)NodeAddr=(\S+)", result.stdout)
+    return match[1] if result.returncode == 0 and match else name
+
+
+def find_master(alloc: SlurmAllocation, nodes: tuple[str, ...], *, python: str, cwd: str,
+                environ: Mapping[str, str]) -> str:
+    """The first node's address toward the second, found on the first node."""
+    if len(nodes) == 1:
+        return "127.0.0.1"
+    peer = node_address(nodes[1])
+    if alloc.this_node == nodes[0]:  # the batch script runs on the first node
+        try:
+            return route_to(peer)[0]
+        except OSError as err:
+            raise DisttrainError(f"{nodes[0]}: no route to {nodes[1]} at {peer}: {err}") from None
+    sessions = open_sessions([SrunTransport(nodes[0], environ=environ)], python=python, master=peer, port=None,
+                             cwd=cwd, reach=False)
+    try:
+        (answer,) = ask_facts(sessions, PROBE_TIMEOUT_S)
+    finally:
+        close_all(sessions)
+    if isinstance(answer, Exception):
+        raise answer
+    return answer.facts.address
+
+
+class SlurmAllocationLauncher(SessionLauncher):
+    """The first ``nodes`` nodes of the allocation this process runs in, one agent each."""
+
+    name = "slurm"
+    probe_timeout_s = PROBE_TIMEOUT_S
+    reach_checks = False  # the nodes of an allocation are the cluster's to connect
+
+    def __init__(self, alloc: SlurmAllocation, *, nodes: int | None = None) -> None:
+        if nodes is not None and nodes > len(alloc.nodes):
+            raise UsageError(f"--nodes {nodes}: Slurm job {alloc.job_id} has only {len(alloc.nodes)} node(s)")
+        super().__init__()
+        self.alloc = alloc
+        self.names = alloc.nodes[: nodes or len(alloc.nodes)]
+        self.note = f"Slurm job {alloc.job_id}"
+
+    def facts(self, spec: LaunchSpec, ctx: Context):
+        check_entry(spec, ctx.cwd)  # a shared filesystem is Slurm's norm: the nodes see it where we do
+        return super().facts(spec, ctx)
+
+    def rendezvous(self, spec: LaunchSpec, ctx: Context) -> tuple[str, int]:
+        master = spec.master_addr or find_master(self.alloc, self.names, python=ctx.python, cwd=ctx.cwd,
+                                                 environ=ctx.environ)
+        return master, spec.master_port or job_port(self.alloc.job_id)
+
+    def transports(self, ctx: Context) -> list[Transport]:
+        cpus = self.alloc.cpus_per_node or (None,) * len(self.names)
+        return [SrunTransport(name, cpus=cpus[i], environ=ctx.environ) for i, name in enumerate(self.names)]
+
+    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Sequence[HostFacts]) -> tuple[NodeFacts, ...]:
+        multi = len(self.names) > 1
+        cpus = self.alloc.cpus_per_node[: len(self.names)] or tuple(f.cpus for f in facts)
+        gpus = self.alloc.gpus_per_node
+        return tuple(
+            NodeFacts(
+                hostname=name,
+                cpus=cpu,
+                cuda_devices=gpus if gpus is not None else f.cuda_devices,
+                # One node talks over loopback; several over the route each found to the master.
+                socket_ifname=f.ifname if multi else None,
+                address=f.address if multi else None,
+            )
+            for name, cpu, f in zip(self.names, cpus, facts)
+        )
+
+    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
+        outcome = super().launch(plan, events, ctx)
+        if outcome.failed is not None and not outcome.report and not outcome.signal:
+            host = plan.nodes[outcome.failed].host
+            events.say(f"disttrain: the agent on {host} (srun) exited with code {outcome.exit_code}; "
+                       "the other nodes were stopped")
+        return outcome
+
+
+def run_step(environ: MutableMapping[str, str], events_for: Callable[[RunClient | JobClient | None], Events]) -> int:
+    """Inside a Slurm batch job: the spec the submitting side shipped, launched on the
+    allocation (``events_for`` rebuilds the client's event sink from what it shipped)."""
+    alloc = SlurmAllocation.from_environ(environ)
+    if alloc is None:
+        raise UsageError("disttrain launch-step runs inside the Slurm job that `disttrain run --launcher slurm` "
+                         "or `disttrain job run` submits")
+    shipped = environ.pop(STEP_ENV, None)  # popped: not one of the user's variables to forward
+    if not shipped:
+        raise UsageError(f"disttrain launch-step: {STEP_ENV} is not in the job's environment: run it only as the "
+                         "command of the batch script that `disttrain run --launcher slurm` submits")
+    step = LaunchStep.from_line(shipped)
+    run_dir = step.run_dir
+    if alloc.restart_count:  # a requeued job: the first run's logs stay as they were
+        run_dir = str(Path(run_dir) / f"requeue_{alloc.restart_count}")
+    ctx = Context(run_id=step.run_id, run_dir=run_dir, cwd=step.cwd, python=step.python, paths=step.paths,
+                  environ=dict(environ))
+    launcher = SlurmAllocationLauncher(alloc, nodes=step.nodes)
+    outcome = launcher.run(step.spec, ctx, events_for(step.client))
+    record_end(step.run_dir, StepEnded(outcome=outcome, where=launcher.names))
+    return outcome.exit_code

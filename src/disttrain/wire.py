@@ -1,0 +1,426 @@
+"""Every message between disttrain's processes: one frozen type each, one line each, versioned.
+
+A launch crosses several processes -- the launcher, each host's probe session that becomes
+its agent, a Slurm batch step, ``disttrain run-spec``, an estimator's job process -- and
+each hop carries one of the types below. Each is a frozen dataclass with
+:meth:`~Message.to_line` / :meth:`~Message.from_line`; on the wire it is one JSON object,
+an envelope naming its kind and version with the fields beside them::
+
+    {"kind": "agent.plan", "v": 1, "node_rank": 1, "cwd": "/work", "plan": {...}}
+
+The reading side refuses, in one line naming the message, a line that is not one: another
+kind, another version, an unknown or missing key, a field of the wrong type (a host running
+another disttrain version says so instead of failing somewhere later). Messages that share a
+stream with other text (an agent's stderr) start with a marker (:attr:`Message.marker`).
+
+This module sits below both sides (the launchers in :mod:`disttrain.launch`, the node side
+in :mod:`disttrain.agent` and :mod:`disttrain.preflight`) and above the types it carries
+(:class:`~disttrain.plan.launch.LaunchPlan`, :class:`~disttrain.config.launch.LaunchSpec`,
+each serialised by its own methods).
+
+=================  ===============  ======================================================
+kind               type             hop
+=================  ===============  ======================================================
+probe.facts        ProbeFacts       a host's probe session -> the launcher (facts, listeners)
+probe.connect      ConnectTargets   launcher -> probe session (what to connect to)
+probe.reached      ConnectResults   probe session -> launcher (what it reached)
+agent.plan         PlanMessage      launcher -> agent (stdin): the plan, values included
+agent.dump         DumpRequest      launcher -> agent (stdin): no progress anywhere, dump stacks
+agent.beats        Beats            agent -> launcher (stderr): the ranks' steps, each second
+launch.outcome     Outcome          how a launch ended (a Slurm step's, read by the submitter)
+slurm.step         LaunchStep       submitter -> the batch job's step (its environment)
+slurm.ended        StepEnded        the batch job's step -> the submitter (a file)
+client.run         RunClient        inside slurm.step: rebuild ``disttrain run``'s events
+client.job         JobClient        inside slurm.step: rebuild a job's events
+run.spec           RunSpec          ``disttrain bench`` -> ``disttrain run-spec`` (stdin)
+sagemaker.fit      FitRequest       an estimator's ``fit`` -> its job process (a 0600 file)
+sync.offer         SyncOffer        ``--sync``: launcher -> ``disttrain receive``
+sync.wanted        SyncWanted       ``--sync``: ``disttrain receive`` -> launcher
+mpi.env            InstanceEnv      the mpi launcher -> each rank's wrapper (a 0600 file)
+=================  ===============  ======================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from .config.launch import LaunchSpec
+from .errors import DisttrainError
+from .plan.launch import LaunchPlan, plan_from_json
+
+VERSION = 1
+
+M = TypeVar("M", bound="Message")
+
+
+class WireError(DisttrainError):
+    """A line that is not the message its reader expects (another version, a stray line)."""
+
+
+# Types that own their serialisation: carried as the JSON object their own methods write.
+_CODECS: dict[type, tuple[Any, Any]] = {
+    LaunchPlan: (lambda plan: json.loads(plan.to_private_json()), lambda data: plan_from_json(json.dumps(data))),
+    LaunchSpec: (lambda spec: json.loads(spec.to_json()), lambda data: LaunchSpec.from_json(json.dumps(data))),
+}
+
+
+class Record:
+    """A frozen dataclass carried inside a message (no envelope of its own)."""
+
+    def to_dict(self) -> dict:
+        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: object, *, where: str | None = None):
+        where = where or cls.__name__
+        if not isinstance(data, Mapping):
+            raise WireError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        hints = typing.get_type_hints(cls)
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        extra = sorted(set(data) - set(known) - _ENVELOPE)
+        if extra:
+            raise WireError(f"{where}: unknown key {extra[0]!r} (written by another disttrain version?)")
+        missing = [name for name, f in known.items() if name not in data and _required(f)]
+        if missing:
+            raise WireError(f"{where}: missing key {missing[0]!r} (written by another disttrain version?)")
+        values = {name: _decode(hints[name], data[name], f"{where}, {name}") for name in known if name in data}
+        return cls(**values)
+
+
+_ENVELOPE = frozenset({"kind", "v"})
+
+
+class Message(Record):
+    """One line between two processes: ``{"kind": ..., "v": 1, ...fields}``."""
+
+    kind: ClassVar[str]
+    marker: ClassVar[str] = ""  # the line's prefix when it shares a stream with other text
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "v": VERSION, **super().to_dict()}
+
+    def to_line(self) -> str:
+        """The message as one line (no newline at the end)."""
+        return self.marker + json.dumps(self.to_dict())
+
+    @classmethod
+    def matches(cls, line: str) -> bool:
+        """Whether ``line`` carries this kind of message (by its marker: no decoding)."""
+        return bool(cls.marker) and line.startswith(cls.marker)
+
+    @classmethod
+    def from_line(cls: type[M], line: str | bytes) -> M:
+        """The message ``line`` carries; a WireError naming it when the line is not one."""
+        text = line.decode(errors="replace") if isinstance(line, bytes) else line
+        text = text.strip()
+        where = f"{cls.__name__} message ({cls.kind})"
+        if cls.marker:
+            if not text.startswith(cls.marker.strip()):
+                raise WireError(f"{where}: the line does not start with {cls.marker.strip()!r}: {text[:120]!r}")
+            text = text[len(cls.marker.strip()):].strip()
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise WireError(f"{where}: not a JSON line: {text[:120]!r}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls: type[M], data: object, *, where: str | None = None) -> M:
+        where = where or f"{cls.__name__} message ({cls.kind})"
+        if not isinstance(data, Mapping):
+            raise WireError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        kind, version = data.get("kind"), data.get("v")
+        if kind != cls.kind:
+            raise WireError(f"{where}: got a {kind!r} message instead")
+        if version != VERSION:
+            raise WireError(f"{where}: version {version!r}, and this disttrain reads version {VERSION} "
+                            "(the other side runs another disttrain version)")
+        return super().from_dict(data, where=where)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_dict()
+    codec = _CODECS.get(type(value))
+    if codec is not None:
+        return codec[0](value)
+    if isinstance(value, (tuple, list)):
+        return [_encode(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _encode(v) for k, v in value.items()}
+    return value
+
+
+def _decode(hint: Any, value: Any, where: str) -> Any:
+    """``value`` (from JSON) as the type ``hint`` names: tuples, int keys, nested records."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        messages = [a for a in options if isinstance(a, type) and issubclass(a, Message)]
+        if messages and isinstance(value, Mapping):  # several kinds may come: pick by the envelope
+            chosen = next((m for m in messages if m.kind == value.get("kind")), None)
+            if chosen is None:
+                raise WireError(f"{where}: a {value.get('kind')!r} message, expected one of "
+                                f"{', '.join(m.kind for m in messages)}")
+            return chosen.from_dict(value, where=where)
+        if len(options) == 1:
+            return _decode(options[0], value, where)
+        return value
+    if hint is Any:
+        return value
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return hint.from_dict(value, where=where)
+    if hint in _CODECS:
+        try:
+            return _CODECS[hint][1](value)
+        except (DisttrainError, TypeError, ValueError, KeyError) as err:
+            raise WireError(f"{where}: {err}") from None
+    if origin is tuple:
+        _expect(value, list, where)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v, where) for v in value)
+        if len(args) != len(value):
+            raise WireError(f"{where}: expected {len(args)} items, got {len(value)}")
+        return tuple(_decode(a, v, where) for a, v in zip(args, value))
+    if origin is dict or hint is dict:
+        _expect(value, dict, where)
+        if not args:
+            return dict(value)
+        key, item = args
+        return {_key(key, k, where): _decode(item, v, where) for k, v in value.items()}
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WireError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint in (int, str, bool):
+        if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+            raise WireError(f"{where}: expected {hint.__name__}, got {value!r}")
+        return value
+    return value
+
+
+def _expect(value: Any, kind: type, where: str) -> None:
+    if not isinstance(value, kind):
+        raise WireError(f"{where}: expected a JSON {'array' if kind is list else 'object'}, got {value!r}")
+
+
+def _key(hint: Any, key: str, where: str) -> Any:
+    if hint is int:
+        try:
+            return int(key)
+        except ValueError:
+            raise WireError(f"{where}: key {key!r} is not a number") from None
+    return key
+
+
+# --- how a launch ended ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome(Message):
+    """How a launch ended; the same for every launcher (and a Slurm step's, recorded)."""
+
+    kind: ClassVar[str] = "launch.outcome"
+
+    exit_code: int
+    failed: int | None = None  # node rank of the agent that failed first
+    report: str = ""  # that agent's own root-cause block, as it printed it
+    signal: int | None = None  # SIGINT/SIGTERM that made the launcher stop every node
+
+
+# --- a host's probe session, then its agent ----------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostFacts(Record):
+    """What a host says about itself (its probe session; ``doctor`` compares them)."""
+
+    hostname: str
+    address: str  # this host's source address toward the master (from its routes)
+    ifname: str | None  # the interface of that route
+    is_master: bool
+    cpus: int
+    cuda_devices: int
+    versions: dict[str, str | None]  # python, torch, nccl, disttrain
+    paths: dict[str, bool]  # the paths asked about: present?
+    cwd: str
+    cwd_exists: bool
+    port_free: bool | None = None  # on the master only: the rendezvous port
+
+
+@dataclass(frozen=True, kw_only=True)
+class Listening(Record):
+    """The ports a probe session listens on for the reachability checks, or why it cannot."""
+
+    ports: tuple[int, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeFacts(Message):
+    kind: ClassVar[str] = "probe.facts"
+
+    facts: HostFacts
+    listen: Listening = field(default_factory=Listening)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectTargets(Message):
+    kind: ClassVar[str] = "probe.connect"
+
+    targets: tuple[str, ...]  # "addr:port" of every other host's listeners
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectResults(Message):
+    kind: ClassVar[str] = "probe.reached"
+
+    results: dict[str, str]  # "addr:port" -> "ok" or why not
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanMessage(Message):
+    """What an agent reads first: its node rank, the whole plan (values of the user's variables
+    included: only ever on a private channel, stdin), and the folder to work in when its
+    command did not start there (a probe session turning agent)."""
+
+    kind: ClassVar[str] = "agent.plan"
+
+    node_rank: int
+    plan: LaunchPlan
+    cwd: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DumpRequest(Message):
+    """No rank on any host made progress: dump this node's stacks, then stop."""
+
+    kind: ClassVar[str] = "agent.dump"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Beats(Message):
+    """Each second, on an agent's stderr: every live rank's steps and the age of its last
+    progress (ages, not times: the hosts' clocks need not agree)."""
+
+    kind: ClassVar[str] = "agent.beats"
+    marker: ClassVar[str] = "disttrain-beats "
+
+    host: str
+    ranks: dict[int, tuple[int, float]]  # rank -> (steps, seconds since its last progress)
+
+
+# --- a Slurm batch job: the step inside the allocation -----------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunClient(Message):
+    """``disttrain run``'s events, rebuilt inside the allocation."""
+
+    kind: ClassVar[str] = "client.run"
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobClient(Message):
+    """A job's events, rebuilt inside the allocation (the job spec as the job layer wrote it)."""
+
+    kind: ClassVar[str] = "client.job"
+
+    name: str
+    job_dir: str
+    cwd: str
+    spec: dict  # whole, not masked: the step runs it
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchStep(Message):
+    """What a batch job's one command (``disttrain launch-step``) launches on its allocation.
+
+    It travels in the job's environment (it may hold ``--env`` values), never in a file."""
+
+    kind: ClassVar[str] = "slurm.step"
+
+    spec: LaunchSpec
+    run_id: str
+    run_dir: str
+    cwd: str
+    python: str
+    paths: tuple[str, ...] = ()
+    nodes: int = 1
+    client: RunClient | JobClient | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepEnded(Message):
+    """The step's end, for the submitting side: how the launch ended and on which nodes."""
+
+    kind: ClassVar[str] = "slurm.ended"
+
+    outcome: Outcome
+    where: tuple[str, ...] = ()
+
+
+# --- other processes that carry a request --------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec(Message):
+    """``disttrain run-spec``'s stdin: the spec of one ``disttrain bench`` count."""
+
+    kind: ClassVar[str] = "run.spec"
+
+    spec: LaunchSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitRequest(Message):
+    """An estimator's ``fit``, for the process that runs the job (the job spec as a mapping,
+    checked again there by the job layer)."""
+
+    kind: ClassVar[str] = "sagemaker.fit"
+
+    spec: dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncOffer(Message):
+    """``--sync``: every file of the working directory, by relative path: (size, whole seconds of mtime)."""
+
+    kind: ClassVar[str] = "sync.offer"
+
+    files: dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncWanted(Message):
+    """``--sync``: the offered paths the host lacks or holds in another version."""
+
+    kind: ClassVar[str] = "sync.wanted"
+
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceEnv(Message):
+    """The mpi launcher's instance environment, for each rank's wrapper."""
+
+    kind: ClassVar[str] = "mpi.env"
+
+    env: dict[str, str]
+
+
+MESSAGES: dict[str, type[Message]] = {m.kind: m for m in (
+    ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Beats, Outcome, LaunchStep, StepEnded,
+    RunClient, JobClient, RunSpec, FitRequest, SyncOffer, SyncWanted, InstanceEnv)}

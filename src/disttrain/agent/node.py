@@ -23,14 +23,14 @@ from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
 from ..workerenv import HEARTBEAT_DIR, attempt_library_env
-from . import lifeline
+from . import flight, lifeline
 from .attempt_store import AttemptStores
 from .elastic_config import endpoint, launch_config
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
 from .runpath import run_path
-from .watchdog import HANG_EXIT, Watchdog
+from .watchdog import HANG_EXIT, Attempt, Watchdog
 
 
 @contextlib.contextmanager
@@ -86,11 +86,12 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _per_attempt(stores: AttemptStores):
+def _per_attempt(stores: AttemptStores, seen: Attempt):
     """What each attempt's workers get once their world is known: a fresh store, and Lightning's
-    node count where it could not be planned (``--nnodes MIN:MAX``)."""
+    node count where it could not be planned (``--nnodes MIN:MAX``); the watchdog learns their ranks."""
     def hook(envs: dict[int, dict[str, str]], attempt: int) -> None:
         stores(envs, attempt)
+        seen(envs, attempt)
         for env in envs.values():
             env.update(attempt_library_env(env, os.environ))
     return hook
@@ -122,23 +123,40 @@ class LauncherLink:
         sys.stderr.write(line + "\n")  # one write: torch's log tailers share the stream
         sys.stderr.flush()
 
-    def dump(self, plan: LaunchPlan) -> None:
+    def dump(self) -> None:
         if self.dog is not None:
-            self.dog.dump_and_stop(plan.hang_timeout_s)
+            self.dog.dump_and_stop()
 
 
 @contextlib.contextmanager
-def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> Iterator[Watchdog | None]:
+def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None, attempt: Attempt,
+              sockets: str | None) -> Iterator[Watchdog | None]:
     if link is None and not plan.hang_timeout_s:
         yield None
         return
+    recorders = flight.Recorders(sockets, plan.backend) if sockets else None
     # SIGTERM to ourselves: torch's agent then stops the workers as on any stop request.
     with Watchdog(node.env[HEARTBEAT_DIR], plan.hang_timeout_s, node.host,
-                  on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM),
-                  report_to_launcher=None if link is None else link.send) as dog:
+                  on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM), attempt=attempt, recorders=recorders,
+                  backend=plan.backend, report_to_launcher=None if link is None else link.send) as dog:
         if link is not None:
             link.dog = dog
         yield dog
+
+
+@contextlib.contextmanager
+def _recorder_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | None]:
+    """Under --hang-timeout: a folder for the ranks' worker servers, and the bootstrap that starts
+    them (disttrain/_worker_site) in the workers' environment; removed at the end."""
+    if not plan.hang_timeout_s or plan.framework != "pytorch":
+        yield None
+        return
+    folder = flight.socket_folder()
+    env.update(flight.worker_env(sockets=folder, inherited={**os.environ, **env}))
+    try:
+        yield folder
+    finally:
+        flight.remove_folder(folder)
 
 
 def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr,
@@ -159,10 +177,11 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
-    with _exported(env), _watchdog(plan, node, link) as dog, RendezvousWait(
-            awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
+    attempt = Attempt(plan.run_dir, plan.world_size)
+    with _recorder_sockets(plan, env) as sockets, _exported(env), _watchdog(plan, node, link, attempt, sockets) as dog, \
+            RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
-        config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node))
+        config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node), attempt)
         try:
             if plan.run_path:  # a function entrypoint: started by multiprocessing (--start-method)
                 entry, args = run_path, list(plan.argv[2:])
@@ -178,8 +197,9 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                   file=report_to, flush=True)
             return first.exit_code
         except SignalException as err:
-            if dog is not None and dog.fired:
-                print(dog.fired, file=report_to, flush=True)
+            if dog is not None and dog.fired is not None:
+                if dog.fired:  # judged here; under a launcher, the launcher prints the verdict
+                    print(f"{dog.fired}\ndisttrain: stopped the job (exit {HANG_EXIT})", file=report_to, flush=True)
                 return HANG_EXIT
             print(
                 f"disttrain: got {err.sigval.name}, stopped all {node.nproc} workers on {node.host}",

@@ -1,9 +1,9 @@
 """Why did it hang: one verdict from every rank's Flight Recorder and stack, on every host.
 
-Pure functions. Each node's agent turns its ranks' dumps into :class:`RankState` values
-(:func:`calls_from_recorder` keeps each process group's frontier: the last collective a rank
-completed and those it is inside); the launcher, which gets them from every host, calls
-:func:`verdict`. The causes, in the order they are looked for:
+Pure functions. Each node's agent turns its ranks' dumps into :class:`~disttrain.wire.RankState`
+values (:func:`calls_from_recorder` keeps each process group's frontier: the last collective a
+rank completed and those it is inside); the launcher, which gets them from every host
+(:class:`~disttrain.wire.HangReport`), calls :func:`verdict`. The causes, in the order they are looked for:
 
 * a rank **exited** while the others wait for it;
 * a rank **never entered** collective #N of a group whose other members are inside it (with
@@ -22,56 +22,10 @@ which sizes must be equal for which op).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+
+from ..wire import Call, RankState
 
 DEFAULT_GROUP = "0"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Call:
-    """One collective (or send/recv) of one rank, as its recorder saw it."""
-
-    group: str  # the process group's name ("0": the default group)
-    desc: str  # its description ("default_pg", a user's group_desc, or "undefined")
-    seq: int  # its number within the group (collective_seq_id; p2p_seq_id for send/recv)
-    op: str  # "all_reduce", "send 0->1"...
-    backend: str  # "gloo", "nccl"
-    input_sizes: tuple[tuple[int, ...], ...] = ()
-    output_sizes: tuple[tuple[int, ...], ...] = ()
-    input_dtypes: tuple[str, ...] = ()
-    output_dtypes: tuple[str, ...] = ()
-    done: bool = False
-    p2p: bool = False
-
-    def signature(self) -> str:
-        """``all_reduce [4] Float``: what a user compares between two ranks."""
-        sizes = ", ".join(_shape(s) for s in self.input_sizes) or "no tensor"
-        dtypes = ",".join(sorted(set(self.input_dtypes)))
-        text = f"{self.op} {sizes}" + (f" {dtypes}" if dtypes else "")
-        if self.output_sizes and self.output_sizes != self.input_sizes:
-            text += f" -> {', '.join(_shape(s) for s in self.output_sizes)}"
-        return text
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankState:
-    """One rank at the hang: what its agent saw, its recorder and its stack said."""
-
-    rank: int
-    host: str
-    state: str = "running"  # "running", "exited", "stopped" (SIGSTOP), "silent" (did not answer)
-    pid: int | None = None
-    exit_code: int | None = None
-    where: str = ""  # the main thread's innermost frame (and the script's own call site)
-    own_code: bool = False  # that frame is in the script's own code, not torch's or Python's
-    calls: tuple[Call, ...] = ()  # each group's frontier (calls_from_recorder)
-    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # group name -> its global ranks
-    stacks: str = ""  # where the full stacks were written (on its host)
-    dump: str = ""  # where its recorder's dump was written (on its host)
-
-
-def _shape(sizes: Iterable[int]) -> str:
-    return "[" + ", ".join(map(str, sizes)) + "]"
 
 
 def _group_label(group: str, desc: str) -> str:

@@ -27,9 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from ..agent.verdict import verdict
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from ..wire import DumpRequest, Outcome, PlanMessage
+from ..wire import ALIVE_EVERY_S, Alive, DumpRequest, HangReport, Outcome, PlanMessage, WireError
 from .diagnostics import Diagnostics
 
 AGENT_LINES_KEPT = 200
@@ -89,6 +90,43 @@ def start(argv: Sequence[str], *, cwd: str | None = None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+class Stdins:
+    """The agents' stdin pipes, written from the main thread (the plan, the dump request, the stop)
+    and from the keep-alive thread: one lock, so that lines never interleave."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def send(self, proc: subprocess.Popen, line: str) -> None:
+        with self._lock:
+            try:
+                proc.stdin.write(line + "\n")
+                proc.stdin.flush()
+            except (OSError, ValueError):
+                pass  # it ended already; its exit code and stderr tell why
+
+    def close(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            if proc.poll() is None and proc.stdin:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+
+    def keep_alive(self, procs: Sequence[subprocess.Popen], done: threading.Event) -> threading.Thread:
+        """Tell every agent, every few seconds, that its launcher is there (an agent that hears
+        nothing for :data:`~disttrain.wire.CUT_OFF_S` stops on its own: see disttrain.agent.entry)."""
+        def beat() -> None:
+            while not done.wait(ALIVE_EVERY_S):
+                for proc in procs:
+                    if proc.poll() is None:
+                        self.send(proc, Alive().to_line())
+
+        thread = threading.Thread(target=beat, name="agents-alive", daemon=True)
+        thread.start()
+        return thread
+
+
 def run_agents(
     plan: LaunchPlan,
     started: Sequence[subprocess.Popen],
@@ -98,7 +136,8 @@ def run_agents(
 ) -> Outcome:
     """Hand each node's agent (``started[i]`` runs node ``i``, waiting for its plan) its plan on
     stdin, relay their output, stop every node at the first failure or on SIGINT/SIGTERM, and
-    say how it ended."""
+    say how it ended. No progress on any host for --hang-timeout: every agent reports its ranks
+    and the verdict is printed here, in one block."""
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
@@ -109,10 +148,24 @@ def run_agents(
                 out.flush()
 
     diag = Diagnostics(hang_timeout_s=plan.hang_timeout_s, say=say)
-    relay = Relay(Path(plan.run_dir), lock, transcript, lambda _agent, line: diag.consume(line))
+    hangs: list[HangReport] = []
+
+    def consume(_agent: int, line: str) -> bool:
+        """An agent's message for the launcher, not shown: its heartbeats, its ranks at a hang."""
+        if HangReport.matches(line):
+            try:
+                hangs.append(HangReport.from_line(line))
+                return True
+            except WireError:
+                return False
+        return diag.consume(line)
+
+    relay = Relay(Path(plan.run_dir), lock, transcript, consume)
+    stdins = Stdins()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     interrupted: list[int] = []
+    done = threading.Event()
 
     def on_signal(signum, _frame) -> None:
         interrupted.append(signum)
@@ -121,34 +174,33 @@ def run_agents(
     try:
         for index, proc in enumerate(started):
             procs.append(proc)
-            try:
-                proc.stdin.write(PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan,
-                                             cwd=agent_cwd).to_line() + "\n")
-                proc.stdin.flush()
-            except OSError:  # it died at once; its exit code and stderr tell why
-                pass
+            stdins.send(proc, PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan, cwd=agent_cwd).to_line())
             for stream, out, agent in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, index)):
                 pump = threading.Thread(target=relay.pump, args=(stream, out, agent), daemon=True)
                 pump.start()
                 pumps.append(pump)
-        first_failure = _wait_for_first_failure(procs, interrupted, diag)
+        stdins.keep_alive(procs, done)
+        first_failure = _wait_for_first_failure(procs, interrupted, diag, stdins)
         if diag.hung:
             _collect_hang_reports(procs, grace_s=plan.stop_grace_s + 15)
-        stop(procs, grace_s=plan.stop_grace_s + 5)
+        done.set()
+        stop(procs, grace_s=plan.stop_grace_s + 5, stdins=stdins)
     finally:
+        done.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for pump in pumps:
             pump.join(timeout=5)
         relay.close()
     summary = diag.summary()
-    if summary:
+    if summary and not diag.hung and first_failure is None and not interrupted:
         say(summary)
     if diag.hung:
-        blocks = [relay.report(i) for i in range(len(procs))]
-        say(f"disttrain: no rank on any of the {len(procs)} hosts made progress for {plan.hang_timeout_s} s "
-            "(--hang-timeout): every host's stacks are above; stopped the job (exit 124)")
-        return Outcome(exit_code=HANG_EXIT, failed=None, report="\n".join(filter(None, blocks)))
+        states = [state for report in hangs for state in report.ranks]
+        text = verdict(states, world_size=plan.world_size, timeout_s=plan.hang_timeout_s)
+        say(text)
+        say(f"disttrain: stopped the job on all {len(procs)} hosts (exit {HANG_EXIT})")
+        return Outcome(exit_code=HANG_EXIT, failed=None, report=text)
     if interrupted:
         return Outcome(exit_code=128 + interrupted[0], signal=interrupted[0])
     if first_failure is None:
@@ -158,12 +210,12 @@ def run_agents(
 
 
 def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int],
-                            diag: Diagnostics) -> tuple[int, int] | None:
+                            diag: Diagnostics, stdins: Stdins) -> tuple[int, int] | None:
     while not interrupted:
-        if diag.stalled():  # no rank anywhere moved: every agent dumps its ranks' stacks, then stops
+        if diag.stalled():  # no rank anywhere moved: every agent reports its ranks, then stops
             diag.hung = True
             for proc in procs:
-                _send(proc, DumpRequest().to_line() + "\n")
+                stdins.send(proc, DumpRequest().to_line())
             return None
         codes = [p.poll() for p in procs]
         for index, code in enumerate(codes):
@@ -175,16 +227,8 @@ def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int
     return None
 
 
-def _send(proc: subprocess.Popen, text: str) -> None:
-    try:
-        proc.stdin.write(text)
-        proc.stdin.flush()
-    except (OSError, ValueError):
-        pass  # it ended already
-
-
 def _collect_hang_reports(procs: list[subprocess.Popen], *, grace_s: float) -> None:
-    """Every agent prints its part of the hang report and stops its workers: wait for all."""
+    """Every agent reports its ranks and stops its workers: wait for all."""
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:
@@ -193,14 +237,11 @@ def _collect_hang_reports(procs: list[subprocess.Popen], *, grace_s: float) -> N
             pass
 
 
-def stop(procs: list[subprocess.Popen], *, grace_s: float) -> None:
+def stop(procs: list[subprocess.Popen], *, grace_s: float, stdins: Stdins | None = None) -> None:
     """Close every agent's stdin (it stops its workers), then kill what outlives the grace."""
+    stdins = stdins or Stdins()
     for proc in procs:
-        if proc.poll() is None and proc.stdin:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
+        stdins.close(proc)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:

@@ -17,7 +17,7 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 pair = dist.new_group([0, 1])
 t = torch.ones(4)
-for step in range(5):
+for _ in range(5):
     dist.all_reduce(t)
     time.sleep(0.2)
 print(f"rank {rank} at the branch", flush=True)

@@ -24,7 +24,7 @@ HEARTBEAT_DIR = "DISTTRAIN_HEARTBEAT_DIR"
 # and the Flight Recorder's size (torch's own variable; ring entries per process).
 HANG_SOCKETS = "DISTTRAIN_HANG_SOCKETS"
 FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
-DEFAULT_FR_BUFFER_SIZE = 2000
+DEFAULT_FR_BUFFER_SIZE = 500  # the agent reads it whole every second: ~350 kB of JSON
 # ``disttrain run --grad-compression`` / ``--bucket-mb``: prepare()'s defaults (runtime.comm).
 GRAD_COMPRESSION = "DISTTRAIN_GRAD_COMPRESSION"
 BUCKET_MB = "DISTTRAIN_BUCKET_MB"

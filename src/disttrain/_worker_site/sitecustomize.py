@@ -13,9 +13,10 @@ Nothing happens until the process imports torch (``torch.distributed.distributed
 * starts torch's own worker server (``_WorkerServer``, the one ``worker_main()`` starts) on
   ``$DISTTRAIN_HANG_SOCKETS/rank<R>.sock``: it answers from a C++ thread, so the agent gets the
   rank's Flight Recorder and Python stacks while its main thread is blocked in a collective;
-* serves two more handlers there: ``disttrain_progress`` (each group's last entered and
-  completed collective, for the agent's poll) and ``disttrain_groups`` (every process group's
-  name and global ranks: gloo's recorder dump has no membership);
+* serves ``disttrain_groups`` there: every process group's name and global ranks (gloo's
+  recorder dump has no membership). It is Python, so the agent asks it only at a hang: a Python
+  handler takes the GIL from the server's C++ thread, and during the interpreter's exit that
+  aborts the process;
 * sets torch's default process-group timeout to ``$DISTTRAIN_PG_TIMEOUT`` seconds, above the hang
   timeout, so that a collective's own timeout never beats the verdict (a script's explicit
   ``timeout=`` is its own choice and stays).
@@ -135,18 +136,6 @@ def _groups(_request, response) -> None:
     response.set_status(200)
 
 
-def _progress(_request, response) -> None:
-    """``disttrain_progress``: the recorder without its entries (``pg_status``: each group's last
-    entered and completed collective), small enough to ask for every second."""
-    from torch._C import _distributed_c10d as c
-    from torch.distributed import distributed_c10d as c10d
-
-    nccl = c10d.is_initialized() and c10d.get_backend() == "nccl" and hasattr(c, "_dump_nccl_trace_json")
-    dump = c._dump_nccl_trace_json if nccl else c._dump_fr_trace_json
-    response.set_content(dump(includeCollectives=False), "application/json")
-    response.set_status(200)
-
-
 def _serve(c10d) -> None:
     global _server
     folder, rank = os.environ.get(SOCKETS), os.environ.get("RANK")
@@ -164,7 +153,6 @@ def _serve(c10d) -> None:
     from torch._C._distributed_c10d import _register_handler, _WorkerServer
 
     _register_handler("disttrain_groups", _groups)
-    _register_handler("disttrain_progress", _progress)
     sock = os.path.join(folder, f"rank{rank}.sock")
     try:
         os.unlink(sock)  # a previous attempt's

@@ -47,6 +47,7 @@ from ..wire import (
     one_of,
 )
 from ..workerenv import login_env
+from .cgroup import kill_all_now
 from .lifeline import follow_parent
 
 STOP_MARGIN_S = 10  # after the workers' stop grace, for the agent's own shutdown
@@ -70,7 +71,9 @@ class Lines:
 
 
 def end_process(code: int) -> NoReturn:
-    """Flush what was said, then exit at once (no interpreter shutdown: see the module's doc)."""
+    """Flush what was said, then exit at once (no interpreter shutdown: see the module's doc).
+    Whatever the workers left running in their cgroup dies first: no cleanup runs after this."""
+    kill_all_now()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -202,6 +205,7 @@ def watch_stdin(lines: Lines, on_line: Callable[[bytes], None], *, signalled_by:
         time.sleep(grace_s + STOP_MARGIN_S)
         _note(f"disttrain: the agent on {host} was still running {grace_s + STOP_MARGIN_S:.0f} s after it "
               "was asked to stop; exiting (its workers die with it)", log)
+        kill_all_now()
         os._exit(128 + signal.SIGTERM)
 
     def watch() -> None:

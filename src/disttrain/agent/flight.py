@@ -6,9 +6,13 @@ agent reads, without the rank's help:
 
 * its progress: the collectives each of its process groups entered and completed (the
   recorder's ``pg_status``), once a second -- a plain torchrun script makes progress by its
-  collectives, as a runtime script does by its loader batches;
+  collectives, as a runtime script does by its loader batches. Only torch's own handlers, which
+  run in C++, are asked this often: a handler written in Python takes the GIL from the server's
+  thread, and one that lands while the worker's interpreter is exiting aborts the worker
+  ("FATAL: exception not rethrown", seen here);
 * at a hang: the whole recorder (kept next to the logs as ``rank<R>.fr.json``), the Python stack
-  of every thread (``rank<R>.stacks``), and the members of every process group. torch's server
+  of every thread (``rank<R>.stacks``), and the members of every process group (the bootstrap's
+  one Python handler: asked only then, of a rank that is stuck, not exiting). torch's server
   answers from a C++ thread, so a rank blocked in a collective answers too.
 
 :func:`frontier` cuts a dump down to what the verdict needs (:mod:`disttrain.agent.verdict`).
@@ -137,7 +141,7 @@ class Recorders:
         """rank -> (pid, progress, time of its last change) for the ranks that completed a collective."""
         now = time.time() if now is None else now
         for rank, (pid, sock) in self.sockets().items():
-            body = fetch(sock, "disttrain_progress")
+            body = fetch(sock, fr_handler(self.backend))
             if body is None:
                 continue
             try:

@@ -24,6 +24,7 @@ from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
 from ..workerenv import HEARTBEAT_DIR, attempt_library_env
 from . import flight, lifeline
+from .cgroup import Container
 from .attempt_store import AttemptStores
 from .elastic_config import endpoint, launch_config
 from .optml import instance_prefix
@@ -86,10 +87,13 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _per_attempt(stores: AttemptStores, seen: Attempt):
+def _per_attempt(stores: AttemptStores, seen: Attempt, group: Container):
     """What each attempt's workers get once their world is known: a fresh store, and Lightning's
-    node count where it could not be planned (``--nnodes MIN:MAX``); the watchdog learns their ranks."""
+    node count where it could not be planned (``--nnodes MIN:MAX``); the watchdog learns their ranks,
+    and what the previous attempt's workers left running is killed."""
     def hook(envs: dict[int, dict[str, str]], attempt: int) -> None:
+        if attempt:
+            group.kill()
         stores(envs, attempt)
         seen(envs, attempt)
         for env in envs.values():
@@ -145,6 +149,17 @@ def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None, attem
 
 
 @contextlib.contextmanager
+def _worker_group(plan: LaunchPlan, node: NodePlan) -> Iterator[Container]:
+    """The node's workers and all they start, stopped together at the end (see cgroup.py)."""
+    group = Container.create(f"disttrain-{plan.run_id}-node{node.node_rank}-{os.getpid()}",
+                             joinable=not plan.run_path)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+@contextlib.contextmanager
 def _recorder_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | None]:
     """Under --hang-timeout: a folder for the ranks' worker servers, and the bootstrap that starts
     them (disttrain/_worker_site) in the workers' environment; removed at the end."""
@@ -178,15 +193,16 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
     attempt = Attempt(plan.run_dir, plan.world_size)
-    with _recorder_sockets(plan, env) as sockets, _exported(env), _watchdog(plan, node, link, attempt, sockets) as dog, \
+    with _worker_group(plan, node) as group, _recorder_sockets(plan, env) as sockets, _exported(env), \
+            _watchdog(plan, node, link, attempt, sockets) as dog, \
             RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
-        config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node), attempt)
+        config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node), attempt, group)
         try:
             if plan.run_path:  # a function entrypoint: started by multiprocessing (--start-method)
                 entry, args = run_path, list(plan.argv[2:])
             else:  # each worker dies with this agent, even when it is SIGKILLed (see lifeline.py)
-                entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable)
+                entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable, join=group.join_file)
             elastic_launch(config, entry)(*args)
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)

@@ -24,8 +24,8 @@ from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
 from ..workerenv import HEARTBEAT_DIR, attempt_library_env
 from . import flight, lifeline
-from .cgroup import Container
 from .attempt_store import AttemptStores
+from .cgroup import Container
 from .elastic_config import endpoint, launch_config
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait

@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from test_multinode import ROOT, assert_nothing_left, launch_argv, run_on_node0
 
 from conftest import SCRIPTS, assert_all_gone, cli_env, descendants
+from rig import cluster_fixture
 
 PLAIN = SCRIPTS / "plain_hang.py"
 HANG_S = 10
@@ -106,3 +109,74 @@ def assert_pids_gone(pids: list[int], timeout: float = 10) -> None:
         except psutil.NoSuchProcess:
             pass
     assert_all_gone(procs, timeout=timeout)
+
+
+# ---- two hosts: network namespaces, real sshd (tests/rig.py)
+
+cluster = cluster_fixture(2)
+
+
+def agents_and_workers(cluster, node: str) -> list[int]:
+    """disttrain's processes in ``node`` (its agent and its ranks), not the ssh sessions into it."""
+    found = []
+    for pid in cluster.processes_in(node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"python" in argv[0]:
+            found.append(pid)
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_a_mismatch_across_two_hosts_is_judged_at_the_launcher(cluster):
+    result = run_on_node0(cluster, "--hang-timeout", str(HANG_S), str(PLAIN), "op", timeout=200)
+    err = result.stderr
+    assert result.returncode == 124, err[-3000:]
+    a, b = (node.ip for node in cluster.nodes)
+    assert ("cause: a mismatch in collective #6 of the default group: rank 0 called all_reduce [4] Float; "
+            "rank 1 called all_gather [4] Float -> [2, 4]") in err
+    assert f"  rank 0 ({a}): in #6 all_reduce" in err and f"  rank 1 ({b}): in #6 all_gather" in err
+    assert f"stacks on {a}: " in err and f"flight recorder dumps on {b}: " in err
+    assert "stopped the job on all 2 hosts (exit 124)" in err
+    assert "disttrain-hang" not in err + result.stdout  # the agents' reports are for the launcher only
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(240)
+def test_a_host_cut_off_mid_run_stops_on_its_own_and_no_straggler_is_blamed(cluster, tmp_path):
+    launcher = cluster.popen_in("node0", launch_argv(cluster, str(SCRIPTS / "steady_ddp.py"), "600"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+    steps = 0
+    while steps < 15:  # 150 steady steps, over 15 s: the launcher has every rank's rate (a 6 to 20 s window)
+        line = launcher.stdout.readline()
+        assert line, launcher.stderr.read()
+        steps += "rank 0 step" in line
+    assert agents_and_workers(cluster, "node1")
+    cluster.cut_off("node1")
+    deadline = time.monotonic() + 60
+    while agents_and_workers(cluster, "node1") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not agents_and_workers(cluster, "node1"), "node1's agent or rank outlived the cut-off by 60 s"
+    code = launcher.wait(timeout=90)
+    err = launcher.stderr.read()
+    assert code == 255, err[-3000:]  # the launcher lost its ssh connection to node1
+    assert "straggler" not in err, err[-3000:]  # rank 0, waiting for rank 1, is not slow
+    (log,) = tmp_path.glob("runs/*/node1.log")  # the node's own log, on its host (a shared disk here)
+    assert "heard nothing from its launcher for 2" in log.read_text()
+    # node1's sshd session is still waiting on its dead connection (sshd's own keep-alive is off):
+    # not disttrain's; everything of disttrain's is gone on both hosts.
+    assert not cluster.processes_in("node0")
+    assert not agents_and_workers(cluster, "node1")
+
+
+@pytest.mark.timeout(240)
+def test_a_daemon_left_by_a_remote_rank_is_gone_after_the_job(cluster, tmp_path):
+    """Inside ``ip netns exec`` no cgroup is mounted: the agent's subreaper catches the daemon."""
+    result = run_on_node0(cluster, str(SCRIPTS / "daemon_child.py"), str(tmp_path), timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pids = [int(p) for rank in (0, 1) for p in (tmp_path / f"rank{rank}.pids").read_text().split()]
+    assert_pids_gone(pids)
+    assert_nothing_left(cluster)

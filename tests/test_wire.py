@@ -26,6 +26,7 @@ from disttrain.wire import (
     JobClient,
     LaunchStep,
     Listening,
+    NodeDone,
     Outcome,
     PlanMessage,
     ProbeFacts,
@@ -64,6 +65,7 @@ EXAMPLES = [
     DumpRequest(),
     Beats(host="10.0.0.2", ranks={0: (12, 0.25), 3: (11, 1.5)}),
     Alive(),
+    NodeDone(host="algo-2", ranks=(2, 3)),
     HangReport(host="10.0.0.2", ranks=(
         RankState(rank=1, host="10.0.0.2", pid=42, where="train.py:12 in <module>", own_code=True,
                   calls=(Call(group="0", desc="default_pg", seq=5, op="all_reduce", backend="gloo",
@@ -108,6 +110,8 @@ def test_every_message_is_listed_once_and_documented():
 
 def test_a_line_that_may_be_one_of_several_kinds_is_told_apart_by_its_kind():
     assert one_of(Alive().to_line(), Alive, DumpRequest) == Alive()
+    done = NodeDone(host="b", ranks=(1,))
+    assert one_of(done.to_line(), Alive, DumpRequest, NodeDone) == done  # its marker too
     assert one_of(DumpRequest().to_line().encode(), Alive, DumpRequest) == DumpRequest()
     with pytest.raises(WireError, match="expected a agent.alive or agent.dump message, got 'dump'"):
         one_of("dump", Alive, DumpRequest)

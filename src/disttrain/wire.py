@@ -29,6 +29,7 @@ agent.dump         DumpRequest      launcher -> agent (stdin): no progress anywh
 agent.alive        Alive            launcher -> agent (stdin), every few seconds: still there
 agent.beats        Beats            agent -> launcher (stderr): the ranks' steps, each second
 agent.hang         HangReport       agent -> launcher (stderr): its ranks at a hang (recorders, stacks)
+agent.done         NodeDone         agent -> launcher (stderr) -> every other agent (stdin): its ranks exited 0
 launch.outcome     Outcome          how a launch ended (a Slurm step's, read by the submitter)
 slurm.step         LaunchStep       submitter -> the batch job's step (its environment)
 slurm.ended        StepEnded        the batch job's step -> the submitter (a file)
@@ -149,6 +150,9 @@ class Message(Record):
 def one_of(line: str | bytes, *types: type[Message]) -> Message:
     """The message ``line`` carries when it may be any of ``types`` (told apart by their kind)."""
     text = (line.decode(errors="replace") if isinstance(line, bytes) else line).strip()
+    for cls in types:
+        if cls.marker and text.startswith(cls.marker.strip()):
+            return cls.from_line(text)
     try:
         data = json.loads(text)
     except ValueError:
@@ -409,6 +413,19 @@ class HangReport(Message):
     ranks: tuple[RankState, ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class NodeDone(Message):
+    """A node's workers all exited 0 (its agent now waits for the others). The launcher passes it
+    on to every other agent: a rank that then fails because it lost its peer names these ranks,
+    not itself, as the cause -- on any number of hosts, as on one."""
+
+    kind: ClassVar[str] = "agent.done"
+    marker: ClassVar[str] = "disttrain-done "
+
+    host: str
+    ranks: tuple[int, ...]
+
+
 # --- a Slurm batch job: the step inside the allocation -----------------------------------------
 
 
@@ -509,6 +526,6 @@ class InstanceEnv(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.kind: m for m in (
-    ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Alive, Beats, HangReport, Outcome,
-    LaunchStep, StepEnded,
+    ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Alive, Beats, HangReport, NodeDone,
+    Outcome, LaunchStep, StepEnded,
     RunClient, JobClient, RunSpec, FitRequest, SyncOffer, SyncWanted, InstanceEnv)}

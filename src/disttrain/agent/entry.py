@@ -31,7 +31,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from ..errors import DisttrainError, UsageError, error_line
 from ..wire import (
@@ -41,6 +41,7 @@ from ..wire import (
     ConnectTargets,
     DumpRequest,
     Listening,
+    NodeDone,
     PlanMessage,
     ProbeFacts,
     WireError,
@@ -49,6 +50,9 @@ from ..wire import (
 from ..workerenv import login_env
 from .cgroup import kill_all_now
 from .lifeline import follow_parent
+
+if TYPE_CHECKING:
+    from .link import LauncherLink
 
 STOP_MARGIN_S = 10  # after the workers' stop grace, for the agent's own shutdown
 
@@ -143,7 +147,8 @@ def serve(message: PlanMessage, lines: Lines, *, signalled_by: int | None = None
 
     ``signalled_by``: the parent whose death already sends this process SIGTERM.
     """
-    from .node import LauncherLink, run_node  # torch's elastic agent: not for every command
+    from .link import LauncherLink
+    from .node import run_node  # torch's elastic agent: not for every command
 
     plan = message.plan
     if message.cwd:
@@ -158,7 +163,7 @@ def serve(message: PlanMessage, lines: Lines, *, signalled_by: int | None = None
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     link = LauncherLink()
     log = node_log(plan.run_dir, message.node_rank)
-    watch_stdin(lines, lambda line: _request(line, link.dump), signalled_by=signalled_by,
+    watch_stdin(lines, lambda line: _request(line, link), signalled_by=signalled_by,
                 host=nodes[0].host, grace_s=plan.stop_grace_s, log=log)
     return run_node(plan, nodes[0], link=link)
 
@@ -168,15 +173,17 @@ def node_log(run_dir: str, node_rank: int) -> Path:
     return Path(run_dir) / f"node{node_rank}.log"
 
 
-def _request(line: bytes, dump: Callable[[], None]) -> None:
-    """A line from the launcher after the plan: the keep-alive, or the dump request."""
+def _request(line: bytes, link: LauncherLink) -> None:
+    """A line from the launcher after the plan: the keep-alive, the dump request, another node done."""
     try:
-        request = one_of(line, Alive, DumpRequest)
+        request = one_of(line, Alive, DumpRequest, NodeDone)
     except WireError as err:
         print(f"disttrain: warning: ignored a line from the launcher: {err}", file=sys.stderr, flush=True)
         return
     if isinstance(request, DumpRequest):
-        dump()
+        link.dump()
+    elif isinstance(request, NodeDone):
+        link.peer_done(request)
 
 
 def watch_stdin(lines: Lines, on_line: Callable[[bytes], None], *, signalled_by: int | None, host: str,

@@ -27,9 +27,10 @@ from . import flight, lifeline
 from .attempt_store import AttemptStores
 from .cgroup import Container
 from .elastic_config import endpoint, launch_config
+from .link import LauncherLink
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
-from .report import RankFailure, format_failure, root_cause, shell_exit_code
+from .report import RankFailure, failure_lines, format_failure, lost_a_peer, root_cause, shell_exit_code
 from .runpath import run_path
 from .watchdog import HANG_EXIT, Attempt, Watchdog
 
@@ -115,23 +116,6 @@ def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailur
     return failures
 
 
-class LauncherLink:
-    """An agent started by a launcher (``disttrain agent``): heartbeats go up on stderr, and the
-    launcher's one request (:class:`~disttrain.wire.DumpRequest`: no progress on any host) comes
-    down on stdin."""
-
-    def __init__(self) -> None:
-        self.dog: Watchdog | None = None
-
-    def send(self, line: str) -> None:
-        sys.stderr.write(line + "\n")  # one write: torch's log tailers share the stream
-        sys.stderr.flush()
-
-    def dump(self) -> None:
-        if self.dog is not None:
-            self.dog.dump_and_stop()
-
-
 @contextlib.contextmanager
 def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None, attempt: Attempt,
               sockets: str | None) -> Iterator[Watchdog | None]:
@@ -198,6 +182,8 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node), attempt, group)
+        if link is not None and plan.nnodes > 1:
+            link.watch_success(node.host, lambda: attempt.ranks, config.role)
         try:
             if plan.run_path:  # a function entrypoint: started by multiprocessing (--start-method)
                 entry, args = run_path, list(plan.argv[2:])
@@ -208,7 +194,9 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             failures = _failures(err, node.host, attempt=plan.max_restarts)
             first = root_cause(failures, plan.run_dir)
             failed = {f.rank for f in failures}
-            finished = tuple(w.rank for w in node.workers if w.rank not in failed)
+            finished = tuple((rank, node.host) for rank in attempt.ranks if rank not in failed)
+            if link is not None and plan.nnodes > 1:  # a rank of another node may have left first
+                finished += link.done_elsewhere(wait=not finished and lost_a_peer(failure_lines(first, plan.run_dir)))
             print(format_failure(first, failures, plan.run_dir, finished=finished),
                   file=report_to, flush=True)
             return first.exit_code

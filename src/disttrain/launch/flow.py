@@ -30,47 +30,64 @@ from typing import TextIO
 from ..agent.verdict import verdict
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from ..wire import ALIVE_EVERY_S, Alive, DumpRequest, HangReport, Outcome, PlanMessage, WireError
+from ..wire import ALIVE_EVERY_S, Alive, DumpRequest, HangReport, NodeDone, Outcome, PlanMessage, WireError
 from .diagnostics import Diagnostics
 
 AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
+# A C++ stack dump, as torch's c10 errors and warnings print them: kept in the logs, not shown.
+_CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from .*\(most recent call first\):$|<omitting python frames>$)")
+# torch's own C++ log lines (glog style: "[W1124 03:33:59.078 TCPStore.cpp:138] ...") from an agent's
+# internals -- a store that lost its server once another node failed: disttrain says what happened.
+_C10_LOG = re.compile(r"^\[[WEIF]\d{4} [\d:.]+ (\d+ )?\S+:\d+\] ")
 
 
 class Relay:
     """Copies one stream of one agent to the terminal, to per-rank log files and to an
-    optional transcript; keeps the agent's own lines (its root-cause block)."""
+    optional transcript; keeps the agent's own lines (its root-cause block) and writes them to
+    ``node<k>.log``. C++ stack dumps go to the logs only."""
 
     def __init__(self, run_dir: Path, lock: threading.Lock, transcript: TextIO | None = None,
                  on_agent_line=None) -> None:
         self._run_dir = run_dir
         self._lock = lock
         self._transcript = transcript
-        self._files: dict[int, TextIO] = {}
+        self._files: dict[str, TextIO] = {}
         self._on_agent_line = on_agent_line
         # Per agent: its own (unprefixed) stderr lines; the root-cause block is at the end.
         self.agent_lines: dict[int, deque[str]] = {}
 
     def pump(self, stream, out: TextIO, agent: int | None = None) -> None:
+        in_dump = False
         for line in iter(stream.readline, ""):
             match = _PREFIX.match(line)
             if not match and agent is not None and self._on_agent_line is not None:
                 if self._on_agent_line(agent, line):  # the launcher consumed it (a heartbeat)
                     continue
+            text = line[match.end():] if match else line
+            if _CPP_FRAME.match(text) or (not match and agent is not None and _C10_LOG.match(text)):
+                in_dump = True
+            elif text.strip():
+                in_dump = False
             with self._lock:
-                out.write(line)
-                out.flush()
-                if self._transcript is not None:
-                    self._transcript.write(line)
-                    self._transcript.flush()
+                if not in_dump:
+                    out.write(line)
+                    out.flush()
+                    if self._transcript is not None:
+                        self._transcript.write(line)
+                        self._transcript.flush()
                 if match:
-                    rank = int(match["rank"])
-                    if rank not in self._files:
-                        self._files[rank] = open(self._run_dir / f"rank{rank}.log", "a")
-                    self._files[rank].write(line[match.end():])
-                    self._files[rank].flush()
+                    self._write(f"rank{match['rank']}.log", text)
                 elif agent is not None:
-                    self.agent_lines.setdefault(agent, deque(maxlen=AGENT_LINES_KEPT)).append(line.rstrip("\n"))
+                    self._write(f"node{agent}.log", text)
+                    if not in_dump:
+                        self.agent_lines.setdefault(agent, deque(maxlen=AGENT_LINES_KEPT)).append(line.rstrip("\n"))
+
+    def _write(self, name: str, text: str) -> None:
+        if name not in self._files:
+            self._files[name] = open(self._run_dir / name, "a")
+        self._files[name].write(text)
+        self._files[name].flush()
 
     def report(self, agent: int) -> str:
         """The agent's own message about the failure: from its first ``disttrain:`` line on."""
@@ -150,14 +167,21 @@ def run_agents(
     diag = Diagnostics(hang_timeout_s=plan.hang_timeout_s, say=say)
     hangs: list[HangReport] = []
 
-    def consume(_agent: int, line: str) -> bool:
-        """An agent's message for the launcher, not shown: its heartbeats, its ranks at a hang."""
-        if HangReport.matches(line):
-            try:
+    def consume(agent: int, line: str) -> bool:
+        """An agent's message for the launcher, not shown: its heartbeats, its ranks at a hang,
+        its workers done (passed on to the other agents)."""
+        try:
+            if HangReport.matches(line):
                 hangs.append(HangReport.from_line(line))
                 return True
-            except WireError:
-                return False
+            if NodeDone.matches(line):
+                done = NodeDone.from_line(line)
+                for index, proc in enumerate(procs):
+                    if index != agent and proc.poll() is None:
+                        stdins.send(proc, done.to_line())
+                return True
+        except WireError:
+            return False
         return diag.consume(line)
 
     relay = Relay(Path(plan.run_dir), lock, transcript, consume)

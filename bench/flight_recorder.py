@@ -2,6 +2,9 @@
 script under ``disttrain run -n 2 --hang-timeout 600`` (the recorder on in every rank, torch's
 worker server started by disttrain's bootstrap, the agent reading each rank's progress every
 second) over the same run without ``--hang-timeout``, in one run, interleaved. Goal >= 0.99.
+On a shared machine the runs' spread is wide: the ratio of each interleaved pair is given too.
+And the recorder's cost per collective, which throughput cannot resolve: one process, a world
+of one, a one-element all_reduce in a loop, with ``TORCH_FR_BUFFER_SIZE`` set and unset.
 
 Prints one JSON object and writes it to bench/results/flight-recorder-<date>-<arch>-<n>cpu.json.
 """
@@ -32,6 +35,32 @@ def steps_per_s(cmd: list[str], env: dict[str, str]) -> float:
     raise RuntimeError(f"no result in:\n{proc.stdout[-2000:]}")
 
 
+PER_CALL = """
+import os, time, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+t = torch.ones(1)
+for _ in range(500):
+    dist.all_reduce(t)
+start = time.perf_counter()
+for _ in range(20000):
+    dist.all_reduce(t)
+print((time.perf_counter() - start) / 20000 * 1e6)
+dist.destroy_process_group()
+"""
+
+
+def per_call_us(recorder: bool) -> float:
+    from disttrain.net import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PORT=str(free_port("127.0.0.1")))
+    env.pop("TORCH_FR_BUFFER_SIZE", None)
+    if recorder:
+        env["TORCH_FR_BUFFER_SIZE"] = "500"
+    out = subprocess.run([sys.executable, "-c", PER_CALL], capture_output=True, text=True, env=env, check=True)
+    return float(out.stdout.split()[-1])
+
+
 def load() -> float:
     return os.getloadavg()[0]
 
@@ -51,6 +80,10 @@ def main() -> None:
         for name, cmd in pair if i % 2 == 0 else reversed(pair):
             (with_fr if name == "with" else without).append(steps_per_s(cmd, env))
     loads.append(round(load(), 2))
+    call_without, call_with = [], []
+    for i in range(args.repeats):
+        for recorder in ((False, True) if i % 2 == 0 else (True, False)):
+            (call_with if recorder else call_without).append(per_call_us(recorder))
     result = {
         "bench": "flight-recorder",
         "date": time.strftime("%Y-%m-%d"),
@@ -61,6 +94,11 @@ def main() -> None:
         "without_steps_per_s": [round(v, 1) for v in without],
         "with_steps_per_s": [round(v, 1) for v in with_fr],
         "ratio": round(statistics.median(with_fr) / statistics.median(without), 3),
+        "pair_ratios": [round(w / o, 3) for w, o in zip(with_fr, without)],
+        "median_pair_ratio": round(statistics.median(w / o for w, o in zip(with_fr, without)), 3),
+        # The fastest of the runs: the one least disturbed by the machine's other work.
+        "all_reduce_us_without": round(min(call_without), 1),
+        "all_reduce_us_with_recorder": round(min(call_with), 1),
         "load_1min": loads,
     }
     out = ROOT / "bench" / "results" / f"flight-recorder-{result['date']}-{platform.machine()}-{result['cpus']}cpu.json"

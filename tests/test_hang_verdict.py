@@ -128,3 +128,18 @@ def test_the_bootstrap_goes_first_on_the_workers_path():
     assert env["PYTHONPATH"] == f"{flight.SITE_DIR}:/mine" and env["DISTTRAIN_HANG_SOCKETS"] == "/tmp/s"
     assert sorted(p.name for p in flight.SITE_DIR.iterdir() if p.suffix == ".py") == ["sitecustomize.py"]
     assert "DISTTRAIN_HANG_SOCKETS" in (flight.SITE_DIR / "sitecustomize.py").read_text()
+
+
+def test_a_script_timeout_below_the_hang_timeout_is_warned_once(tmp_path):
+    said = []
+    recorders = flight.Recorders(str(tmp_path), "gloo", hang_timeout_s=120, say=said.append)
+    recorder = json.loads((DATA / "op" / "rank0.fr.json").read_text())
+    recorders._check_timeout(0, recorder)  # the bootstrap's default: 300 s
+    assert said == []
+    for entry in recorder["entries"]:
+        entry["timeout_ms"] = 60000
+    recorders._check_timeout(0, recorder)
+    recorders._check_timeout(1, recorder)
+    assert said == ["disttrain: warning: rank 0's process group 0 times out after 60 s (the script's own "
+                    "timeout=), before --hang-timeout 120 s: a hang there ends in torch's timeout error, without "
+                    "the verdict"]

@@ -16,6 +16,7 @@ from test_multinode import ROOT, assert_nothing_left, launch_argv, run_on_node0
 
 from conftest import SCRIPTS, assert_all_gone, cli_env, descendants
 from rig import cluster_fixture
+from slurm_rig import slurm_fixture
 
 PLAIN = SCRIPTS / "plain_hang.py"
 HANG_S = 10
@@ -180,3 +181,21 @@ def test_a_daemon_left_by_a_remote_rank_is_gone_after_the_job(cluster, tmp_path)
     pids = [int(p) for rank in (0, 1) for p in (tmp_path / f"rank{rank}.pids").read_text().split()]
     assert_pids_gone(pids)
     assert_nothing_left(cluster)
+
+
+# ---- two Slurm nodes (tests/slurm_rig.py): the verdict comes back through the batch job
+
+slurm = slurm_fixture(2, name="slurm_hang")
+
+
+@pytest.mark.timeout(300)
+def test_a_mismatch_on_two_slurm_nodes_is_judged_in_one_block(slurm, tmp_path):
+    result = slurm.run_in("node0", [sys.executable, "-m", "disttrain", "run", "--launcher", "slurm", "--nodes", "2",
+                                    "-n", "1", "--hang-timeout", str(HANG_S), str(PLAIN), "op"],
+                          timeout=240, cwd=ROOT, env=slurm.env(DISTTRAIN_HOME=str(tmp_path)))
+    err = result.stderr
+    assert result.returncode == 124, err[-3000:]
+    assert ("cause: a mismatch in collective #6 of the default group: rank 0 called all_reduce [4] Float; "
+            "rank 1 called all_gather [4] Float -> [2, 4]") in err
+    assert "  rank 0 (node0): in #6 all_reduce" in err and "  rank 1 (node1): in #6 all_gather" in err
+    slurm.assert_nothing_left()

@@ -119,10 +119,13 @@ class Recorders:
     """This node's ranks as their recorders say: which rank runs as which pid, and when each last
     completed a collective. A rank counts once it completed one (before that: imports, data)."""
 
-    def __init__(self, folder: str, backend: str) -> None:
+    def __init__(self, folder: str, backend: str, *, hang_timeout_s: float = 0, say=None) -> None:
         self.folder = Path(folder)
         self.backend = backend
+        self.hang_timeout_s = hang_timeout_s
+        self._say = say
         self._seen: dict[int, _Watched] = {}
+        self._warned = False
 
     def sockets(self) -> dict[int, tuple[int, Path]]:
         """rank -> (pid, socket) of every rank whose worker started its server."""
@@ -145,13 +148,28 @@ class Recorders:
             if body is None:
                 continue
             try:
-                progress = progress_of(json.loads(body).get("pg_status", {}))
+                recorder = json.loads(body)
+                progress = progress_of(recorder.get("pg_status", {}))
             except (ValueError, TypeError, AttributeError):
                 continue
+            self._check_timeout(rank, recorder)
             seen = self._seen.get(rank)
             if seen is None or seen.pid != pid or seen.progress != progress:
                 self._seen[rank] = _Watched(pid, progress, now)
         return {rank: (w.pid, w.progress, w.since) for rank, w in self._seen.items() if w.progress.completed > 0}
+
+    def _check_timeout(self, rank: int, recorder: Mapping) -> None:
+        """A group whose script chose a collective timeout below --hang-timeout (the bootstrap
+        changes only torch's default): its timeout error would come first, without the verdict."""
+        if self._warned or not self.hang_timeout_s or self._say is None:
+            return
+        short = [e for e in recorder.get("entries", ()) if 0 < int(e.get("timeout_ms") or 0) < self.hang_timeout_s * 1000]
+        if short:
+            self._warned = True
+            group = (short[-1].get("process_group") or ["?"])[0]
+            self._say(f"disttrain: warning: rank {rank}'s process group {group} times out after "
+                      f"{int(short[-1]['timeout_ms']) / 1000:g} s (the script's own timeout=), before --hang-timeout "
+                      f"{self.hang_timeout_s:g} s: a hang there ends in torch's timeout error, without the verdict")
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,9 @@ def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None, attem
     if link is None and not plan.hang_timeout_s:
         yield None
         return
-    recorders = flight.Recorders(sockets, plan.backend) if sockets else None
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if link is None else link.send
+    recorders = flight.Recorders(sockets, plan.backend, hang_timeout_s=plan.hang_timeout_s, say=say) \
+        if sockets else None
     # SIGTERM to ourselves: torch's agent then stops the workers as on any stop request.
     with Watchdog(node.env[HEARTBEAT_DIR], plan.hang_timeout_s, node.host,
                   on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM), attempt=attempt, recorders=recorders,

@@ -185,11 +185,12 @@ def test_a_daemon_left_by_a_remote_rank_is_gone_after_the_job(cluster, tmp_path)
 
 # ---- two Slurm nodes (tests/slurm_rig.py): the verdict comes back through the batch job
 
-slurm = slurm_fixture(2, name="slurm_hang")
+slurm_hang = slurm_fixture(2, name="slurm_hang")
 
 
 @pytest.mark.timeout(300)
-def test_a_mismatch_on_two_slurm_nodes_is_judged_in_one_block(slurm, tmp_path):
+def test_a_mismatch_on_two_slurm_nodes_is_judged_in_one_block(slurm_hang, tmp_path):
+    slurm = slurm_hang
     result = slurm.run_in("node0", [sys.executable, "-m", "disttrain", "run", "--launcher", "slurm", "--nodes", "2",
                                     "-n", "1", "--hang-timeout", str(HANG_S), str(PLAIN), "op"],
                           timeout=240, cwd=ROOT, env=slurm.env(DISTTRAIN_HOME=str(tmp_path)))

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from typing import TextIO
 
@@ -28,6 +29,7 @@ from .attempt_store import AttemptStores
 from .cgroup import Container
 from .elastic_config import endpoint, launch_config
 from .link import LauncherLink
+from .oom import OomWatch
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, failure_lines, format_failure, lost_a_peer, root_cause, shell_exit_code
@@ -48,6 +50,23 @@ def _exported(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _handlers_kept() -> Iterator[None]:
+    """torch's worker group sets its own handlers for the stop signals and leaves them set; a
+    node run in a program's own process (the local launcher) gives the program its own back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # torch sets no handler outside the main thread either
+        return
+    signals = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: set from C, cannot be put back from Python
+                signal.signal(sig, handler)
 
 
 def _quiet_torch_elastic() -> None:
@@ -179,8 +198,8 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
     attempt = Attempt(plan.run_dir, plan.world_size)
-    with _worker_group(plan, node) as group, _recorder_sockets(plan, env) as sockets, _exported(env), \
-            _watchdog(plan, node, link, attempt, sockets) as dog, \
+    with _handlers_kept(), _worker_group(plan, node) as group, _recorder_sockets(plan, env) as sockets, \
+            _exported(env), _watchdog(plan, node, link, attempt, sockets) as dog, \
             RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node), attempt, group)
@@ -191,6 +210,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                 entry, args = run_path, list(plan.argv[2:])
             else:  # each worker dies with this agent, even when it is SIGKILLed (see lifeline.py)
                 entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable, join=group.join_file)
+            oom = OomWatch()  # the kernel's OOM kills from now on: a worker's SIGKILL may be one
             elastic_launch(config, entry)(*args)
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)
@@ -199,7 +219,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             finished = tuple((rank, node.host) for rank in attempt.ranks if rank not in failed)
             if link is not None and plan.nnodes > 1:  # a rank of another node may have left first
                 finished += link.done_elsewhere(wait=not finished and lost_a_peer(failure_lines(first, plan.run_dir)))
-            print(format_failure(first, failures, plan.run_dir, finished=finished),
+            print(format_failure(first, failures, plan.run_dir, finished=finished, oom=oom),
                   file=report_to, flush=True)
             return first.exit_code
         except SignalException as err:

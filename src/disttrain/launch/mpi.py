@@ -32,12 +32,11 @@ from ..agent.optml import instance_prefix
 from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
 from ..errors import UsageError
-from ..net import free_port
 from ..plan.launch import LaunchPlan
 from ..preflight.facts import local_facts
 from ..wire import InstanceEnv, Outcome
 from .base import AgentLauncher, Context, Events, Facts
-from .local import instance_nodes, own_gpus
+from .local import choose_port, instance_nodes, own_gpus
 
 STOP_GRACE_S = 15
 WRAPPER = "disttrain.launch.mpi"
@@ -175,7 +174,7 @@ class MpiLauncher(AgentLauncher):
             raise UsageError(f"{missing[0]} not found in {ctx.cwd}")
         here = local_facts()
         return Facts(nodes=instance_nodes(self.instances, cpus=here.cpus, gpus=here.cuda_devices),
-                     master_addr="127.0.0.1", master_port=free_port("127.0.0.1"),
+                     master_addr="127.0.0.1", master_port=choose_port(spec),
                      where=(here.hostname,) * len(self.instances))
 
     def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:

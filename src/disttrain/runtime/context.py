@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..errors import DisttrainError
 from ..placement import choose_backend, choose_device
-from ..workerenv import CONNECT_TIMEOUT, WorkerEnv
+from ..workerenv import BENCH_FLUSH_DENORMAL, CONNECT_TIMEOUT, WorkerEnv
 from . import heartbeat
 from .state import Runtime
 
@@ -154,6 +154,8 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
                 stacklevel=2,
             )
         return _current
+    if os.environ.get(BENCH_FLUSH_DENORMAL) == "1":  # bench --comm's reference; before any thread pool starts
+        torch.set_flush_denormal(True)
     env = WorkerEnv.from_environ()
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     ctx = resolve(env, cuda_devices=cuda_devices, backend=backend)

@@ -57,6 +57,9 @@ def collect(workers: Sequence[Worker], *, host: str, backend: str) -> list[RankS
     states = []
     for w in workers:
         base = {"rank": w.rank, "host": host, "pid": w.pid, "stacks": str(w.stacks)}
+        if w.pid is None:  # no process of this rank to be seen (the agent knows its workers by pid)
+            states.append(RankState(state="silent", **{**base, "stacks": ""}))
+            continue
         if not _alive(w.pid):
             states.append(RankState(state="exited", **{**base, "stacks": ""}))
             continue

@@ -69,6 +69,26 @@ def merged(beats: list[Beat], recorded: dict[int, tuple[int, object, float]], st
     return [out[rank] for rank in sorted(out)]
 
 
+def worker_children() -> dict[int, int]:
+    """rank -> pid of this agent's workers still running: its children with a ``RANK`` (the
+    lifeline wrapper execs the worker in its own place, so each worker is a child)."""
+    out = {}
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return out
+    for child in children:
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and rank.isdigit():
+            out[int(rank)] = child.pid
+    return out
+
+
 def stalled_for(beats: list[Beat], now: float) -> float:
     """Seconds since the most recent progress of any rank (0 when none beat yet)."""
     return now - max(b.mtime for b in beats) if beats else 0.0
@@ -132,13 +152,13 @@ class Watchdog:
         """Every rank of the attempt, with what is known of it (pid, socket, heartbeat)."""
         served = self.recorders.sockets() if self.recorders is not None else {}
         beats = {b.rank: b for b in live_beats(self.folder)}
+        children = worker_children()
         ranks = sorted(set(self.attempt.ranks) | set(served) | set(beats))
         out = []
         for rank in ranks:
             pid, sock = served.get(rank, (None, None))
             beat = beats.get(rank)
-            if pid is None and beat is not None:
-                pid = beat.pid
+            pid = children.get(rank, pid if pid is not None else beat.pid if beat is not None else None)
             out.append(Worker(rank=rank, pid=pid, socket=sock,
                               stacks=beat.stacks if beat is not None else self.attempt.stacks(rank)))
         return out

@@ -371,19 +371,6 @@ class Call(Record):
     done: bool = False
     p2p: bool = False
 
-    def signature(self) -> str:
-        """``all_reduce [4] Float``: what a user compares between two ranks."""
-        sizes = ", ".join(_shape(s) for s in self.input_sizes) or "no tensor"
-        dtypes = ",".join(sorted(set(self.input_dtypes)))
-        text = f"{self.op} {sizes}" + (f" {dtypes}" if dtypes else "")
-        if self.output_sizes and self.output_sizes != self.input_sizes:
-            text += f" -> {', '.join(_shape(s) for s in self.output_sizes)}"
-        return text
-
-
-def _shape(sizes) -> str:
-    return "[" + ", ".join(map(str, sizes)) + "]"
-
 
 @dataclass(frozen=True, kw_only=True)
 class RankState(Record):

@@ -147,6 +147,9 @@ class Subreaper(Container):
 
     def __init__(self) -> None:
         self.active = False
+        # What this process had started before (a program running a node in its own process may
+        # have children of its own): never the group's.
+        self._before = {p.pid for p in _descendants()}
         if sys.platform.startswith("linux"):
             try:
                 self.active = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
@@ -154,14 +157,10 @@ class Subreaper(Container):
                 pass
 
     def kill(self) -> list[int]:
-        """Every descendant still running: between attempts and at the end, all are leftovers
+        """Every descendant started since: between attempts and at the end, all are leftovers
         (but multiprocessing's resource tracker, which this process's own spawns share)."""
-        try:
-            procs = psutil.Process().children(recursive=True)
-        except psutil.Error:
-            return []
         tracker = _resource_tracker()
-        procs = [p for p in procs if p.pid != tracker]
+        procs = [p for p in _descendants() if p.pid != tracker and p.pid not in self._before]
         for proc in procs:
             try:
                 proc.kill()
@@ -169,6 +168,13 @@ class Subreaper(Container):
                 pass
         psutil.wait_procs(procs, timeout=KILL_WAIT_S)  # reaps those re-parented to us
         return [p.pid for p in procs]
+
+
+def _descendants() -> list[psutil.Process]:
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _resource_tracker() -> int | None:

@@ -28,6 +28,20 @@ from ..wire import Call, RankState
 DEFAULT_GROUP = "0"
 
 
+def _shape(sizes: Iterable[int]) -> str:
+    return "[" + ", ".join(map(str, sizes)) + "]"
+
+
+def signature(call: Call) -> str:
+    """``all_reduce [4] Float``: what a user compares between two ranks' calls."""
+    sizes = ", ".join(_shape(s) for s in call.input_sizes) or "no tensor"
+    dtypes = ",".join(sorted(set(call.input_dtypes)))
+    text = f"{call.op} {sizes}" + (f" {dtypes}" if dtypes else "")
+    if call.output_sizes and call.output_sizes != call.input_sizes:
+        text += f" -> {', '.join(_shape(s) for s in call.output_sizes)}"
+    return text
+
+
 def _group_label(group: str, desc: str) -> str:
     if group == DEFAULT_GROUP or desc == "default_pg":
         return "the default group"
@@ -119,7 +133,7 @@ def _elsewhere(state: RankState) -> str:
     inside = _inside(state)
     if inside is not None:
         return (f"it waits in collective #{inside.seq} of {_group_label(inside.group, inside.desc)} "
-                f"({inside.signature()}) at {state.where or 'an unknown line'}")
+                f"({signature(inside)}) at {state.where or 'an unknown line'}")
     return f"it is at {state.where or 'an unknown line'}" + (" (the script's own code)" if state.own_code else "")
 
 
@@ -144,7 +158,7 @@ def causes(states: Sequence[RankState], *, world_size: int) -> list[str]:
         missing = [r for r in ranks if r in by_rank and r not in waiting and by_rank[r].state != "exited"
                    and ((d := _last_done(by_rank[r], group)) is None or d.seq < seq)]
         for r in missing:
-            found.append(f"rank {r} never entered collective #{seq} of {label} ({first.signature()}), which "
+            found.append(f"rank {r} never entered collective #{seq} of {label} ({signature(first)}), which "
                          f"rank{'s' if len(waiting) > 1 else ''} {_list(waiting)} wait{'' if len(waiting) > 1 else 's'} "
                          f"in: {_elsewhere(by_rank[r])}")
         calls = {r: inside[r] for r in waiting}
@@ -152,13 +166,13 @@ def causes(states: Sequence[RankState], *, world_size: int) -> list[str]:
         reference = calls[waiting[0]]
         for r in waiting:
             differs = _agree(reference, calls[r], len(ranks))
-            kinds.setdefault(calls[r].signature() if differs else reference.signature(), []).append(r)
+            kinds.setdefault(signature(calls[r]) if differs else signature(reference), []).append(r)
         if len(kinds) > 1:
             parts = [f"rank{'s' if len(rs) > 1 else ''} {_list(rs)} called {sig}" for sig, rs in kinds.items()]
             found.append(f"a mismatch in collective #{seq} of {label}: {'; '.join(parts)}. Every rank of a group "
                          "must make the same calls, in the same order, with the same sizes")
         elif not missing and len(waiting) == len([r for r in ranks if r in by_rank]) and set(ranks) <= set(by_rank):
-            found.append(f"every rank of {label} is inside collective #{seq} ({reference.signature()}) and it does "
+            found.append(f"every rank of {label} is inside collective #{seq} ({signature(reference)}) and it does "
                          "not complete: the connection between them (a host cut off, a firewall, a dead link) is "
                          "the suspect")
     if not found:
@@ -184,7 +198,7 @@ def rank_line(s: RankState) -> str:
         inside = [c for c in s.calls if c.group == group and not c.done and not c.p2p]
         done = _last_done(s, group)
         if inside:
-            parts.append(f"in #{inside[0].seq}{label} {inside[0].signature()}")
+            parts.append(f"in #{inside[0].seq}{label} {signature(inside[0])}")
         if done is not None:
             parts.append(f"completed #{done.seq}{label} {done.op}")
     parts += [f"in {c.op} (#{c.seq} of group {c.group})" for c in s.calls if c.p2p and not c.done]

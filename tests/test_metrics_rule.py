@@ -48,3 +48,41 @@ def test_a_read_the_source_does_not_show_ends_within_the_timeout_in_one_line():
     assert told and all(x.startswith(("[rank0] disttrain: error: MeanMeter.avg on rank 0",
                                       "[rank1] disttrain: error: reduce_mean() on rank 1")) for x in told), told
     assert "Traceback" not in result.stderr and "avg " not in result.stdout
+
+
+PROBE = """\
+import sys
+from disttrain.runtime.rankonly import rank_condition
+
+class Meter:
+    @property
+    def avg(self):
+        FOUND.append(rank_condition(sys._getframe(1)))
+        return 1.0
+
+class Ctx:
+    is_main, rank = True, 0
+
+meter, ctx = Meter(), Ctx()
+"""
+
+
+@pytest.mark.parametrize(("code", "test"), [
+    ("if ctx.is_main:\n    x = meter.avg\n", "ctx.is_main"),
+    ("x = meter.avg\nif ctx.is_main:\n    print(x)\n", None),
+    ("print(meter.avg)\n", None),
+    ("if ctx.is_main:\n    a = meter.avg\nelse:\n    b = meter.avg\n", None),  # every rank reads it
+    ("ok = ctx.is_main and meter.avg\n", "ctx.is_main"),
+    ("x = meter.avg if ctx.rank == 0 else 0.0\n", "ctx.rank == 0"),
+    ("def f():\n    if ctx.rank != 0:\n        return\n    return meter.avg\n\nf()\n", "not (ctx.rank != 0)"),
+    ("def log():\n    print(meter.avg)\n\nif ctx.is_main:\n    log()\n", "ctx.is_main"),  # through a call
+    ("import os\nif os.environ.get('RANK', '0') == '0':\n    y = meter.avg\n", "os.environ.get('RANK', '0') == '0'"),
+])
+def test_the_source_tells_a_rank_only_read(tmp_path, code, test):
+    import runpy
+
+    script = tmp_path / "train.py"
+    script.write_text(PROBE + code)
+    found = []
+    runpy.run_path(str(script), init_globals={"FOUND": found})
+    assert [None if f is None else f[2] for f in found] == [test] * len(found) and found

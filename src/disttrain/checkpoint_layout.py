@@ -21,8 +21,9 @@ them together -- except the shards of a sharded model, which each rank writes in
 
 The marker holds each file's size and SHA-256 (format 2), so that a file damaged or cut
 short after the checkpoint was written -- a disk error, a partial copy from remote storage,
-a hand edit -- is found before anything is loaded from it. This module is torch-free: the
-runtime writes and reads checkpoints with it, the job runner's remote sync
+a hand edit -- is found before anything is loaded from it; each digest is read back while
+its file is fsynced (:func:`sync_and_digest`). This module is torch-free: the runtime
+writes and reads checkpoints with it, the job runner's remote sync
 (:mod:`disttrain.jobs.checkpoints`) uploads them marker last.
 """
 
@@ -34,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,28 +111,6 @@ class CheckpointLayout:
             return []
 
 
-class HashingFile:
-    """A binary file that digests what is written through it: the digest costs no second
-    read of a file just written (``torch.save`` needs only ``write`` and ``flush``)."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self._file = file
-        self._hash = hashlib.new(DIGEST)
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        self._hash.update(data)
-        written = self._file.write(data)
-        self.size += written
-        return written
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def digest(self) -> FileDigest:
-        return {DIGEST: self._hash.hexdigest(), "bytes": self.size}
-
-
 def hash_file(path: Path) -> FileDigest:
     """The digest of the file at ``path``, read in chunks."""
     digest = hashlib.new(DIGEST)
@@ -162,7 +142,7 @@ def check_file(directory: Path, name: str, expected: FileDigest) -> str | None:
     return None
 
 
-def _fsync_dir(path: Path) -> None:
+def sync_dir(path: Path) -> None:
     # Makes the entries (new files, a rename) durable, not just the files' contents.
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -178,11 +158,43 @@ def _fsync_dir(path: Path) -> None:
 def write_durably(path: Path, write: Callable[[BinaryIO], None]) -> FileDigest:
     """Create ``path`` with ``write(file)``, fsync it, and return its digest."""
     with open(path, "wb") as f:
-        hashing = HashingFile(f)
-        write(hashing)  # type: ignore[arg-type]
+        write(f)
         f.flush()
-        os.fsync(f.fileno())
-    return hashing.digest()
+        return sync_and_digest(path, f.fileno())
+
+
+def sync_and_digest(path: Path, fd: int | None = None) -> FileDigest:
+    """fsync the file at ``path`` (or open as ``fd``) and digest it, the two at once.
+
+    The digest reads the file back from the page cache on a thread of its own (hashlib
+    lets go of the GIL) while the fsync waits for the disk: with a core to spare it costs
+    no time, where hashing the bytes on their way to the file would add its own
+    (``bench/checkpoint_digest.py``).
+    """
+    found: list[Any] = []
+
+    def digest() -> None:
+        try:
+            found.append(hash_file(path))
+        except OSError as err:
+            found.append(err)
+
+    thread = threading.Thread(target=digest, name="disttrain-digest", daemon=True)
+    thread.start()
+    try:
+        if fd is not None:
+            os.fsync(fd)
+        else:
+            own = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(own)
+            finally:
+                os.close(own)
+    finally:
+        thread.join()
+    if isinstance(found[0], OSError):
+        raise found[0]
+    return found[0]
 
 
 def commit(layout: CheckpointLayout, step: int, write_files: Callable[[Path], dict[str, FileDigest]],
@@ -229,7 +241,7 @@ def publish(layout: CheckpointLayout, step: int, temp: Path, digests: dict[str, 
         marker = json.dumps({"format": FORMAT, "step": step, "files": files, **meta,
                              "digests": dict(sorted(digests.items()))}, indent=1)
         write_durably(temp / MARKER, lambda f: f.write(marker.encode()))
-        _fsync_dir(temp)
+        sync_dir(temp)
     except BaseException:
         discard(temp)
         raise
@@ -242,7 +254,7 @@ def publish(layout: CheckpointLayout, step: int, temp: Path, digests: dict[str, 
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(temp, final)
-    _fsync_dir(layout.root)
+    sync_dir(layout.root)
     return final
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -123,20 +124,33 @@ def _examine(path: Path, ctx: Context, strategy: Strategy, location: Any, weight
         raise Damaged(f"{MARKER} is unreadable: {err}") from err
     _check_strategy(path, meta, strategy.checkpoint_format)
     digests = meta.get("digests")  # None: written before checkpoints had digests
-    mine = [STATE_FILE]
     rank_files = [name for name in meta.get("files", []) if name.startswith("rank_")]
     own = CheckpointLayout.rank_file(ctx.rank)
-    if own in rank_files:
-        mine.append(own)
+    mine = [STATE_FILE, *([own] if own in rank_files else [])]
+    checks = []
     if digests is not None:
         shard_files = sorted(name for name in digests if name.startswith(f"{SHARDED_DIR}/"))
-        for name in [*mine, *shard_files[ctx.rank::ctx.world_size]]:
-            _check(path, name, digests, weights_only)
-    state = _load_file(path, STATE_FILE, location, weights_only)
+        checks = [*mine, *shard_files[ctx.rank::ctx.world_size]]
+    if not weights_only:  # the files must be whole before anything trusted is unpickled
+        for name in checks:
+            _check(path, name, digests)
+        checks = []
+    # weights_only loading runs no code, whatever the bytes: it goes on while the digests
+    # are checked, and their verdict decides after -- except that a file holding code is
+    # refused whatever its digest says (not skipped: the user must decide).
+    checking = _Checking(path, checks, digests)
+    try:
+        state = _load_file(path, STATE_FILE, location, weights_only)
+        values = _load_file(path, own, location, weights_only) if own in rank_files else None
+    except Damaged as err:
+        raise Damaged(checking.problem() or str(err)) from err
+    finally:
+        problem = checking.problem()
+    if problem is not None:
+        raise Damaged(problem)
     if not isinstance(state, dict) or "step" not in state:
         raise Damaged(f"{STATE_FILE} is not a disttrain state")
     if own in rank_files:
-        values = _load_file(path, own, location, weights_only)
         if not isinstance(values, dict):
             raise Damaged(f"{own} is not a dict")
         state["rank_state"] = values
@@ -145,21 +159,36 @@ def _examine(path: Path, ctx: Context, strategy: Strategy, location: Any, weight
     return state
 
 
-def _check(path: Path, name: str, digests: dict, weights_only: bool) -> None:
-    expected = digests.get(name)
-    if expected is None:
-        raise Damaged(f"its marker lists no digest for {name}")
-    problem = check_file(path, name, expected)
-    if problem is None:
-        return
-    if name.endswith(".pt") and weights_only:
-        # Changed after it was written: if it now holds code to run, say that rather than
-        # falling back quietly (loading is safe: weights_only refuses before running it).
+class _Checking:
+    """This rank's files checked against their digests on a thread of its own (hashlib lets
+    go of the GIL), while the main thread loads."""
+
+    def __init__(self, path: Path, names: list[str], digests: dict | None) -> None:
+        self._problems: list[str | None] = []
+        self._thread = threading.Thread(target=self._run, args=(path, names, digests or {}), daemon=True,
+                                        name="disttrain-digest-check")
+        self._thread.start()
+
+    def _run(self, path: Path, names: list[str], digests: dict) -> None:
         try:
-            _load_file(path, name, "cpu", weights_only)
-        except Damaged:
-            pass
-    raise Damaged(problem)
+            for name in names:
+                _check(path, name, digests)
+        except Damaged as err:
+            self._problems.append(str(err))
+        else:
+            self._problems.append(None)
+
+    def problem(self) -> str | None:
+        """The first file that does not match, and why; None when all do."""
+        self._thread.join()
+        return self._problems[0]
+
+
+def _check(path: Path, name: str, digests: dict) -> None:
+    expected = digests.get(name)
+    problem = f"its marker lists no digest for {name}" if expected is None else check_file(path, name, expected)
+    if problem is not None:
+        raise Damaged(problem)
 
 
 def _load_file(path: Path, name: str, location: Any, weights_only: bool) -> Any:

@@ -26,9 +26,10 @@ from ..checkpoint_layout import (
     begin,
     discard,
     files_under,
-    hash_file,
     prune,
     publish,
+    sync_and_digest,
+    sync_dir,
     write_durably,
 )
 from ..errors import DisttrainError
@@ -167,12 +168,12 @@ def own_shard_files(directory: Path, rank: int) -> list[str]:
 def gather_shard_digests(ctx: Context, directory: Path, written: BaseException | None,
                          group: Any) -> dict[str, FileDigest] | str:
     """Every shard file's digest on rank 0, keyed ``sharded/<name>`` (``{}`` elsewhere), or
-    the one line saying why not. A collective on ``group``; each rank digests its own files,
-    which its page cache still holds."""
+    the one line saying why not. A collective on ``group``; each rank fsyncs and digests its
+    own files (DCP wrote them without fsync), which its page cache still holds."""
     mine: dict[str, FileDigest] | str = {}
     if written is None:
         try:
-            mine = {name: hash_file(directory / name) for name in own_shard_files(directory, ctx.rank)}
+            mine = {name: sync_and_digest(directory / name) for name in own_shard_files(directory, ctx.rank)}
         except OSError as err:
             mine = f"rank {ctx.rank} cannot read back its shard: {err.strerror or err} ({err.filename})"
     everyone: list[Any] = [mine]
@@ -190,7 +191,8 @@ def gather_shard_digests(ctx: Context, directory: Path, written: BaseException |
     try:
         for name in files_under(directory):
             if name not in merged:
-                merged[name] = hash_file(directory / name)
+                merged[name] = sync_and_digest(directory / name)
+        sync_dir(directory)
     except OSError as err:
         return f"cannot read back the shards in {directory}: {err.strerror or err}"
     return {f"{SHARDED_DIR}/{name}": digest for name, digest in merged.items()}

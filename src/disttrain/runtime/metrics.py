@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Sequence
-from datetime import timedelta
 from numbers import Number
 from typing import TypeVar
 
@@ -35,13 +35,13 @@ RULE = ("it is a collective: every rank must call it at the same point (read it 
 _gates = itertools.count()
 
 
-def every_rank(ctx: Context, what: str) -> None:
+def every_rank(ctx: Context, what: str, *, check_source: bool = True) -> None:
     """Refuse ``what`` when only some ranks can be calling it; then wait until every rank
     has called it (bounded by the process group's timeout), so that it never meets
     another collective on the ranks that did not."""
     if not ctx.distributed:
         return
-    guard = rank_condition(caller_outside_disttrain())
+    guard = rank_condition(caller_outside_disttrain()) if check_source else None
     if guard is not None:
         filename, line, test = guard
         raise UsageError(f"{what} at {filename}:{line} runs only where `{test}` holds, but {RULE}")
@@ -50,14 +50,18 @@ def every_rank(ctx: Context, what: str) -> None:
         return
     # Numbered and named, so that a lone call never pairs with another rank's different one.
     key = f"disttrain/collective/{next(_gates)}/{what}"
-    if store.add(key, 1) == ctx.world_size:
-        store.set(f"{key}/all", "1")
     timeout = ctx.runtime.pg_timeout_s
+    deadline, pause = time.monotonic() + timeout, 0.0005
     try:
-        store.wait([f"{key}/all"], timedelta(seconds=timeout))
-    except dist.DistStoreError as err:  # the others never came
-        raise UsageError(f"{what} on rank {ctx.rank}: the other ranks did not call it within {timeout:.0f} s; "
-                         f"{RULE}") from err
+        if store.add(key, 1) == ctx.world_size:
+            store.set(f"{key}/all", "1")
+        # Polled, not store.wait(): a wait blocks in C++ where Ctrl-C cannot reach it.
+        while not store.check([f"{key}/all"]):
+            if time.monotonic() > deadline:
+                raise UsageError(f"{what} on rank {ctx.rank}: the other ranks did not call it within "
+                                 f"{timeout:.0f} s; {RULE}")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
     except dist.DistError as err:  # the store is gone: the job is ending
         raise DisttrainError(f"{what} on rank {ctx.rank}: lost the job's store while waiting for the "
                              "other ranks (another rank ended)") from err
@@ -198,7 +202,9 @@ def print0(*args, **kwargs) -> None:
 def barrier() -> None:
     """Wait until every rank gets here; nothing to wait for in a world of one."""
     ctx = context()
-    every_rank(ctx, "barrier()")
+    # Not judged by its source: rank 0 working while the others wait at one barrier, then
+    # joining them at another, is a barrier's classic use.
+    every_rank(ctx, "barrier()", check_source=False)
     if ctx.distributed:
         if ctx.backend == "nccl":
             dist.barrier(device_ids=ddp_device_ids(ctx.device))

@@ -8,8 +8,10 @@ lines that called it: inside an ``if``/``while``/``and``/``or``/conditional expr
 tests the rank (``is_main``, ``rank``, ``get_rank()``, ``os.environ["RANK"]``...), or after
 ``if <rank test>: return``/``continue``/``break``, the call runs on some ranks only.
 
-A heuristic with no false alarm for code that runs on every rank, and a miss for a rank
-test it cannot see (a flag computed elsewhere); each call site is parsed once.
+A heuristic: the same call in the other branch (``if ctx.is_main: ... else: ...``) counts as
+every rank calling it, and a rank test it cannot see (a flag computed elsewhere) is a miss,
+which the store check of :func:`.metrics.every_rank` catches later. Each call site is
+parsed once.
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ def _guard(filename: str, line: int, start: int, end: int) -> str | None:
     if tree is None:
         return None
     path = _path_to(tree, line, start, end)
+    called = _called_name(path[-1])
     for parent, child in zip(path, path[1:]):
         test = _guarding_test(parent, child)
-        if test is not None and _mentions_rank(test):
+        if test is not None and _mentions_rank(test) and called not in _names_in(_other_branch(parent, child)):
             return _source(filename, test)
         for earlier in _earlier_siblings(parent, child):
             if isinstance(earlier, ast.If) and _mentions_rank(earlier.test) and earlier.body \
@@ -115,6 +118,37 @@ def _guarding_test(parent: ast.AST, child: ast.AST) -> ast.AST | None:
         before = parent.values[: parent.values.index(child)]
         return ast.BoolOp(op=parent.op, values=before) if len(before) > 1 else before[0]
     return None
+
+
+def _called_name(node: ast.AST) -> str | None:
+    """The name the frame is calling or reading at its position (``avg`` of ``meter.avg``)."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _other_branch(parent: ast.AST, child: ast.AST) -> list[ast.AST]:
+    """What runs instead of ``child`` when ``parent``'s test goes the other way: the same
+    call there (``if ctx.is_main: a = meter.avg`` / ``else: b = meter.avg``) is every
+    rank calling it."""
+    if isinstance(parent, ast.If):
+        return parent.orelse if child in parent.body else parent.body
+    if isinstance(parent, ast.IfExp):
+        return [parent.orelse if child is parent.body else parent.body]
+    return []
+
+
+def _names_in(nodes: list[ast.AST]) -> set[str]:
+    found = set()
+    for tree in nodes:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                found.add(node.attr)
+            elif isinstance(node, ast.Name):
+                found.add(node.id)
+    return found
 
 
 def _earlier_siblings(parent: ast.AST, child: ast.AST) -> list[ast.stmt]:

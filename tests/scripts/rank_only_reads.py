@@ -1,6 +1,7 @@
 """MeanMeter.avg read the ways tutorials do; MODE picks one. Prints what rank 0 read."""
 
 import sys
+import time
 
 import torch
 
@@ -32,5 +33,7 @@ elif mode == "hidden":  # a rank test the source does not show
     first = [ctx.is_main][0]
     if first:
         print(f"avg {meter.avg}", flush=True)
+    else:
+        time.sleep(60)  # work without a collective: rank 0 must not wait for it forever
 loss = disttrain.reduce_mean(torch.tensor(1.0))  # the training goes on: the next collective
 disttrain.print0(f"done {loss}")

@@ -10,8 +10,8 @@ tests the rank (``is_main``, ``rank``, ``get_rank()``, ``os.environ["RANK"]``...
 
 A heuristic: the same call in the other branch (``if ctx.is_main: ... else: ...``) counts as
 every rank calling it, and a rank test it cannot see (a flag computed elsewhere) is a miss,
-which the store check of :func:`.metrics.every_rank` catches later. Each call site is
-parsed once.
+which the store check of ``MeanMeter.avg`` and ``barrier()`` (:func:`.metrics.every_rank`)
+catches later. Each call site is judged once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 
 # Names whose value differs by rank: reading one in a test makes the branch rank-only.
 RANK_NAMES = frozenset({
@@ -31,22 +31,31 @@ RANK_NAMES = frozenset({
     "rank", "local_rank", "global_rank", "node_rank", "group_rank", "get_rank",
     "get_local_rank", "RANK", "LOCAL_RANK", "GROUP_RANK",
 })
-_PACKAGE = str(Path(__file__).resolve().parent.parent)
-_LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+_SKIPPED = (str(Path(__file__).resolve().parent.parent),
+            *{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
 _EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
+# (code object, instruction) -> the rank test guarding it, or None: a call site is judged
+# once, and every later call from it costs a dictionary lookup per frame.
+_seen: dict[tuple[CodeType, int], str | None] = {}
 
 
 def rank_condition(frame: FrameType | None) -> tuple[str, int, str] | None:
     """``(file, line, test)`` of the rank test that guards ``frame``'s current line or one
     of its callers' lines, or None when none is seen."""
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith((_PACKAGE, *_LIBRARIES)):
-            found = _guard(filename, frame.f_lineno, *_columns(frame))
-            if found is not None:
-                return filename, frame.f_lineno, found
+        key = (frame.f_code, frame.f_lasti)
+        found = _seen.get(key, _UNSEEN)
+        if found is _UNSEEN:
+            filename = frame.f_code.co_filename
+            found = None if filename.startswith(_SKIPPED) else _guard(filename, frame.f_lineno, *_columns(frame))
+            _seen[key] = found
+        if found is not None:
+            return frame.f_code.co_filename, frame.f_lineno, found
         frame = frame.f_back
     return None
+
+
+_UNSEEN = object()
 
 
 def _columns(frame: FrameType) -> tuple[int, int]:
@@ -179,6 +188,6 @@ def _source(filename: str, node: ast.AST) -> str:
 def caller_outside_disttrain() -> FrameType | None:
     """The first frame of the call stack outside disttrain's own code."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED[0]):
         frame = frame.f_back
     return frame

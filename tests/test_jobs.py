@@ -425,3 +425,22 @@ def test_a_dry_run_shows_the_containers_wrapper_and_records_nothing(tmp_path, en
     assert tasks == [{"type": "ps", "index": 0}, {"type": "ps", "index": 1}]
     assert [node["opt_ml"] for node in plan["nodes"]] == [None, None]
     assert not (tmp_path / "jobs.db").exists() and not (tmp_path / "home").exists()
+
+
+@pytest.mark.timeout(150)
+def test_a_job_whose_code_shadows_the_standard_library_still_runs(tmp_path, env):
+    """The instances' agents start in the job's code folder: a user's `copy.py` or `json.py` there
+    (harmless to their own script, which never imports them) must not replace the standard
+    library inside disttrain's agent."""
+    code = tmp_path / "code"
+    code.mkdir()
+    for name in ("copy", "json", "signal"):
+        (code / f"{name}.py").write_text(f"raise ImportError('the job\\'s own {name}.py was imported')\n")
+    (code / "train.py").write_text("import os\nprint('trained on', os.environ['SM_CURRENT_HOST'], flush=True)\n")
+    spec = tmp_path / "shadow.yaml"
+    spec.write_text(yaml.safe_dump({"name": "shadow", "entry_point": "train.py", "source_dir": str(code),
+                                    "instance_count": 2, "processes_per_instance": 1, "private_opt_ml": "off"}))
+    result = disttrain("job", "run", str(spec), env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "was imported" not in result.stderr
+    assert "trained on algo-1" in result.stdout and "trained on algo-2" in result.stdout

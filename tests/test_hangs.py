@@ -197,6 +197,6 @@ def test_a_mismatch_on_two_slurm_nodes_is_judged_in_one_block(slurm_hang, tmp_pa
     err = result.stderr
     assert result.returncode == 124, err[-3000:]
     assert ("cause: a mismatch in collective #6 of the default group: rank 0 called all_reduce [4] Float; "
-            "rank 1 called all_gather [4] Float -> [2, 4]") in err
-    assert "  rank 0 (node0): in #6 all_reduce" in err and "  rank 1 (node1): in #6 all_gather" in err
+            "rank 1 called all_gather [4] Float -> [2, 4]") in err, err
+    assert "  rank 0 (node0): in #6 all_reduce" in err and "  rank 1 (node1): in #6 all_gather" in err, err
     slurm.assert_nothing_left()

@@ -412,7 +412,8 @@ MPI_SCRIPT = """\
 
     comm = MPI.COMM_WORLD
     total = comm.allreduce(comm.Get_rank() + 1)
-    print(f"rank {comm.Get_rank()} of {comm.Get_size()} on {os.environ['SM_CURRENT_HOST']} sum={total}", flush=True)
+    print(f"rank {comm.Get_rank()} of {comm.Get_size()} on {os.environ['SM_CURRENT_HOST']} sum={total} "
+          f"FOO={os.environ.get('FOO')}", flush=True)
     if comm.Get_rank() == 0:
         with open(os.path.join(os.environ["SM_MODEL_DIR"], "sum.txt"), "w") as fh:
             fh.write(str(total))
@@ -433,8 +434,9 @@ def test_mpi_two_processes(sm_home):
     est.fit()
     job_dir = Path(est.latest_training_job.describe()["JobDir"])
     log = (job_dir / "logs" / "job.log").read_text()
-    assert "[algo-1 rank0] rank 0 of 2 on algo-1 sum=3" in log
-    assert "[algo-2 rank1] rank 1 of 2 on algo-2 sum=3" in log
+    # custom_mpi_options reach every instance's ranks (mpirun applies -x to one application context)
+    assert "[algo-1 rank0] rank 0 of 2 on algo-1 sum=3 FOO=1" in log
+    assert "[algo-2 rank1] rank 1 of 2 on algo-2 sum=3 FOO=1" in log
     assert (job_dir / "algo-1" / "model" / "sum.txt").read_text() == "3"
 
 

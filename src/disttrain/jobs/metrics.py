@@ -12,10 +12,8 @@ installed, each point is also appended to an event file in the job folder as it 
 
 from __future__ import annotations
 
-import os
 import queue
 import re
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -23,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import UsageError
+from ..tbevents import EventFile
 
 STEP_NAMES = ("step", "iteration", "iter", "epoch")  # a series by one of these names is the plots' x axis
 
@@ -60,51 +59,6 @@ def match_line(definitions: Sequence[tuple[str, re.Pattern]], line: str) -> list
             except (TypeError, ValueError):
                 continue  # a match that is not a number (e.g. "nan" parses; "n/a" does not)
     return points
-
-
-class EventFile:
-    """A job's TensorBoard event file, appended and flushed as points arrive (step = the point's
-    number in its series).
-
-    tensorboard's own record writer over a plain file: its ``EventFileWriter`` opens files through
-    ``tf.io.gfile``, which imports TensorFlow where it is installed (seconds of CPU in the runner).
-    """
-
-    def __init__(self, logdir: Path) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from tensorboard.summary.writer.record_writer import RecordWriter
-
-        self._event, self._summary = Event, Summary
-        logdir.mkdir(parents=True, exist_ok=True)
-        # TensorBoard's own naming: it reads every file whose name holds "tfevents".
-        path = logdir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.0"
-        self.path = path
-        self._writer = RecordWriter(open(path, "ab"))
-        self._steps: dict[str, int] = {}
-        self._write(Event(wall_time=time.time(), step=0, file_version="brain.Event:2"))
-
-    @classmethod
-    def open(cls, logdir: Path) -> EventFile | None:
-        """None without TensorBoard (``pip install 'disttrain[tensorboard]'``): the store keeps the series."""
-        try:
-            return cls(logdir)
-        except ImportError:
-            return None
-
-    def _write(self, event) -> None:
-        self._writer.write(event.SerializeToString())
-
-    def add(self, rows: Sequence[tuple[str, float, float]]) -> None:
-        for name, when, value in rows:
-            step = self._steps.get(name, 0)
-            self._steps[name] = step + 1
-            self._write(self._event(wall_time=when, step=step, summary=self._summary(
-                value=[self._summary.Value(tag=name, simple_value=value)])))
-        self._writer.flush()  # a reader (tensorboard) sees every point as soon as it is matched
-
-    def close(self) -> None:
-        self._writer.close()
 
 
 class MetricWatcher:

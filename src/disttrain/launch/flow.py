@@ -27,49 +27,67 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from ..agent.verdict import verdict
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from ..wire import DumpRequest, Outcome, PlanMessage
+from ..wire import ALIVE_EVERY_S, Alive, DumpRequest, HangReport, NodeDone, Outcome, PlanMessage, WireError
 from .diagnostics import Diagnostics
 
 AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
+# A C++ stack dump, as torch's c10 errors and warnings print them: kept in the logs, not shown.
+_CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from .*\(most recent call first\):$|<omitting python frames>$)")
+# torch's own C++ log lines (glog style: "[W1124 03:33:59.078 TCPStore.cpp:138] ...") from an agent's
+# internals -- a store that lost its server once another node failed: disttrain says what happened.
+_C10_LOG = re.compile(r"^\[[WEIF]\d{4} [\d:.]+ (\d+ )?\S+:\d+\] ")
 
 
 class Relay:
     """Copies one stream of one agent to the terminal, to per-rank log files and to an
-    optional transcript; keeps the agent's own lines (its root-cause block)."""
+    optional transcript; keeps the agent's own lines (its root-cause block) and writes them to
+    ``node<k>.log``. C++ stack dumps go to the logs only."""
 
     def __init__(self, run_dir: Path, lock: threading.Lock, transcript: TextIO | None = None,
                  on_agent_line=None) -> None:
         self._run_dir = run_dir
         self._lock = lock
         self._transcript = transcript
-        self._files: dict[int, TextIO] = {}
+        self._files: dict[str, TextIO] = {}
         self._on_agent_line = on_agent_line
         # Per agent: its own (unprefixed) stderr lines; the root-cause block is at the end.
         self.agent_lines: dict[int, deque[str]] = {}
 
     def pump(self, stream, out: TextIO, agent: int | None = None) -> None:
+        in_dump = False
         for line in iter(stream.readline, ""):
             match = _PREFIX.match(line)
             if not match and agent is not None and self._on_agent_line is not None:
                 if self._on_agent_line(agent, line):  # the launcher consumed it (a heartbeat)
                     continue
+            text = line[match.end():] if match else line
+            if _CPP_FRAME.match(text) or (not match and agent is not None and _C10_LOG.match(text)):
+                in_dump = True
+            elif text.strip():
+                in_dump = False
             with self._lock:
-                out.write(line)
-                out.flush()
-                if self._transcript is not None:
-                    self._transcript.write(line)
-                    self._transcript.flush()
+                if not in_dump:
+                    out.write(line)
+                    out.flush()
+                    if self._transcript is not None:
+                        self._transcript.write(line)
+                        self._transcript.flush()
                 if match:
-                    rank = int(match["rank"])
-                    if rank not in self._files:
-                        self._files[rank] = open(self._run_dir / f"rank{rank}.log", "a")
-                    self._files[rank].write(line[match.end():])
-                    self._files[rank].flush()
+                    self._write(f"rank{match['rank']}.log", text)
                 elif agent is not None:
-                    self.agent_lines.setdefault(agent, deque(maxlen=AGENT_LINES_KEPT)).append(line.rstrip("\n"))
+                    self._write(f"node{agent}.log", text)
+                    if not in_dump:
+                        self.agent_lines.setdefault(agent, deque(maxlen=AGENT_LINES_KEPT)).append(line.rstrip("\n"))
+
+    def _write(self, name: str, text: str) -> None:
+        if name not in self._files:
+            self._files[name] = open(self._run_dir / name, "a")
+        self._files[name].write(text)
+        self._files[name].flush()
 
     def report(self, agent: int) -> str:
         """The agent's own message about the failure: from its first ``disttrain:`` line on."""
@@ -89,6 +107,43 @@ def start(argv: Sequence[str], *, cwd: str | None = None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+class Stdins:
+    """The agents' stdin pipes, written from the main thread (the plan, the dump request, the stop)
+    and from the keep-alive thread: one lock, so that lines never interleave."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def send(self, proc: subprocess.Popen, line: str) -> None:
+        with self._lock:
+            try:
+                proc.stdin.write(line + "\n")
+                proc.stdin.flush()
+            except (OSError, ValueError):
+                pass  # it ended already; its exit code and stderr tell why
+
+    def close(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            if proc.poll() is None and proc.stdin:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+
+    def keep_alive(self, procs: Sequence[subprocess.Popen], done: threading.Event) -> threading.Thread:
+        """Tell every agent, every few seconds, that its launcher is there (an agent that hears
+        nothing for :data:`~disttrain.wire.CUT_OFF_S` stops on its own: see disttrain.agent.entry)."""
+        def beat() -> None:
+            while not done.wait(ALIVE_EVERY_S):
+                for proc in procs:
+                    if proc.poll() is None:
+                        self.send(proc, Alive().to_line())
+
+        thread = threading.Thread(target=beat, name="agents-alive", daemon=True)
+        thread.start()
+        return thread
+
+
 def run_agents(
     plan: LaunchPlan,
     started: Sequence[subprocess.Popen],
@@ -98,7 +153,8 @@ def run_agents(
 ) -> Outcome:
     """Hand each node's agent (``started[i]`` runs node ``i``, waiting for its plan) its plan on
     stdin, relay their output, stop every node at the first failure or on SIGINT/SIGTERM, and
-    say how it ended."""
+    say how it ended. No progress on any host for --hang-timeout: every agent reports its ranks
+    and the verdict is printed here, in one block."""
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
@@ -109,10 +165,31 @@ def run_agents(
                 out.flush()
 
     diag = Diagnostics(hang_timeout_s=plan.hang_timeout_s, say=say)
-    relay = Relay(Path(plan.run_dir), lock, transcript, lambda _agent, line: diag.consume(line))
+    hangs: list[HangReport] = []
+
+    def consume(agent: int, line: str) -> bool:
+        """An agent's message for the launcher, not shown: its heartbeats, its ranks at a hang,
+        its workers done (passed on to the other agents)."""
+        try:
+            if HangReport.matches(line):
+                hangs.append(HangReport.from_line(line))
+                return True
+            if NodeDone.matches(line):
+                done = NodeDone.from_line(line)
+                for index, proc in enumerate(procs):
+                    if index != agent and proc.poll() is None:
+                        stdins.send(proc, done.to_line())
+                return True
+        except WireError:
+            return False
+        return diag.consume(line)
+
+    relay = Relay(Path(plan.run_dir), lock, transcript, consume)
+    stdins = Stdins()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     interrupted: list[int] = []
+    done = threading.Event()
 
     def on_signal(signum, _frame) -> None:
         interrupted.append(signum)
@@ -121,34 +198,33 @@ def run_agents(
     try:
         for index, proc in enumerate(started):
             procs.append(proc)
-            try:
-                proc.stdin.write(PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan,
-                                             cwd=agent_cwd).to_line() + "\n")
-                proc.stdin.flush()
-            except OSError:  # it died at once; its exit code and stderr tell why
-                pass
+            stdins.send(proc, PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan, cwd=agent_cwd).to_line())
             for stream, out, agent in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, index)):
                 pump = threading.Thread(target=relay.pump, args=(stream, out, agent), daemon=True)
                 pump.start()
                 pumps.append(pump)
-        first_failure = _wait_for_first_failure(procs, interrupted, diag)
+        stdins.keep_alive(procs, done)
+        first_failure = _wait_for_first_failure(procs, interrupted, diag, stdins)
         if diag.hung:
             _collect_hang_reports(procs, grace_s=plan.stop_grace_s + 15)
-        stop(procs, grace_s=plan.stop_grace_s + 5)
+        done.set()
+        stop(procs, grace_s=plan.stop_grace_s + 5, stdins=stdins)
     finally:
+        done.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for pump in pumps:
             pump.join(timeout=5)
         relay.close()
     summary = diag.summary()
-    if summary:
+    if summary and not diag.hung and first_failure is None and not interrupted:
         say(summary)
     if diag.hung:
-        blocks = [relay.report(i) for i in range(len(procs))]
-        say(f"disttrain: no rank on any of the {len(procs)} hosts made progress for {plan.hang_timeout_s} s "
-            "(--hang-timeout): every host's stacks are above; stopped the job (exit 124)")
-        return Outcome(exit_code=HANG_EXIT, failed=None, report="\n".join(filter(None, blocks)))
+        states = [state for report in hangs for state in report.ranks]
+        text = verdict(states, world_size=plan.world_size, timeout_s=plan.hang_timeout_s)
+        say(text)
+        say(f"disttrain: stopped the job on all {len(procs)} hosts (exit {HANG_EXIT})")
+        return Outcome(exit_code=HANG_EXIT, failed=None, report=text)
     if interrupted:
         return Outcome(exit_code=128 + interrupted[0], signal=interrupted[0])
     if first_failure is None:
@@ -158,12 +234,12 @@ def run_agents(
 
 
 def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int],
-                            diag: Diagnostics) -> tuple[int, int] | None:
+                            diag: Diagnostics, stdins: Stdins) -> tuple[int, int] | None:
     while not interrupted:
-        if diag.stalled():  # no rank anywhere moved: every agent dumps its ranks' stacks, then stops
+        if diag.stalled():  # no rank anywhere moved: every agent reports its ranks, then stops
             diag.hung = True
             for proc in procs:
-                _send(proc, DumpRequest().to_line() + "\n")
+                stdins.send(proc, DumpRequest().to_line())
             return None
         codes = [p.poll() for p in procs]
         for index, code in enumerate(codes):
@@ -175,16 +251,8 @@ def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int
     return None
 
 
-def _send(proc: subprocess.Popen, text: str) -> None:
-    try:
-        proc.stdin.write(text)
-        proc.stdin.flush()
-    except (OSError, ValueError):
-        pass  # it ended already
-
-
 def _collect_hang_reports(procs: list[subprocess.Popen], *, grace_s: float) -> None:
-    """Every agent prints its part of the hang report and stops its workers: wait for all."""
+    """Every agent reports its ranks and stops its workers: wait for all."""
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:
@@ -193,14 +261,11 @@ def _collect_hang_reports(procs: list[subprocess.Popen], *, grace_s: float) -> N
             pass
 
 
-def stop(procs: list[subprocess.Popen], *, grace_s: float) -> None:
+def stop(procs: list[subprocess.Popen], *, grace_s: float, stdins: Stdins | None = None) -> None:
     """Close every agent's stdin (it stops its workers), then kill what outlives the grace."""
+    stdins = stdins or Stdins()
     for proc in procs:
-        if proc.poll() is None and proc.stdin:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
+        stdins.close(proc)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:

@@ -53,15 +53,18 @@ def find_mpirun() -> str:
 def mpirun_argv(*, mpirun: str, ranks_per_instance: int, instance_envs: Sequence[Path],
                 prefixes: Sequence[Sequence[str]], worker_argv: Sequence[str], custom_mpi_options: str,
                 as_root: bool) -> list[str]:
-    """One mpirun for the whole job: an application context per instance (MPMD, ``:``-separated)."""
+    """One mpirun for the whole job: an application context per instance (MPMD, ``:``-separated).
+
+    ``custom_mpi_options`` go into every context: mpirun applies per-context options such as
+    ``-x NAME=VALUE`` to the one context they stand in, and takes global ones given again."""
     argv = [mpirun, "--oversubscribe", "--bind-to", "none", "--tag-output"]
     if as_root:
         argv.append("--allow-run-as-root")
-    argv += shlex.split(custom_mpi_options)
+    custom = shlex.split(custom_mpi_options)
     for index, (env_file, prefix) in enumerate(zip(instance_envs, prefixes)):
         if index:
             argv.append(":")
-        argv += ["-np", str(ranks_per_instance), *prefix,
+        argv += ["-np", str(ranks_per_instance), *custom, *prefix,
                  sys.executable, "-m", WRAPPER, str(env_file), "--", *worker_argv]
     return argv
 

@@ -13,6 +13,7 @@ from disttrain.config.launch import LaunchSpec
 from disttrain.plan.launch import NodeFacts, make_plan
 from disttrain.wire import (
     MESSAGES,
+    AttemptStarted,
     Beats,
     ConnectResults,
     ConnectTargets,
@@ -26,6 +27,7 @@ from disttrain.wire import (
     Outcome,
     PlanMessage,
     ProbeFacts,
+    Regroup,
     RunClient,
     RunSpec,
     StepEnded,
@@ -58,6 +60,8 @@ EXAMPLES = [
     PlanMessage(node_rank=0, plan=_plan()),
     DumpRequest(),
     Beats(host="10.0.0.2", ranks={0: (12, 0.25), 3: (11, 1.5)}),
+    Regroup(lost=("10.0.0.3",)),
+    AttemptStarted(host="10.0.0.2", attempt=2, nodes=2, world_size=4, ranks=(2, 3)),
     Outcome(exit_code=1, failed=1, report="disttrain: rank 3 failed\n  exit code 1"),
     Outcome(exit_code=130, signal=2),
     LaunchStep(spec=SPEC, run_id="r", run_dir="/runs/r", cwd="/w", python="/p", paths=("train.py",), nodes=2),

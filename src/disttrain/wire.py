@@ -27,6 +27,8 @@ probe.reached      ConnectResults   probe session -> launcher (what it reached)
 agent.plan         PlanMessage      launcher -> agent (stdin): the plan, values included
 agent.dump         DumpRequest      launcher -> agent (stdin): no progress anywhere, dump stacks
 agent.beats        Beats            agent -> launcher (stderr): the ranks' steps, each second
+agent.regroup      Regroup          launcher -> agent (stdin): hosts were lost, join the next round
+agent.attempt      AttemptStarted   agent -> launcher (stderr): a round's workers are starting
 launch.outcome     Outcome          how a launch ended (a Slurm step's, read by the submitter)
 slurm.step         LaunchStep       submitter -> the batch job's step (its environment)
 slurm.ended        StepEnded        the batch job's step -> the submitter (a file)
@@ -142,6 +144,19 @@ class Message(Record):
             raise WireError(f"{where}: version {version!r}, and this disttrain reads version {VERSION} "
                             "(the other side runs another disttrain version)")
         return super().from_dict(data, where=where)
+
+
+def one_of(line: str | bytes, kinds: tuple[type[Message], ...]) -> Message:
+    """The message ``line`` carries, of one of ``kinds`` (unmarked ones, picked by the envelope's kind)."""
+    text = (line.decode(errors="replace") if isinstance(line, bytes) else line).strip()
+    try:
+        kind = json.loads(text).get("kind")
+    except (ValueError, AttributeError):
+        kind = None
+    chosen = next((m for m in kinds if m.kind == kind), None)
+    if chosen is None:
+        raise WireError(f"expected one of {', '.join(m.kind for m in kinds)}, got {text[:120]!r}")
+    return chosen.from_line(text)
 
 
 def _required(f: dataclasses.Field) -> bool:
@@ -322,6 +337,31 @@ class Beats(Message):
     ranks: dict[int, tuple[int, float]]  # rank -> (steps, seconds since its last progress)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Regroup(Message):
+    """An elastic job (``--nnodes MIN:MAX``) lost hosts: stop this node's workers at once (no step
+    can finish without the lost peers) and join the rendezvous' next round with the others."""
+
+    kind: ClassVar[str] = "agent.regroup"
+
+    lost: tuple[str, ...]  # the hosts, for the agent's own line
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptStarted(Message):
+    """An elastic node's agent, after each rendezvous round, as its workers start: the launcher
+    learns each round's world (which the rendezvous, not the launcher, decided)."""
+
+    kind: ClassVar[str] = "agent.attempt"
+    marker: ClassVar[str] = "disttrain-attempt "
+
+    host: str
+    attempt: int  # the job-wide attempt (one per round, the same on every node)
+    nodes: int  # nodes in this round
+    world_size: int
+    ranks: tuple[int, ...]  # this node's global ranks in this round
+
+
 # --- a Slurm batch job: the step inside the allocation -----------------------------------------
 
 
@@ -422,5 +462,6 @@ class InstanceEnv(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.kind: m for m in (
-    ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Beats, Outcome, LaunchStep, StepEnded,
+    ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Beats, Regroup, AttemptStarted, Outcome,
+    LaunchStep, StepEnded,
     RunClient, JobClient, RunSpec, FitRequest, SyncOffer, SyncWanted, InstanceEnv)}

@@ -31,7 +31,17 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..errors import DisttrainError, UsageError, error_line
-from ..wire import ConnectResults, ConnectTargets, DumpRequest, Listening, PlanMessage, ProbeFacts, WireError
+from ..wire import (
+    ConnectResults,
+    ConnectTargets,
+    DumpRequest,
+    Listening,
+    PlanMessage,
+    ProbeFacts,
+    Regroup,
+    WireError,
+    one_of,
+)
 from ..workerenv import login_env
 from .lifeline import follow_parent
 
@@ -140,19 +150,22 @@ def serve(message: PlanMessage, lines: Lines, *, signalled_by: int | None = None
     os.environ.update(login_env(os.environ))  # an agent started without a login (srun --export)
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     link = LauncherLink()
-    watch_stdin(lines, lambda line: _request(line, lambda: link.dump(plan)), signalled_by=signalled_by,
-                host=nodes[0].host, grace_s=plan.stop_grace_s)
+    watch_stdin(lines, lambda line: _request(line, lambda: link.dump(plan), link.regroups.request),
+                signalled_by=signalled_by, host=nodes[0].host, grace_s=plan.stop_grace_s)
     return run_node(plan, nodes[0], link=link)
 
 
-def _request(line: bytes, dump: Callable[[], None]) -> None:
-    """A line from the launcher after the plan: only the dump request is expected."""
+def _request(line: bytes, dump: Callable[[], None], regroup: Callable[[tuple[str, ...]], None]) -> None:
+    """A line from the launcher after the plan: the hang dump, or an elastic job's regroup."""
     try:
-        DumpRequest.from_line(line)
+        message = one_of(line, (DumpRequest, Regroup))
     except WireError as err:
         print(f"disttrain: warning: ignored a line from the launcher: {err}", file=sys.stderr, flush=True)
         return
-    dump()
+    if isinstance(message, Regroup):
+        regroup(message.lost)
+    else:
+        dump()
 
 
 def watch_stdin(lines: Lines, on_line: Callable[[bytes], None], *, signalled_by: int | None, host: str,

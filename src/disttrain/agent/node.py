@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from typing import TextIO
 
@@ -22,15 +23,20 @@ from torch.distributed.launcher.api import elastic_launch
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
+from ..wire import AttemptStarted
 from ..workerenv import HEARTBEAT_DIR, attempt_library_env
-from . import lifeline
+from . import elastic_agent, lifeline
 from .attempt_store import AttemptStores
+from .elastic_agent import Regroups
 from .elastic_config import endpoint, launch_config
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
 from .runpath import run_path
 from .watchdog import HANG_EXIT, Watchdog
+
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's switch (dynamic_rendezvous.py)
+STORE_LINGER_S = 2.0  # the node hosting an elastic job's rendezvous store stays this long after the end
 
 
 @contextlib.contextmanager
@@ -111,12 +117,14 @@ def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailur
 
 
 class LauncherLink:
-    """An agent started by a launcher (``disttrain agent``): heartbeats go up on stderr, and the
-    launcher's one request (:class:`~disttrain.wire.DumpRequest`: no progress on any host) comes
-    down on stdin."""
+    """An agent started by a launcher (``disttrain agent``): heartbeats and each elastic round's
+    world go up on stderr; the launcher's requests come down on stdin
+    (:class:`~disttrain.wire.DumpRequest`: no progress on any host; :class:`~disttrain.wire.Regroup`:
+    hosts of an elastic job were lost)."""
 
     def __init__(self) -> None:
         self.dog: Watchdog | None = None
+        self.regroups = Regroups()
 
     def send(self, line: str) -> None:
         sys.stderr.write(line + "\n")  # one write: torch's log tailers share the stream
@@ -127,6 +135,21 @@ class LauncherLink:
             self.dog.dump_and_stop(plan.hang_timeout_s)
 
 
+def _elastic(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> contextlib.AbstractContextManager:
+    """With ``--nnodes MIN:MAX``, torch's agent that regroups and numbers rounds (see elastic_agent)."""
+    if not plan.elastic:
+        return contextlib.nullcontext()
+
+    def on_attempt(attempt: int, group) -> None:
+        if link is not None:
+            link.send(AttemptStarted(host=node.host, attempt=attempt, nodes=group.group_world_size,
+                                     world_size=group.workers[0].world_size,
+                                     ranks=tuple(w.global_rank for w in group.workers)).to_line())
+
+    regroups = link.regroups if link is not None else Regroups()
+    return elastic_agent.installed(regroups=regroups, on_attempt=on_attempt)
+
+
 @contextlib.contextmanager
 def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> Iterator[Watchdog | None]:
     if link is None and not plan.hang_timeout_s:
@@ -135,7 +158,7 @@ def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> It
     # SIGTERM to ourselves: torch's agent then stops the workers as on any stop request.
     with Watchdog(node.env[HEARTBEAT_DIR], plan.hang_timeout_s, node.host,
                   on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM),
-                  report_to_launcher=None if link is None else link.send) as dog:
+                  report_to_launcher=None if link is None else link.send, always=plan.elastic) as dog:
         if link is not None:
             link.dog = dog
         yield dog
@@ -153,13 +176,18 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
     env = plan.worker_env(node)
+    if plan.elastic:
+        # torch's agents share their rendezvous store with the workers (the workers here get a store
+        # of each attempt's own: attempt_store.py), and a node that joins a later round then waits
+        # for MASTER_ADDR, which the round's node 0 set only in its first round: a grown job hangs.
+        env.setdefault(NO_SHARED_STORE, "1")
     # A job instance's workers see its folder at /opt/ml; the tool is checked here, on their machine.
     opt_ml = (instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.host, say=say)
               if node.opt_ml else [])
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
-    with _exported(env), _watchdog(plan, node, link) as dog, RendezvousWait(
+    with _exported(env), _watchdog(plan, node, link) as dog, _elastic(plan, node, link), RendezvousWait(
             awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node))
@@ -169,6 +197,10 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             else:  # each worker dies with this agent, even when it is SIGKILLed (see lifeline.py)
                 entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable)
             elastic_launch(config, entry)(*args)
+            if plan.elastic and config.rdzv_configs.get("is_host"):
+                # The others close the rendezvous in this process's store as they leave: give them
+                # the time, or each prints c10d's stack trace of a store that went away.
+                time.sleep(STORE_LINGER_S)
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)
             first = root_cause(failures, plan.run_dir)

@@ -182,13 +182,14 @@ class Watchdog:
     """
 
     def __init__(self, folder: str, timeout_s: float, host: str, on_hang, *,
-                 report_to_launcher=None) -> None:
+                 report_to_launcher=None, always: bool = False) -> None:
         self.folder = Path(folder)
         self.timeout_s = timeout_s
         self.host = host
         self.fired: str | None = None
         self._on_hang = on_hang
         self._report = report_to_launcher
+        self._always = always  # beat even without ranks: an elastic job's launcher hears the agent is alive
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disttrain-hang-watchdog", daemon=True)
 
@@ -211,7 +212,7 @@ class Watchdog:
         while not self._stop.wait(POLL_S):
             beats = live_beats(self.folder)
             if self._report is not None:
-                if beats:
+                if beats or self._always:
                     self._report(beats_line(self.host, beats, time.time()))
                 continue
             if stalled_for(beats, time.time()) < self.timeout_s:

@@ -172,7 +172,7 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
     rdzv = torchrun.resolve_rendezvous(
         backend=values["rdzv_backend"], endpoint=values["rdzv_endpoint"], master_addr=values["master_addr"],
         master_port=values["master_port"], nnodes=(low, high), node_rank=values["node_rank"],
-        standalone=values["standalone"])
+        standalone=values["standalone"], placed=hosts)
     notes += rdzv.notes
     if values["standalone"]:
         values["rdzv_id"] = None

@@ -135,7 +135,7 @@ def complete_checkpoints(ckpt: Path) -> list[Path]:
 
 
 def job_args(out: Path, ckpt: Path, args) -> list[str]:
-    return [str(WORKER), str(out), str(ckpt), "--samples", str(args.samples), "--epochs", str(args.epochs),
+    return [str(WORKER), "--out", str(out), "--ckpt", str(ckpt), "--samples", str(args.samples), "--epochs", str(args.epochs),
             "--batch-size", str(args.batch_size), "--every", str(args.every), "--pause", str(args.pause)]
 
 

@@ -190,7 +190,7 @@ def start_job(cluster, tmp_path: Path, *extra: str, nnodes: str = "2:3") -> tupl
     out.mkdir()
     hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
     argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "--nnodes", nnodes, "-n", "1",
-            "--log-dir", str(tmp_path / "run"), *cluster.cli_ssh_args(), *extra, str(WORKER), str(out), str(ckpt),
+            "--log-dir", str(tmp_path / "run"), *cluster.cli_ssh_args(), *extra, str(WORKER), "--out", str(out), "--ckpt", str(ckpt),
             *JOB]
     proc = cluster.popen_in("node0", argv, cwd=ROOT, env=bench.worker_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
@@ -288,3 +288,80 @@ def test_below_min_the_job_stops_naming_the_hosts_lost(cluster3, tmp_path):
     assert f"{first}: ssh failed: " in block and f"{second}: ssh failed: " in block
     assert f"still running: {cluster3.nodes[0].ip}" in block
     nothing_left(cluster3)
+
+
+# --------------------------------------------------------------------------- a job's instances
+
+
+@pytest.mark.timeout(400)
+def test_a_job_goes_on_without_an_instance_whose_agent_is_killed(tmp_path):
+    """A SageMaker-style job, ``instance_count: "2:3"``: one instance's agent SIGKILLed (its worker dies
+    with it, the others' collectives fail at once) -- the job completes on two, its record says so."""
+    import signal
+
+    import psutil
+    import yaml
+
+    from conftest import cli_env
+
+    out = tmp_path / "out"
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), DISTTRAIN_STORE=str(tmp_path / "jobs.db"),
+                  PYTHONPATH=bench.worker_env()["PYTHONPATH"])
+    hps = dict(zip(JOB[::2], JOB[1::2]))
+    spec = {"name": "elastic", "entry_point": WORKER.name, "source_dir": str(WORKER.parent), "instance_count": "2:3",
+            "processes_per_instance": 1, "hyperparameters": {"out": str(out), **{k[2:]: v for k, v in hps.items()}}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "disttrain", "job", "run", str(tmp_path / "job.yaml")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+    def third_instance_agent() -> psutil.Process | None:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if p.environ().get("SM_CURRENT_HOST") == "algo-3" and p.parent().name().startswith("python"):
+                    return p.parent()  # the worker's agent
+            except psutil.Error:
+                continue
+        return None
+
+    ckpts = tmp_path / "home" / "jobs"
+    wait_for(proc, lambda: list(ckpts.glob("*/checkpoints/step_*/COMPLETE")) and bench.step_of(out) >= 6
+             and third_instance_agent() is not None, timeout=240)
+    third_instance_agent().send_signal(signal.SIGKILL)
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
+    assert line.startswith("disttrain: membership: algo-3 left (its agent was killed by SIGKILL) -> 2 hosts, "
+                           "world size 2, resumed from step "), line
+    accounting = bench.account(out, 120)
+    assert accounting["attempts"][-1]["world_size"] == 2
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"] == 0, accounting
+    record = json.loads(subprocess.run([sys.executable, "-m", "disttrain", "jobs", "show", "1", "--json"], env=env,
+                                       capture_output=True, text=True, timeout=60).stdout)
+    assert record["state"] == "Completed"
+    assert [(c["change"], c["host"], c["world_size"]) for c in record["membership"]] == [
+        ("start", None, 3), ("left", "algo-3", 2)]
+    shown = subprocess.run([sys.executable, "-m", "disttrain", "jobs", "show", "1"], env=env, capture_output=True,
+                           text=True, timeout=60).stdout
+    assert "membership:" in shown and "algo-3 left (its agent was killed by SIGKILL): 2 instance(s)" in shown
+    assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("SM_CURRENT_HOST")
+                and str(tmp_path) in (p.info["environ"] or {}).get("SM_MODEL_DIR", "")]
+
+
+def test_a_job_spec_takes_the_range_as_instance_count_or_a_minimum(tmp_path):
+    from disttrain.errors import UsageError
+    from disttrain.jobs.spec import spec_from_mapping
+
+    def spec(**fields):
+        return spec_from_mapping({"name": "j", "entry_point": "train.py", "source_dir": str(tmp_path), **fields},
+                                 base_dir=tmp_path, source="job.yaml")
+
+    assert (spec(instance_count="2:3").placement.min_instance_count, spec(instance_count="2:3").placement.instance_count) \
+        == (2, 3)
+    assert spec(instance_count=3, min_instance_count=2).placement.min_instance_count == 2
+    for fields, words in (({"instance_count": "2:x"}, "MIN:MAX like '2:3'"),
+                          ({"instance_count": 2, "min_instance_count": 3}, "min_instance_count 3 is more than"),
+                          ({"instance_count": "2:3", "min_instance_count": 2}, "leave out min_instance_count"),
+                          ({"instance_count": "2:3", "distribution": {"parameter_server": {"enabled": True}},
+                            "framework": "tensorflow"}, "needs every instance")):
+        with pytest.raises(UsageError, match=words):
+            spec(**fields)

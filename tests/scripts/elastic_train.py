@@ -2,7 +2,8 @@
 samples with the step's index, so that tests/test_elastic.py (and bench/elastic.py) can account
 for every sample across attempts.
 
-Usage: elastic_train.py OUT CKPT --samples N --epochs E --batch-size B --every K [--pause S]
+Usage: elastic_train.py --out OUT [--ckpt CKPT] --samples N --epochs E --batch-size B --every K [--pause S]
+(CKPT: default $DISTTRAIN_CHECKPOINT_DIR, a job's checkpoint folder)
 Writes OUT/attempt<A>_rank<R>.jsonl: one line per finished step (the line precedes the step's
 checkpoint, so a step logged may be re-done after a loss; one checkpointed is always logged), and
 OUT/attempt<A>_rank<R>.start: the times this process started, loaded its checkpoint, and so on.
@@ -23,8 +24,8 @@ import disttrain  # noqa: E402  (the time before it is the interpreter's and tor
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("ckpt")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ckpt", default=None)
     parser.add_argument("--samples", type=int, default=120)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=2)
@@ -48,7 +49,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.start").write_text(json.dumps({
         "started": started, "imported": imported, "joined": joined, "loaded": loaded,
-        "resumed_from": state.resumed_from, "world_size": ctx.world_size, "host": os.environ.get("DT_HOST"),
+        "resumed_from": state.resumed_from, "world_size": ctx.world_size,
     }))
     with open(args.out / f"{name}.jsonl", "a") as log:
         for epoch in state.epochs(args.epochs):

@@ -96,6 +96,9 @@ class Events:
         """Just before the agents start."""
         self.say(banner(plan, note))
 
+    def joining(self, plan: LaunchPlan, facts: Facts) -> None:
+        """A host of an elastic job joins (``facts``: every node placed so far, the new one last)."""
+
     def submitted(self, job_id: str, run_dir: str) -> None:
         """A batch launcher handed the job to its scheduler, which named it ``job_id``."""
 
@@ -179,8 +182,8 @@ class AgentLauncher(Launcher):
         # An elastic range keeps its maximum (hosts may join later); a fixed count is the nodes placed.
         spec = replace(spec, nnodes=spec.nnodes if spec.elastic else len(facts.nodes), node_rank=0,
                        master_addr=facts.master_addr, master_port=facts.master_port)
-        container = (ctx.container(facts.nodes, master_addr=facts.master_addr, master_port=facts.master_port)
-                     if ctx.container is not None else None)
+        container = (ctx.container(facts.nodes, master_addr=facts.master_addr, master_port=facts.master_port,
+                                   node_ranks=facts.node_ranks) if ctx.container is not None else None)
         return make_plan(spec, facts.nodes, python=ctx.python, master_port=facts.master_port, run_id=ctx.run_id,
                          run_dir=ctx.run_dir, inherited_env={**ctx.environ, **facts.forwarded_env},
                          forwarded_env=facts.forwarded_env, container=container, node_ranks=facts.node_ranks)

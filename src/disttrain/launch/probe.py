@@ -93,7 +93,12 @@ class SshTransport(Transport):
         return ssh_argv(self.host, command, options=self.options, env=self.env)
 
     def own_failure(self, code: int, last: str) -> str | None:
-        return f"ssh failed: {last}" if code == 255 else None
+        if code != 255:
+            return None
+        # ssh's own last words, unless it had none (LogLevel=ERROR hides "Timeout, server not
+        # responding"): then the last line is the agent's or a worker's, which would mislead.
+        ours = last.strip() and not last.lstrip().startswith(("[", "disttrain"))
+        return f"ssh failed: {last.strip() if ours else 'the connection was lost (exit 255)'}"
 
 
 class SrunTransport(Transport):
@@ -349,12 +354,12 @@ class SessionLauncher(AgentLauncher):
             membership = Membership(
                 hosts=[t.name for t in start.transports], running=start.facts.node_ranks, run_dir=plan.run_dir,
                 min_nodes=plan.min_nodes, max_nodes=min(plan.nnodes, len(start.transports)),
-                join=lambda index: self._join(start, index),
+                join=lambda index: self._join(start, index, events),
                 own_failure=lambda index, code, last: start.transports[index].own_failure(code, last))
         return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript,
                           membership=membership)
 
-    def _join(self, start: _ElasticStart, index: int) -> subprocess.Popen:
+    def _join(self, start: _ElasticStart, index: int, events: Events) -> subprocess.Popen:
         """Host ``index`` of an elastic range, tried again: its probe session answers the preflight
         (its facts beside the master's; the rendezvous port reached) and becomes its agent, with the
         plan of the job's nodes so far and itself. A DisttrainError when it does not answer yet."""
@@ -377,7 +382,9 @@ class SessionLauncher(AgentLauncher):
             # A host that comes back takes its old place (its node rank, its heartbeat folder).
             kept = [(rank, n) for rank, n in zip(facts.node_ranks or (), facts.nodes) if rank != index]
             grown = replace(facts, nodes=(*(n for _, n in kept), node), node_ranks=(*(r for r, _ in kept), index))
-            session.send(PlanMessage(node_rank=index, plan=self.place(spec, grown, ctx), cwd=ctx.cwd))
+            plan = self.place(spec, grown, ctx)
+            events.joining(plan, grown)
+            session.send(PlanMessage(node_rank=index, plan=plan, cwd=ctx.cwd))
             start.facts = grown
             return session.proc
         except BaseException:

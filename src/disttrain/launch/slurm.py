@@ -133,9 +133,13 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
     """
     paths = SlurmPaths(Path(run_dir))
     name = re.sub(r"[^\w.-]", "_", options.job_name or Path(spec.entry).stem or "disttrain")
+    # An elastic range (--nnodes MIN:MAX): Slurm may start the job on MIN to MAX nodes, and keeps
+    # it running when one of them fails (--no-kill): the step goes on with the others.
+    nodes = f"{spec.min_nnodes}-{options.nodes}" if spec.elastic else str(options.nodes)
     directives = [
         f"--job-name={name}",
-        f"--nodes={options.nodes}",
+        f"--nodes={nodes}",
+        *(["--no-kill"] if spec.elastic else []),
         "--ntasks-per-node=1",  # the task is a node's agent; it starts the workers
         "--exclusive",  # -n auto and OMP_NUM_THREADS count the node's cores: the job takes them all
         f"--chdir={cwd}",

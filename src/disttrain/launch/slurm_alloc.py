@@ -142,7 +142,8 @@ def run_step(environ: MutableMapping[str, str], events_for: Callable[[RunClient 
         run_dir = str(Path(run_dir) / f"requeue_{alloc.restart_count}")
     ctx = Context(run_id=step.run_id, run_dir=run_dir, cwd=step.cwd, python=step.python, paths=step.paths,
                   environ=dict(environ))
-    launcher = SlurmAllocationLauncher(alloc, nodes=step.nodes)
+    # An elastic range uses every node Slurm gave (MIN to MAX of them); a fixed count its first N.
+    launcher = SlurmAllocationLauncher(alloc, nodes=None if step.spec.elastic else step.nodes)
     outcome = launcher.run(step.spec, ctx, events_for(step.client))
     record_end(step.run_dir, StepEnded(outcome=outcome, where=launcher.names))
     return outcome.exit_code

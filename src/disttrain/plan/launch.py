@@ -128,10 +128,12 @@ class LaunchPlan:
 
 class ContainerPlanner(Protocol):
     """A job's half of planning (see :mod:`disttrain.plan.container`): the nodes' facts, one per
-    instance in order, and the rendezvous endpoint → what its container adds. Pure, so that
+    instance in order (``node_ranks``: which instances, when not all of them), and the rendezvous
+    endpoint → what its container adds. Pure, so that
     ``--dry-run`` calls it too."""
 
-    def __call__(self, nodes: tuple[NodeFacts, ...], *, master_addr: str, master_port: int) -> ContainerSetup:
+    def __call__(self, nodes: tuple[NodeFacts, ...], *, master_addr: str, master_port: int,
+                 node_ranks: Sequence[int] | None = None) -> ContainerSetup:
         ...
 
 

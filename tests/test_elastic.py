@@ -24,6 +24,7 @@ from disttrain.launch.elastic import Change, Membership, membership_line, starti
 from disttrain.plan.launch import NodeFacts, make_plan
 from disttrain.wire import AttemptStarted, Beats, HostFacts
 from rig import cluster_fixture
+from slurm_rig import slurm_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "elastic_train.py"
@@ -105,8 +106,11 @@ def test_membership_says_each_change_when_the_next_round_trains(tmp_path):
     m.agent_line(0, Beats(host="a", ranks={0: (9, 0.0)}).to_line())  # the old round still beating: not yet
     assert len(said) == 1
     m.agent_line(0, started(1, 2))
-    m.rank_line("disttrain: resuming from step 12 in /ckpt (epoch 0, after 4 of its steps)")
     m.agent_line(0, Beats(host="a", ranks={0: (1, 0.0)}).to_line())
+    m.poll()
+    assert len(said) == 1  # the round trains: its line waits (a few seconds at most) for rank 0's resume line
+    m.rank_line("disttrain: resuming from step 12 in /ckpt (epoch 0, after 4 of its steps)")
+    m.poll()
     assert said[-1].startswith("disttrain: membership: c left (ssh failed: Timeout) -> 2 hosts, world size 2, "
                                "resumed from step 12, training again ")
     m.close()
@@ -182,6 +186,7 @@ def test_torch_builds_its_agent_where_disttrain_replaces_it():
 # --------------------------------------------------------------------------- three hosts
 
 cluster3 = cluster_fixture(3, name="cluster3", bridge=True)
+slurm3 = slurm_fixture(3, scope="function", name="slurm3")
 JOB = ["--samples", "120", "--epochs", "2", "--batch-size", "2", "--every", "4", "--pause", "0.2"]
 
 
@@ -288,6 +293,30 @@ def test_below_min_the_job_stops_naming_the_hosts_lost(cluster3, tmp_path):
     assert f"{first}: ssh failed: " in block and f"{second}: ssh failed: " in block
     assert f"still running: {cluster3.nodes[0].ip}" in block
     nothing_left(cluster3)
+
+
+@pytest.mark.timeout(500)
+def test_a_slurm_node_that_loses_power_is_left_behind(slurm3, tmp_path):
+    """``--launcher slurm --nnodes 2:3``: sbatch --nodes=2-3 --no-kill; the node cut off is noticed by its
+    agent's silence (srun says nothing), the allocation goes on with the other two."""
+    out, ckpt, run = tmp_path / "out", tmp_path / "ckpt", tmp_path / "run"
+    out.mkdir()
+    argv = [sys.executable, "-m", "disttrain", "run", "--launcher", "slurm", "--nnodes", "2:3", "-n", "1",
+            "--log-dir", str(run), str(WORKER), "--out", str(out), "--ckpt", str(ckpt), *JOB]
+    proc = slurm3.popen_in("node0", argv, cwd=ROOT, env=slurm3.env(PYTHONPATH=bench.worker_env()["PYTHONPATH"]),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    wait_for(proc, lambda: bench.complete_checkpoints(ckpt) and bench.step_of(out) >= 6, timeout=300)
+    assert "#SBATCH --nodes=2-3\n#SBATCH --no-kill\n" in (run / "job.sbatch").read_text()
+    slurm3.rig.power_off("node2")
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
+    assert line.startswith("disttrain: membership: node2 left (its agent said nothing for 5 s) -> 2 hosts, "
+                           "world size 2, resumed from step "), line
+    accounting = bench.account(out, 120)
+    assert accounting["attempts"][0]["world_size"] == 3 and accounting["attempts"][-1]["world_size"] == 2
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"] == 0, accounting
+    assert [c["change"] for c in record_of(tmp_path)] == ["start", "left"]
 
 
 # --------------------------------------------------------------------------- a job's instances

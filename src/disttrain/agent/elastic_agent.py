@@ -122,15 +122,24 @@ class ElasticNodeAgent(LocalElasticAgent):
 
 
 @contextlib.contextmanager
-def installed(**agent_args) -> Iterator[None]:
+def installed(**agent_args) -> Iterator[list[ElasticNodeAgent]]:
     """torch's ``launch_agent`` builds an :class:`ElasticNodeAgent` (with ``agent_args``) instead of
-    its ``LocalElasticAgent``, until the block ends. torch offers no other way to choose the agent
-    of ``elastic_launch``; the name is checked by the tests, so a torch that renames it fails there."""
+    its ``LocalElasticAgent``, until the block ends; the list yielded holds the agent built, and
+    with it the rendezvous store this node may host, alive after ``elastic_launch`` returns (for
+    :meth:`~disttrain.agent.attempt_store.AttemptStores.farewell`). torch offers no other way to
+    choose the agent of ``elastic_launch``; the name is checked by the tests, so a torch that
+    renames it fails there."""
     from torch.distributed.launcher import api
 
+    built: list[ElasticNodeAgent] = []
+
+    def build(**kwargs) -> ElasticNodeAgent:
+        built.append(ElasticNodeAgent(**agent_args, **kwargs))
+        return built[-1]
+
     original = api.LocalElasticAgent
-    api.LocalElasticAgent = lambda **kwargs: ElasticNodeAgent(**agent_args, **kwargs)
+    api.LocalElasticAgent = build
     try:
-        yield
+        yield built
     finally:
         api.LocalElasticAgent = original

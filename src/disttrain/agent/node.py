@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator, Mapping
 from typing import TextIO
 
@@ -36,7 +35,6 @@ from .runpath import run_path
 from .watchdog import HANG_EXIT, Watchdog
 
 NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's switch (dynamic_rendezvous.py)
-STORE_LINGER_S = 2.0  # the node hosting an elastic job's rendezvous store stays this long after the end
 
 
 @contextlib.contextmanager
@@ -138,7 +136,7 @@ class LauncherLink:
 def _elastic(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> contextlib.AbstractContextManager:
     """With ``--nnodes MIN:MAX``, torch's agent that regroups and numbers rounds (see elastic_agent)."""
     if not plan.elastic:
-        return contextlib.nullcontext()
+        return contextlib.nullcontext([])
 
     def on_attempt(attempt: int, group) -> None:
         if link is not None:
@@ -187,20 +185,20 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
-    with _exported(env), _watchdog(plan, node, link) as dog, _elastic(plan, node, link), RendezvousWait(
+    stores = AttemptStores(plan, node)
+    with _exported(env), _watchdog(plan, node, link) as dog, _elastic(plan, node, link) as agents, RendezvousWait(
             awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
-        config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node))
+        config.logs_specs.on_envs = _per_attempt(stores)
         try:
             if plan.run_path:  # a function entrypoint: started by multiprocessing (--start-method)
                 entry, args = run_path, list(plan.argv[2:])
             else:  # each worker dies with this agent, even when it is SIGKILLed (see lifeline.py)
                 entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable)
             elastic_launch(config, entry)(*args)
-            if plan.elastic and config.rdzv_configs.get("is_host"):
-                # The others close the rendezvous in this process's store as they leave: give them
-                # the time, or each prints c10d's stack trace of a store that went away.
-                time.sleep(STORE_LINGER_S)
+            if agents:  # an elastic job: the rendezvous store's host stays until the others have left it
+                stores.farewell(agents[-1].get_worker_group().group_world_size,
+                                hosts_store=bool(config.rdzv_configs.get("is_host")))
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)
             first = root_cause(failures, plan.run_dir)

@@ -41,6 +41,7 @@ from ..workerenv import RESUMED_MARKER
 RECORD = "membership.json"  # in the run folder: every change, as a JSON list of Change
 SILENT_S = 5.0  # an agent that said nothing this long is lost (it beats each second)
 RETRY_S = 3.0  # a host not running is tried again this often
+RESUME_LINE_WAIT_S = 3.0  # after a round's first step, for rank 0's "resuming from step N" line
 FIRST_STEP_WAIT_S = 60.0  # a round whose ranks report no steps is said once its workers started, after this
 # An agent that ends with these was stopped from outside: a host going away, not its workers failing.
 _STOPPED_BY = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
@@ -103,17 +104,19 @@ class Membership:
         self._thread: threading.Thread | None = None
         self.changes: list[Change] = []
         # The changes waiting for their round to train: [change, monotonic time it happened, the
-        # time the next round formed or None].
+        # time the next round formed or None, the time the launcher knew of it]. A change belongs to
+        # the first round that forms after the launcher knew of it.
         self._pending: list[list] = []
         self._round: tuple[int, float, AttemptStarted] | None = None  # attempt, its start, what it said
         self._round_said = False
         self._resumed: int | None = None
+        self._trained: tuple[float, float] | None = None  # the round's first step, when it was seen
         self._last_attempt = -1
         self._attempted: set[int] = set()  # agent slots that joined a round
         self.finished = False  # an agent ended well: the job is done, nobody joins any more
         start = Change(time=time.time(), change="start", host=None, why="the job started",
                        hosts=self.member_hosts())
-        self._pending.append([start, time.monotonic(), None])
+        self._pending.append([start, time.monotonic(), None, time.monotonic()])
 
     # -- who runs --------------------------------------------------------------------------
 
@@ -137,7 +140,7 @@ class Membership:
         if self._thread is not None:
             self._thread.join(timeout=1)
         with self._lock:
-            for change, at, formed in self._pending:
+            for change, at, formed, _ in self._pending:
                 self._settle(change, at, formed, None)
             self._pending = []
         self._write()
@@ -160,12 +163,15 @@ class Membership:
         with self._lock:
             self._attempted.add(slot)
             if started.attempt > self._last_attempt:
+                if self._round is not None and not self._round_said and self._trained is not None:
+                    self._said_round(self._trained[0], self._round[1])  # it trained: its changes are its
                 self._last_attempt = started.attempt
                 self._round = (started.attempt, now, started)
                 self._round_said = False
                 self._resumed = None
+                self._trained = None
                 for entry in self._pending:
-                    if entry[2] is None and entry[1] <= now:
+                    if entry[2] is None and entry[3] <= now:
                         entry[2] = now
         return True
 
@@ -191,26 +197,34 @@ class Membership:
             # A rank whose last progress came after the round's workers started: it trains again.
             first = min((now - age for steps, age in beats.ranks.values() if steps > 0 and now - age >= started),
                         default=None)
-            if first is not None:
-                self._said_round(first, started)
+            if first is not None and self._trained is None:
+                self._trained = (first, now)
 
     def poll(self) -> None:
-        """Called by the flow's loop: a round whose script reports no steps is said after a while."""
+        """Called by the flow's loop: a round that trains is said once rank 0's resume line came (it
+        may travel behind the heartbeat that showed the step) or :data:`RESUME_LINE_WAIT_S` after;
+        a round whose script reports no steps, after :data:`FIRST_STEP_WAIT_S`."""
         with self._lock:
-            if self._round is not None and not self._round_said:
-                _, started, _ = self._round
-                if time.monotonic() - started >= FIRST_STEP_WAIT_S:
-                    self._said_round(None, started)
+            if self._round is None or self._round_said:
+                return
+            _, started, _ = self._round
+            now = time.monotonic()
+            if self._trained is not None:
+                trained_at, seen = self._trained
+                if self._resumed is not None or now - seen >= RESUME_LINE_WAIT_S:
+                    self._said_round(trained_at, started)
+            elif now - started >= FIRST_STEP_WAIT_S:
+                self._said_round(None, started)
 
     def _said_round(self, trained_at: float | None, started: float) -> None:
         """The current round trains (or, ``trained_at`` None, its workers started long ago): settle
         the changes it follows (not those that came after its start: the next round answers them)."""
         self._round_said = True
-        settled = [entry for entry in self._pending if entry[1] <= started]
-        for change, at, formed in settled:
+        settled = [entry for entry in self._pending if entry[3] <= started]
+        for change, at, formed, _ in settled:
             self._settle(change, at, formed, trained_at if trained_at is not None else started,
                          steps=trained_at is not None)
-        self._pending = [entry for entry in self._pending if entry[1] > started]
+        self._pending = [entry for entry in self._pending if entry[3] > started]
         if settled:
             self._write()
 
@@ -260,7 +274,7 @@ class Membership:
             last_word = min(self._seen.get(slot, now), now)
             change = Change(time=time.time() - (now - last_word), change="left", host=self.hosts[host], why=why,
                             hosts=self.member_hosts(), noticed=round(now - last_word, 2))
-            self._pending.append([change, last_word, None])
+            self._pending.append([change, last_word, None, now])
             left = len(self.members)
         if left >= self.min_nodes:
             self.say(f"disttrain: lost {self.hosts[host]} ({why}): the other {left} host(s) regroup "
@@ -308,7 +322,7 @@ class Membership:
                 change = Change(time=time.time(), change="joined", host=self.hosts[host],
                                 why="it answered again" if why else "it answered the preflight",
                                 hosts=self.member_hosts())
-                self._pending.append([change, time.monotonic(), None])
+                self._pending.append([change, time.monotonic(), None, time.monotonic()])
             self.say(f"disttrain: {self.hosts[host]} answered: it joins the next rendezvous round")
             self._write()
             out.append(proc)

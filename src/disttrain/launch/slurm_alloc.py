@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError, UsageError
-from ..plan.launch import LaunchPlan, NodeFacts
+from ..plan.launch import ContainerPlanner, LaunchPlan, NodeFacts
 from ..preflight.facts import route_to
 from ..wire import HostFacts, JobClient, LaunchStep, Outcome, RunClient, StepEnded
 from .base import STEP_ENV, Context, Events
@@ -125,9 +125,11 @@ class SlurmAllocationLauncher(SessionLauncher):
         return outcome
 
 
-def run_step(environ: MutableMapping[str, str], events_for: Callable[[RunClient | JobClient | None], Events]) -> int:
+def run_step(environ: MutableMapping[str, str],
+             events_for: Callable[[RunClient | JobClient | None], tuple[Events, ContainerPlanner | None]]) -> int:
     """Inside a Slurm batch job: the spec the submitting side shipped, launched on the
-    allocation (``events_for`` rebuilds the client's event sink from what it shipped)."""
+    allocation (``events_for`` rebuilds the client's event sink from what it shipped, and what
+    the client adds to the plan: a job's container)."""
     alloc = SlurmAllocation.from_environ(environ)
     if alloc is None:
         raise UsageError("disttrain launch-step runs inside the Slurm job that `disttrain run --launcher slurm` "
@@ -140,10 +142,11 @@ def run_step(environ: MutableMapping[str, str], events_for: Callable[[RunClient 
     run_dir = step.run_dir
     if alloc.restart_count:  # a requeued job: the first run's logs stay as they were
         run_dir = str(Path(run_dir) / f"requeue_{alloc.restart_count}")
+    events, container = events_for(step.client)
     ctx = Context(run_id=step.run_id, run_dir=run_dir, cwd=step.cwd, python=step.python, paths=step.paths,
-                  environ=dict(environ))
+                  environ=dict(environ), container=container)
     # An elastic range uses every node Slurm gave (MIN to MAX of them); a fixed count its first N.
     launcher = SlurmAllocationLauncher(alloc, nodes=None if step.spec.elastic else step.nodes)
-    outcome = launcher.run(step.spec, ctx, events_for(step.client))
+    outcome = launcher.run(step.spec, ctx, events)
     record_end(step.run_dir, StepEnded(outcome=outcome, where=launcher.names))
     return outcome.exit_code

@@ -16,8 +16,9 @@ times: all the "hosts" share this machine's clock) under ``disttrain run --hosts
 
 Measured per trial, from the wall-clock stamps of the launcher's record (``membership.json``)
 and the workers' logs: **detection** (the cut to the launcher's verdict), **rendezvous** (the
-verdict to the next round's workers starting), **worker start** (to the workers' process group
-joined: interpreter, torch, ``init``), **checkpoint load** (``disttrain.resume()``), **first
+verdict to the next round's workers starting), **worker start** (to every rank's model, optimizer and
+DDP ready: interpreter, torch, ``init``, the script's setup), **checkpoint load** (``disttrain.resume()``),
+**first
 step** (to the first finished step), the **total** (the cut to training again) and the **steps
 of work lost** (steps done after the newest checkpoint, done again). The sample accounting over
 every attempt (:func:`account`) must show no sample lost or trained twice.
@@ -27,9 +28,11 @@ c10d rendezvous and ``--max-restarts 3`` (torch's defaults otherwise), the same 
 capped at ``--torchrun-cap`` seconds (after a power-off its survivors wait in a collective).
 
 ``--snapshot``: what keeping the training state safe costs per step, on 2 local ranks with a
-model of ``--snapshot-mb`` MB: no checkpoint, a ``disttrain.resume()`` checkpoint every step on
-disk, a copy of the state in memory every step, and that copy sent to the next rank (the peer
-that would hold it if this host were lost) every step.
+model of ``--snapshot-mb`` MB (weights; SGD with momentum doubles the state): nothing (``none``), a
+copy of the model's and optimizer's state in the process's memory (``memory``), that copy written to
+shared memory, which outlives a worker killed at a regroup (``shm``), sent to the next rank while
+the next step runs (``peer``: the copy a lost host would not take along), and a ``disttrain.resume()``
+checkpoint on disk after every step (``disk``).
 
 Prints one JSON object and writes it to bench/results/elastic-<date>-<arch>-<N>cpu.json.
 """
@@ -52,6 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "scripts" / "elastic_train.py"
 KINDS = ("power-off", "agent-killed")
+SNAPSHOT_MODES = ("none", "memory", "shm", "peer", "disk")
 
 
 # --------------------------------------------------------------------------- the accounting
@@ -201,8 +205,11 @@ def parts(out: Path, record: list[dict] | None, cut_at: float) -> dict:
                 formed = left["time"] + left["regrouped"]
                 result["rendezvous_s"] = round(formed - detected, 2)
     began = formed if formed is not None else cut_at
-    result["worker_start_s"] = round(max(s["joined"] for s in starts) - began, 2)
-    result["checkpoint_load_s"] = round(max(s["loaded"] - s["joined"] for s in starts), 2)
+    # To the script's model, optimizer and DDP ready on every rank (an interpreter, torch, the process
+    # group, and torch.optim's first use, which imports torch._dynamo: seconds of their own).
+    result["worker_start_s"] = round(max(s["prepared"] for s in starts) - began, 2)
+    result["torch_import_s"] = round(max(s["imported"] - s["started"] for s in starts), 2)
+    result["checkpoint_load_s"] = round(max(s["loaded"] - s["prepared"] for s in starts), 2)
     if steps:
         result["first_step_s"] = round(min(steps) - max(s["loaded"] for s in starts), 2)
         result["total_s"] = round(min(steps) - cut_at, 2)
@@ -252,39 +259,54 @@ def trial(cluster, kind: str, launcher: str, args, work: Path) -> dict:
 # --------------------------------------------------------------------------- the snapshot cost
 
 SNAPSHOT_WORKER = r'''
-import json, sys, time, copy, os
+import json, os, sys, time
 import torch, torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
 import disttrain
 mode, mb, steps, ckpt = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 ctx = disttrain.init()
-width = int((mb * 1e6 / 4 / 4) ** 0.5)  # 4 square layers of float32
+width = int((mb * 1e6 / 4 / 4) ** 0.5)  # 4 square layers of float32: mb MB of weights
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
 opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-ddp, opt = disttrain.prepare(model, opt)
-state = disttrain.resume(ckpt if mode == "disk" else None, every=1 if mode == "disk" else 0, model=model, optimizer=opt)
-peer, pending, kept = (ctx.rank + 1) % ctx.world_size, [], None
-x = torch.randn(32, width)
-times = []
-for step in range(steps):
-    t0 = time.perf_counter()
-    loss = ddp(x).pow(2).mean(); opt.zero_grad(); loss.backward(); opt.step()
-    if mode == "memory":
-        kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    elif mode == "peer":
+data = DataLoader(TensorDataset(torch.randn(steps * 8 * ctx.world_size, width)), batch_size=8, shuffle=True)
+ddp, opt, data = disttrain.prepare(model, opt, data)
+# disk: disttrain.resume()'s checkpoint after every step (its own save, atomic, rank 0 writes).
+state = disttrain.resume(ckpt if mode == "disk" else None, every=1, keep_last=2, model=model, optimizer=opt)
+peer, source, pending, kept = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size, [], None
+snap = f"disttrain-bench-snapshot-{os.getpid()}.pt"
+times, t0 = [], time.perf_counter()
+for (x,) in state.steps(data):
+    loss = ddp(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if mode == "memory":  # this rank's own copy of the state (a host lost takes it along)
+        kept = ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+                 for k, v in opt.state_dict()["state"].items()})
+    elif mode == "shm":  # this rank's copy in shared memory (tmpfs): it outlives the worker, not the host
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f"/dev/shm/{snap}.tmp")
+        os.replace(f"/dev/shm/{snap}.tmp", f"/dev/shm/{snap}")
+    elif mode == "peer":  # the same, sent to the next rank, while the next step runs
         for work in pending:
             work.wait()
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        tensors = [p.detach().reshape(-1) for p in model.parameters()]
+        tensors += [opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()
+                    if opt.state[p].get("momentum_buffer") is not None]
+        flat = torch.cat(tensors)
         inbox = torch.empty_like(flat)
-        pending = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer),
-                                          dist.P2POp(dist.irecv, inbox, (ctx.rank - 1) % ctx.world_size)])
-    if mode == "disk":
-        state._end_step(None)  # what state.steps() does after a step: save (every=1)
-    times.append(time.perf_counter() - t0)
+        pending = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer), dist.P2POp(dist.irecv, inbox, source)])
+    now = time.perf_counter()  # the step, its snapshot and (disk) the checkpoint of the step before
+    times.append(now - t0)
+    t0 = now
 for work in pending:
     work.wait()
+if os.path.exists(f"/dev/shm/{snap}"):
+    os.remove(f"/dev/shm/{snap}")
 if ctx.is_main:
-    print("SNAPSHOT " + json.dumps({"mode": mode, "step_s": sorted(times[5:])[len(times[5:]) // 2]}), flush=True)
+    rest = sorted(times[5:])
+    print("SNAPSHOT " + json.dumps({"mode": mode, "step_s": rest[len(rest) // 2]}), flush=True)
 disttrain.shutdown()
 '''
 
@@ -295,7 +317,7 @@ def snapshot_cost(args, work: Path) -> dict:
     script.write_text(SNAPSHOT_WORKER)
     times: dict[str, list[float]] = {}
     for _ in range(args.snapshot_repeats):
-        for mode in ("none", "memory", "peer", "disk"):
+        for mode in SNAPSHOT_MODES:
             ckpt = work / "snapshot_ckpt"
             shutil.rmtree(ckpt, ignore_errors=True)
             argv = [sys.executable, "-m", "disttrain", "run", "-n", "2", str(script), mode, str(args.snapshot_mb),
@@ -371,7 +393,8 @@ def main() -> int:
 def summarize(trials: list[dict]) -> dict:
     """Medians per kind and launcher; disttrain's total over torchrun's (capped) in the same run."""
     out: dict = {}
-    keys = ("detection_s", "rendezvous_s", "worker_start_s", "checkpoint_load_s", "first_step_s", "total_s")
+    keys = ("detection_s", "rendezvous_s", "worker_start_s", "torch_import_s", "checkpoint_load_s", "first_step_s",
+            "total_s")
     for kind in {t["kind"] for t in trials}:
         for launcher in {t["launcher"] for t in trials}:
             runs = [t for t in trials if t["kind"] == kind and t["launcher"] == launcher and "error" not in t]

@@ -292,6 +292,7 @@ def test_below_min_the_job_stops_naming_the_hosts_lost(cluster3, tmp_path):
     block = err[err.index("disttrain: 1 host(s) left, below the minimum of --nnodes 2:3: stopped the job"):]
     assert f"{first}: ssh failed: " in block and f"{second}: ssh failed: " in block
     assert f"still running: {cluster3.nodes[0].ip}" in block
+    assert "disttrain: membership:" not in err and "lost the ssh connection to" not in err  # said once, above
     nothing_left(cluster3)
 
 

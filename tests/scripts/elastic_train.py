@@ -9,17 +9,18 @@ checkpoint, so a step logged may be re-done after a loss; one checkpointed is al
 OUT/attempt<A>_rank<R>.start: the times this process started, loaded its checkpoint, and so on.
 """
 
-import argparse
-import json
-import os
 import time
-from pathlib import Path
 
-import torch
-from torch.utils.data import DataLoader, TensorDataset
+started = time.time()  # noqa: E402  (the imports below are part of a worker's start)
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-started = time.time()
-import disttrain  # noqa: E402  (the time before it is the interpreter's and torch's start)
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import disttrain  # noqa: E402
 
 
 def main() -> None:
@@ -42,13 +43,14 @@ def main() -> None:
     loader = DataLoader(TensorDataset(torch.arange(args.samples)), batch_size=args.batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(1))
     model, optimizer, loader = disttrain.prepare(model, optimizer, loader)
+    prepared = time.time()
     state = disttrain.resume(args.ckpt, every=args.every, model=model, optimizer=optimizer)
     loaded = time.time()
     attempt = int(os.environ.get("DISTTRAIN_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     name = f"attempt{attempt}_rank{ctx.rank}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.start").write_text(json.dumps({
-        "started": started, "imported": imported, "joined": joined, "loaded": loaded,
+        "started": started, "imported": imported, "joined": joined, "prepared": prepared, "loaded": loaded,
         "resumed_from": state.resumed_from, "world_size": ctx.world_size,
     }))
     with open(args.out / f"{name}.jsonl", "a") as log:

@@ -140,8 +140,8 @@ class Membership:
         if self._thread is not None:
             self._thread.join(timeout=1)
         with self._lock:
-            for change, at, formed, _ in self._pending:
-                self._settle(change, at, formed, None)
+            for change, at, formed, _ in self._pending:  # no round trained after them: recorded, not said
+                self._settle(change, at, formed, None, say=False)
             self._pending = []
         self._write()
 
@@ -229,7 +229,7 @@ class Membership:
             self._write()
 
     def _settle(self, change: Change, at: float, formed: float | None, when: float | None, *,
-                steps: bool = True) -> None:
+                steps: bool = True, say: bool = True) -> None:
         attempt = world = None
         if self._round is not None and formed is not None:
             attempt, _, said = self._round
@@ -238,9 +238,8 @@ class Membership:
         done = dataclasses.replace(change, attempt=attempt, world_size=world, resumed_from=self._resumed,
                                    seconds=seconds, regrouped=None if formed is None else round(formed - at, 2))
         self.changes.append(done)
-        if change.change == "start":
-            return
-        self.say(membership_line(done, steps=steps))
+        if say and change.change != "start":
+            self.say(membership_line(done, steps=steps))
 
     # -- hosts that end ---------------------------------------------------------------------
 

@@ -112,7 +112,7 @@ class SshLauncher(SessionLauncher):
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
         """A lost ssh connection (255) is named in the report."""
         outcome = super().launch(plan, events, ctx)
-        if outcome.failed is not None and outcome.exit_code == 255:
+        if outcome.failed is not None and outcome.exit_code == 255 and not plan.elastic:  # (elastic: said already)
             lost = (f"disttrain: lost the ssh connection to {self.hosts[outcome.failed].name} "
                     f"(node {outcome.failed}); the other hosts were stopped")
             events.say(lost)

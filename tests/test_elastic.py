@@ -125,6 +125,29 @@ def test_membership_says_each_change_when_the_next_round_trains(tmp_path):
     assert "c: ssh failed: Timeout; b: its agent was killed by SIGKILL" in block
 
 
+def test_agents_are_slots_and_hosts_keep_their_place(tmp_path):
+    """Host 1 down at the start: agent slots 0 and 1 run hosts 0 and 2; host 1 joins as slot 2."""
+    joins = []
+
+    class Proc:
+        pass
+
+    m = Membership(hosts=["a", "b", "c"], running=[0, 2], min_nodes=2, max_nodes=3, run_dir=str(tmp_path),
+                   join=lambda index: joins.append(index) or Proc(), retry_s=0.05)
+    assert m.member_hosts() == ("a", "c") and m.host_of(1) == "c"
+    said = []
+    m.start(said.append)
+    deadline = time.monotonic() + 10
+    while not (joined := m.joined()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(joined) == 1 and joins[0] == 1 and m.host_of(2) == "b" and m.member_hosts() == ("a", "c", "b")
+    assert m.leave(1, "gone") == [0, 2]  # c lost: it is tried again, as host 2
+    while 2 not in joins[1:] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m.close()
+    assert 2 in joins[1:]
+
+
 def test_membership_line_without_disttrain_resume():
     change = Change(time=0, change="joined", host="c", why="it answered the preflight", hosts=("a", "b", "c"),
                     world_size=6, seconds=4.26)
@@ -280,6 +303,30 @@ def test_a_host_down_at_the_start_joins_when_it_comes_back(cluster3, tmp_path):
     nothing_left(cluster3)
 
 
+@pytest.mark.timeout(400)
+def test_a_plain_torchrun_script_restarts_the_same_way(cluster3, tmp_path):
+    """No disttrain in the script: env://, its own checkpoint. The lost host's peers restart it on the
+    new world, and it goes on from its own checkpoint; the line says no disttrain.resume() step."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt.pt"
+    out.mkdir()
+    hosts = ",".join(f"root@{node.ip}" for node in cluster3.nodes)
+    argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "--nnodes", "2:3", "-n", "1",
+            *cluster3.cli_ssh_args(), str(ROOT / "tests" / "scripts" / "plain_elastic.py"), str(out), str(ckpt), "40"]
+    proc = cluster3.popen_in("node0", argv, cwd=ROOT, env=bench.worker_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    wait_for(proc, lambda: ckpt.exists(), timeout=240)
+    cluster3.power_off("node2")
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
+    assert f"{cluster3.nodes[2].ip} left" in line and "-> 2 hosts, world size 2, no disttrain.resume() step said" in line
+    assert (out / "done").read_text() == "2\n"
+    rows = [tuple(map(int, ln.split())) for ln in (out / "rank0.log").read_text().splitlines()]
+    worlds = [world for _, world, _, _ in rows]
+    assert worlds[0] == 3 and worlds[-1] == 2 and sorted({step for *_, step in rows}) == list(range(40))
+    nothing_left(cluster3)
+
+
 @pytest.mark.timeout(300)
 def test_below_min_the_job_stops_naming_the_hosts_lost(cluster3, tmp_path):
     proc, out, ckpt = start_job(cluster3, tmp_path)
@@ -318,6 +365,21 @@ def test_a_slurm_node_that_loses_power_is_left_behind(slurm3, tmp_path):
     assert accounting["attempts"][0]["world_size"] == 3 and accounting["attempts"][-1]["world_size"] == 2
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"] == 0, accounting
     assert [c["change"] for c in record_of(tmp_path)] == ["start", "left"]
+    deadline = time.monotonic() + 20
+    while True:  # Slurm's daemons stay; nothing of the job does
+        left = [_cmdline(pid) for node in slurm3.rig.nodes for pid in slurm3.rig.processes_in(node)
+                if "disttrain" in _cmdline(pid) or "elastic_train" in _cmdline(pid)]
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"processes left behind: {left}"
+        time.sleep(0.2)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 # --------------------------------------------------------------------------- a job's instances

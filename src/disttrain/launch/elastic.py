@@ -40,7 +40,9 @@ from ..workerenv import RESUMED_MARKER
 
 RECORD = "membership.json"  # in the run folder: every change, as a JSON list of Change
 SILENT_S = 5.0  # an agent that said nothing this long is lost (it beats each second)
-RETRY_S = 3.0  # a host not running is tried again this often
+RETRY_S = 3.0  # a host not running is tried again this often: its first RETRY_AT_FIRST tries,
+RETRY_AT_FIRST = 5  # then twice as long after each try that failed,
+RETRY_MAX_S = 30.0  # up to this
 RESUME_LINE_WAIT_S = 3.0  # after a round's first step, for rank 0's "resuming from step N" line
 FIRST_STEP_WAIT_S = 60.0  # a round whose ranks report no steps is said once its workers started, after this
 # An agent that ends with these was stopped from outside: a host going away, not its workers failing.
@@ -95,7 +97,7 @@ class Membership:
         self._retry_s, self.silent_s = retry_s, silent_s
         self._lock = threading.Lock()
         self.agents: list[int] = list(running)  # agent slot -> host index
-        self.members: set[int] = set(running)  # agent slots still members
+        self.members: set[int] = set(range(len(self.agents)))  # agent slots still members
         self.lost: dict[int, str] = {}  # host index -> why, for the hosts lost and not back
         self._seen: dict[int, float] = {slot: time.monotonic() for slot in range(len(self.agents))}
         self._joined: queue.Queue[tuple[int, subprocess.Popen]] = queue.Queue()
@@ -131,7 +133,7 @@ class Membership:
         shows a line to the user."""
         self.say = say
         self._write()
-        if self._join is not None and len(self.hosts) > len(self.members):
+        if self._join is not None and len(self.hosts) > 1:  # a host not running now, or lost later
             self._thread = threading.Thread(target=self._rejoin, name="disttrain-rejoin", daemon=True)
             self._thread.start()
 
@@ -327,18 +329,26 @@ class Membership:
             out.append(proc)
 
     def _rejoin(self) -> None:
+        """Try the hosts not running, in order, while there is room; a host that keeps failing (or
+        keeps being lost once it joined) is tried less often, up to every :data:`RETRY_MAX_S`."""
+        tries: dict[int, int] = {}
+        next_try: dict[int, float] = {}
         while not self._stop.wait(self._retry_s):
             with self._lock:
                 running = {self.agents[s] for s in self.members} | self._joining
                 room = self.max_nodes - len(running)
-                waiting = [i for i in range(len(self.hosts)) if i not in running]
+                waiting = [i for i in range(len(self.hosts)) if i not in running
+                           and next_try.get(i, 0.0) <= time.monotonic()]
             for host in waiting[:max(0, room)]:
                 if self._stop.is_set():
                     return
+                tries[host] = tries.get(host, 0) + 1
+                backoff = 2 ** max(0, tries[host] - RETRY_AT_FIRST)
+                next_try[host] = time.monotonic() + min(RETRY_MAX_S, self._retry_s * backoff)
                 try:
                     proc = self._join(host)
                 except DisttrainError:
-                    continue  # not yet: tried again next time
+                    continue  # not yet: tried again later
                 with self._lock:
                     self._joining.add(host)
                 self._joined.put((host, proc))

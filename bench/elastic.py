@@ -169,8 +169,8 @@ def start_torchrun(cluster, out: Path, ckpt: Path, args, log: Path) -> list[subp
                   "--max-restarts", "3", "--local-addr", node.ip,
                   *(["--rdzv-conf", "is_host=1"] if node.index == 0 else []), *job_args(out, ckpt, args)]
         argv = cluster.ssh_argv(node.name, *remote, options=["-tt"])  # -tt: the remote tree dies with ssh
-        procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                      stderr=open(log.with_suffix(f".{node.name}"), "w")))
+        with open(log.with_suffix(f".{node.name}"), "w") as out:  # -tt merges the remote stderr into stdout
+            procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=out, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT))
     return procs
 
 

@@ -119,7 +119,7 @@ def own_cpu() -> float:
 
 def sshd_pids(cluster) -> list[int]:
     """Each node's listening sshd (the rig keeps its pid file in its workdir)."""
-    return [int((cluster.workdir / f"sshd_{node.name}.pid").read_text().split()[0]) for node in cluster.nodes]
+    return [cluster.sshd_pid(node) for node in cluster.nodes]
 
 
 @contextmanager

@@ -102,7 +102,7 @@ def own_cpu() -> float:
 
 def ours(cluster) -> float:
     """CPU seconds of everything the bench ran: its own children and the nodes' sshd sessions."""
-    pids = [int((cluster.workdir / f"sshd_{n.name}.pid").read_text().split()[0]) for n in cluster.nodes]
+    pids = [cluster.sshd_pid(n) for n in cluster.nodes]
     return own_cpu() + sum(reaped_cpu(pid) for pid in pids)
 
 

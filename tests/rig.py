@@ -538,7 +538,6 @@ class Cluster:
         # remounts /sys (hiding /sys/fs/cgroup) for sshd and every session it spawns.
         # sshd daemonizes first, then listens, then writes its pid file: the node accepts
         # connections once the pid file exists.
-        pidfile = self.workdir / f"sshd_{nd.name}.pid"
         argv = [SSHD, "-f", str(conf), "-E", str(log)]
         mounts = [f"mount -t tmpfs tmpfs {shlex.quote(d)}" for d in self.private.get(nd.name, ())]
         mounts += [f"mount --bind {shlex.quote(src)} {shlex.quote(path)}"
@@ -549,20 +548,27 @@ class Cluster:
                     f"{' && '.join(mounts)} && exec {shlex.join(argv)}"]
         r = _run(self.ns_exec(nd, argv), check=False)
         end = time.monotonic() + 10
-        while r.returncode == 0 and not pidfile.exists() and time.monotonic() < end:
+        # sshd creates the pid file and then writes it: an empty file is not started yet.
+        while r.returncode == 0 and self.sshd_pid(nd) is None and time.monotonic() < end:
             time.sleep(0.005)
-        if r.returncode != 0 or not pidfile.exists():
+        if r.returncode != 0 or self.sshd_pid(nd) is None:
             logtext = log.read_text() if log.exists() else ""
             raise RigError(f"sshd for {nd.name} did not start (rc {r.returncode}): "
                            f"{r.stderr.strip()} {logtext.strip()}")
 
-    def _stop_sshd(self, nd: Node) -> None:
-        pidfile = self.workdir / f"sshd_{nd.name}.pid" if self.workdir else None
-        if not pidfile or not pidfile.exists():
-            return
+    def sshd_pid(self, node: "str | int | Node") -> "int | None":
+        """The node's listening sshd, once its pid file is complete."""
+        if self.workdir is None:
+            return None
         try:
-            pid = int(pidfile.read_text().split()[0])
-        except (ValueError, IndexError, OSError):
+            text = (self.workdir / f"sshd_{self.node(node).name}.pid").read_text()
+            return int(text.split()[0]) if text.endswith("\n") else None
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _stop_sshd(self, nd: Node) -> None:
+        pid = self.sshd_pid(nd)
+        if pid is None:
             return
         # only if it still is our sshd, in our namespace (pid reuse)
         if pid in pids_in_netns(self._ns_ids.get(nd.netns, (0, 0))):
@@ -634,12 +640,8 @@ class Cluster:
         if ns_id is None:
             return []
         pids = pids_in_netns(ns_id)
-        if not include_sshd and self.workdir is not None:
-            pidfile = self.workdir / f"sshd_{nd.name}.pid"
-            try:
-                sshd = int(pidfile.read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                sshd = None
+        if not include_sshd:
+            sshd = self.sshd_pid(nd)
             pids = [p for p in pids if p != sshd]
         return pids
 

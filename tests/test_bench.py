@@ -47,7 +47,7 @@ def test_the_seed_chapters_laptop():
 
 
 def test_a_smaller_count_within_5_percent_wins():
-    rows = scaling(measured((1, 550), (2, 1150), (4, 1200)))
+    rows = scaling(measured((1, 600), (2, 1150), (4, 1200)))
     rec = recommend(rows, cpus=32)
     assert rec.nproc == 2
     assert "within 5% of the fastest (4 processes, 1,200 samples/s)" in rec.reasons[0]
@@ -108,6 +108,62 @@ def test_hosts_count_per_host():
     assert rec.reasons[1].startswith("2 processes per host (4 in all): only 4% faster; 2 processes oversubscribe 2 cores")
 
 
+
+def runs_of(nproc: int, *rates: float, others: tuple[float, ...] = (), hosts: int = 1):
+    """One count's repeats, as run_all records them, combined."""
+    world = nproc * hosts
+    return report.combine([
+        Measurement(nproc=nproc, world_size=world, batch_per_process=128 // world, samples_per_s=rate,
+                    source=report.STEP_TIMER, others_cores=(others[k],) if others else ())
+        for k, rate in enumerate(rates)])
+
+
+def test_more_than_linear_is_noise_and_the_recommendation_says_it_cannot_be_trusted():
+    """Issue 27: "6.35x, 317% efficiency" for 2 processes on 2 cores, reported as a result."""
+    rows = scaling([runs_of(1, 100), runs_of(2, 635)])
+    assert [r.noise for r in rows][0] == () and rows[1].noise[0].startswith(
+        "318% efficiency: 2 processes cannot be more than 2x as fast as 1; it ran slowed by other work")
+    rec = recommend(rows, cpus=2)
+    assert not rec.trusted and rec.nproc == 2
+    assert rec.reasons[0].startswith("not to be trusted: the numbers are noise (marked !)")
+    assert rec.reasons[1].startswith("2 processes: 318% efficiency")
+    table = report.format_table(rows, rec).splitlines()
+    assert table[2].split()[-4:] == ["318%", "!", "step", "timer"] and "!" not in table[1]
+    assert "recommended: -n 2 for this script on this machine (NOT TRUSTED: noisy measurements)" in table
+    assert report.to_json(rows, rec)["results"][1]["noise"] == list(rows[1].noise)
+
+
+def test_repeats_keep_the_best_run_and_runs_far_apart_are_noise():
+    steady, jumpy = runs_of(1, 1000, 980), runs_of(2, 1900, 1500)
+    assert (steady.samples_per_s, steady.runs) == (1000, (1000, 980)) and round(steady.spread, 2) == 0.02
+    rows = scaling([steady, jumpy])
+    assert rows[0].noise == () and rows[1].noise == ("its 2 runs differ by 21%",)
+    assert rows[1].speedup == 1.9 and not recommend(rows, cpus=8).trusted
+    half_failed = report.combine([runs_of(2, 1900),
+                                  Measurement(nproc=2, world_size=2, batch_per_process=64, error="exit 1: boom")])
+    assert half_failed.ok and half_failed.notes == ("1 of 2 runs failed: exit 1: boom",)
+    assert report.format_table(scaling([steady]), recommend(scaling([steady]), cpus=8)).splitlines()[1].split()[3:6] \
+        == ["1,000", "2", "2%"]
+
+
+def test_a_change_of_the_machines_other_load_is_noise():
+    quiet = runs_of(1, 1000, 1000, others=(0.1, 0.2))
+    busy = runs_of(2, 1500, 1480, others=(1.0, 1.1))  # others took a core while -n 2 ran
+    rows = scaling([quiet, busy])
+    assert rows[1].noise == ("the machine's other work changed while it was measured (0.1 to 1.1 cores busy)",)
+    assert not recommend(rows, cpus=4).trusted
+    steady = scaling([quiet, runs_of(2, 1500, 1480, others=(0.3, 0.2))])
+    assert steady[1].noise == () and recommend(steady, cpus=4).trusted
+
+
+def test_counts_are_interleaved_and_each_given_once():
+    from disttrain.scaling.bench import parse_counts, rounds
+
+    assert parse_counts("2,2") == (2,) and parse_counts("4,1,2,1") == (1, 2, 4)
+    assert rounds((1, 2, 4), 2) == [1, 2, 4, 4, 2, 1]
+    assert rounds((1, 2), 3) == [1, 2, 2, 1, 1, 2] and rounds((2,), 1) == [2]
+
+
 def test_table_and_json():
     ms = measured((1, 5200), (2, 3900), (4, None))
     ms[1] = Measurement(**{**ms[1].__dict__, "notes": ("shared note",)})
@@ -116,10 +172,10 @@ def test_table_and_json():
     rec = recommend(rows, cpus=2)
     table = report.format_table(rows, rec, title="T").splitlines()
     assert table[0] == "T"
-    assert table[1].split() == ["processes", "threads", "each", "batch/process", "samples/s",
-                                "speed-up", "efficiency", "measured", "by"]
-    assert table[2].split()[:6] == ["1", "-", "128", "5,200", "1.00x", "100%"]
-    assert table[3].split()[:6] == ["2", "-", "64", "3,900", "0.75x", "38%"]
+    assert table[1].split() == ["processes", "threads", "each", "batch/process", "samples/s", "runs", "spread",
+                                "speed-up", "efficiency", "noise", "measured", "by"]
+    assert table[2].split()[:8] == ["1", "-", "128", "5,200", "1", "-", "1.00x", "100%"]
+    assert table[3].split()[:8] == ["2", "-", "64", "3,900", "1", "-", "0.75x", "38%"]
     assert table[4].split()[:5] == ["4", "-", "32", "-", "-"] and "FAILED: exit 1: boom" in table[4]
     assert "note (-n 1,2): shared note" in table  # once, naming the counts
     assert "recommended: -n 1 for this script on this machine" in table
@@ -129,9 +185,29 @@ def test_table_and_json():
     json.dumps(data)  # serialisable as it is
     assert data["script"] == "x.py" and data["recommendation"]["nproc"] == 1
     first = data["results"][0]
-    assert {"nproc", "world_size", "batch_per_process", "samples_per_s", "speedup",
-            "ideal_speedup", "efficiency", "source", "error", "notes"} <= first.keys()
+    assert {"nproc", "world_size", "batch_per_process", "samples_per_s", "speedup", "runs", "spread",
+            "others_cores", "noise", "ideal_speedup", "efficiency", "source", "error", "notes"} <= first.keys()
+    assert data["recommendation"]["trusted"] is True
     assert data["results"][2]["error"] == "exit 1: boom" and data["results"][2]["speedup"] is None
+
+
+
+def test_a_comm_reference_that_a_run_beats_gives_no_split():
+    """Issue 27: the reference (245 samples/s) below PowerSGD (1,110) and plain DDP (105): every
+    ratio printed from it was wrong. A reference that is beaten gives no split at all."""
+    from disttrain.scaling.comm import CommResult
+
+    beaten = CommResult(nproc=1, world_size=2, global_batch=128, plain=105.0, compute_only=245.0,
+                        compressed={"fp16": 420.0, "powersgd": 1110.0}, gradient_bytes=1_201_704, link_gbit=None)
+    assert beaten.beaten_by == ("powersgd", 1110.0) and beaten.split is None
+    assert beaten.to_json()["comm_fraction"] is None and beaten.to_json()["recommended"] == "powersgd"
+    assert beaten.lines()[0].startswith("communication, 2 processes: no split: powersgd ran at 1,110 samples/s, "
+                                        "above the compute reference's 245 (no gradient sync)")
+    bound = CommResult(nproc=1, world_size=2, global_batch=128, plain=170.0, compute_only=6855.0,
+                       compressed={"fp16": 483.0, "powersgd": 2839.0}, gradient_bytes=1_201_704, link_gbit=0.02)
+    assert bound.beaten_by is None and bound.split.bound == "communication"
+    assert bound.lines()[0] == ("communication, 2 processes: step 753 ms = compute 19 ms + communication 734 ms "
+                                "(98%): communication-bound")
 
 
 # --------------------------------------------------------------------------- reading a count
@@ -220,6 +296,7 @@ def usage_error(capsys, *argv: str) -> str:
     ([TINY, "--batch-arg=--per-proc", "--", "--per-proc=4"], "--per-proc=4 is in the script's"),
     ([TINY, "--samples", "5"], "unrecognized arguments: --samples 5; the script's own arguments go after `--`"),
     (["missing.py"], "script not found: missing.py"),
+    ([str(SCRIPTS)], f"{SCRIPTS} is a directory, not a script"),
     ([TINY, "--env", "oops"], "--env oops: oops is not set in this environment"),
     ([TINY, "--steps", "0"], "--steps must be at least 1"),
     ([TINY, "--timeout", "0"], "--timeout must be more than 0 seconds"),
@@ -297,6 +374,27 @@ def test_plot_is_drawn(tmp_path):
     path = write_plot(tmp_path / "s.png", scaling(measured((1, 1000), (2, 1500), (4, None))), title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["s.png"]
+    noisy = scaling([runs_of(1, 100), runs_of(2, 635)])
+    assert write_plot(tmp_path / "noisy", noisy, title="t") == tmp_path / "noisy.png"  # the path written
+
+
+def test_the_plot_title_fits_the_figure():
+    from disttrain.scaling.plot import TITLE_CHARS, wrap_title
+
+    headline = ("disttrain bench: examples/mnist_convnet.py --samples 20000 --epochs 3 --log-every 0, "
+                "global batch 128 (vm: 2 cores, no GPU)")
+    lines = wrap_title(headline).splitlines()
+    assert len(lines) == 2 and all(len(line) <= TITLE_CHARS for line in lines)
+    assert " ".join(lines) == headline
+
+
+@pytest.mark.parametrize(("where", "fragment"), [
+    ("/proc/x.png", "--plot /proc/x.png: cannot write in /proc"),
+    ("/nonexistent/dir/x.png", "--plot /nonexistent/dir/x.png: the folder /nonexistent/dir does not exist"),
+])
+def test_a_plot_path_that_cannot_be_written_fails_before_running(capsys, where, fragment):
+    pytest.importorskip("matplotlib")
+    assert fragment in usage_error(capsys, TINY, "-n", "1", "--plot", where)
 
 
 # --------------------------------------------------------------------------- real runs
@@ -314,9 +412,13 @@ def test_bench_a_tiny_script_one_count_failing(tmp_path):
     assert table[1].split()[0] == "processes"
     assert table[2].split()[:5] == ["1", "1", "16", "-", "-"]  # cli_env: OMP_NUM_THREADS=1
     assert "FAILED: exit 3: rank 0 on" in table[2]
-    # the speed-up's baseline is the smallest count that finished
-    assert table[3].split()[:3] == ["2", "1", "8"] and table[3].split()[4:6] == ["1.00x", "100%"]
-    assert table[3].endswith("step timer (4 steps)")
+    # the speed-up's baseline is the smallest count that finished; its two runs (the default --repeat)
+    assert table[3].split()[:3] == ["2", "1", "8"] and table[3].split()[4:5] == ["2"]
+    assert table[3].split()[6:8] == ["1.00x", "100%"] and table[3].endswith("step timer (4 steps)")
+    # interleaved: 1, 2, then 2, 1
+    started = [line.split(",")[0] for line in result.stderr.splitlines() if "samples per process per step" in line]
+    assert started == ["disttrain bench: 1 process (run 1 of 2)", "disttrain bench: 2 processes (run 1 of 2)",
+                       "disttrain bench: 2 processes (run 2 of 2)", "disttrain bench: 1 process (run 2 of 2)"]
     # 16 samples a step, as asked: no note about the batch (only cli_env's OMP_NUM_THREADS,
     # and the load of a busy test machine, are noted)
     notes = [line for line in table if line.startswith("note")]

@@ -35,4 +35,7 @@ def test_bench_the_resnet_example_across_two_hosts(cluster):
     # the runtime's step timer once the prepared loader calls it, else the example's summary
     assert entry["source"] in ("step-timer", "script-summary")
     assert data["recommendation"]["nproc"] == 1
-    assert data["recommendation"]["reasons"][0].startswith("1 process per host (2 in all)")
+    # first, when the two runs of the count were far apart on a busy machine: that they are noise
+    assert any(reason.startswith("1 process per host (2 in all): the most samples/s")
+               for reason in data["recommendation"]["reasons"])
+    assert len(entry["runs"]) == 2 and entry["others_cores"] == []  # --repeat 2; other hosts' load unknown

@@ -26,6 +26,8 @@ def assert_usage_error(result, *fragments: str) -> None:
     ("args", "fragments"),
     [
         (["run", "-n", "2", "missing_script.py"], ["script not found: missing_script.py"]),
+        (["run", "-n", "1", str(SCRIPTS)], [f"{SCRIPTS} is a directory, not a script"]),
+        (["run", "--log-dir", "/tmp/a\nb", GOOD], ["--log-dir '/tmp/a\\nb' holds a control character ('\\n'"]),
         (["run", "-n", "0", GOOD], ["-n/--nproc-per-node must be at least 1"]),
         (["run", "-n", "abc", GOOD], ["positive integer or 'auto'", "'abc'"]),
         (["run", "--master-port", "70000", GOOD], ["1..65535"]),
@@ -75,3 +77,12 @@ def test_backend_gloo_still_works_with_one_line_of_warning(tmp_path):
     old = disttrain("run", "--backend", "local", "--dry-run", GOOD, env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
     assert old.returncode == 0, old.stderr
     assert old.stderr == "disttrain: warning: --backend local is deprecated for the launcher; use --launcher local\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_control_character_in_disttrain_home_is_one_line(tmp_path):
+    home = f"{tmp_path}/a\nb"
+    for argv in (["run", GOOD], ["jobs", "ls"]):
+        result = disttrain(*argv, env=cli_env(DISTTRAIN_HOME=home))
+        assert_usage_error(result, "DISTTRAIN_HOME", "holds a control character ('\\n'", "plain folder path")
+    assert list(tmp_path.iterdir()) == []

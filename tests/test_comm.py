@@ -14,6 +14,7 @@ from conftest import SCRIPTS, disttrain
 from disttrain.errors import UsageError
 from disttrain.runtime import comm
 from disttrain.scaling.comm import Split, recommend_compression, ring_bound_s
+from disttrain.workerenv import WorkerEnv
 from rig import cluster_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +45,9 @@ def test_bucket_size_must_be_a_positive_number(raw):
 
 
 def test_environment_gives_prepare_its_defaults_and_arguments_win():
-    env = {"DISTTRAIN_GRAD_COMPRESSION": "fp16", "DISTTRAIN_BUCKET_MB": "5"}
-    assert comm.CommSettings.resolve(environ=env) == comm.CommSettings(compression="fp16", bucket_mb=5.0)
-    explicit = comm.CommSettings.resolve("powersgd", 2, environ=env)
+    env = WorkerEnv.from_environ({"DISTTRAIN_GRAD_COMPRESSION": "fp16", "DISTTRAIN_BUCKET_MB": "5"})
+    assert comm.CommSettings.resolve(env=env) == comm.CommSettings(compression="fp16", bucket_mb=5.0)
+    explicit = comm.CommSettings.resolve("powersgd", 2, env=env)
     assert (explicit.compression, explicit.bucket_mb) == ("powersgd", 2.0)
     assert explicit.ddp_kwargs("nccl") == {"bucket_cap_mb": 2.0}
     with pytest.raises(UsageError, match="one bucket"):  # gloo: PowerSGD needs a single bucket

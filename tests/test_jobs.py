@@ -20,7 +20,7 @@ import yaml
 
 from conftest import SCRIPTS, assert_all_gone, cli_env, descendants, disttrain
 from disttrain.jobs import Job
-from disttrain.store import JobStore
+from disttrain.store import JobState, JobStore
 
 NOTE = "a b; $(touch /tmp/pwned-job) 'q' \"dq\" `x` | & > <"
 
@@ -202,6 +202,138 @@ def test_jobs_stop_ends_a_running_job_and_its_processes(tmp_path, env, data):
     assert again.returncode == 0 and "already Stopped; nothing to stop" in again.stdout
 
 
+
+@pytest.mark.timeout(60)
+def test_jobs_logs_follow_ends_after_the_runners_last_line(tmp_path, env):
+    """The runner records the end, then writes its last line: a follower that ended when it saw
+    the end recorded missed that line (issue 27). It ends after the line, or at once when the
+    runner is gone without writing it."""
+    import socket
+
+    import psutil
+
+    logs = tmp_path / "job" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "job.log").write_text("[rank0] ready\n")
+    me = psutil.Process()
+    with JobStore(tmp_path / "jobs.db") as store:  # a job whose runner (this test) recorded Stopped
+        job = store.create(name="tail", spec={}, job_dir=str(tmp_path / "job"), log_dir=str(logs),
+                           runner_host=socket.gethostname(), runner_pid=me.pid, runner_started=me.create_time())
+        for state in ("Staging", "Running", "Stopped"):
+            store.transition(job.id, JobState(state))
+    follow = subprocess.Popen([sys.executable, "-m", "disttrain", "jobs", "logs", "tail", "-f"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert follow.stdout.readline() == "[rank0] ready\n"
+        with pytest.raises(subprocess.TimeoutExpired):
+            follow.wait(timeout=2)  # the runner is alive and has not written its last line
+        with open(logs / "job.log", "a") as fh:
+            fh.write(f"disttrain: job tail (id {job.id}) Stopped in 1.0 s, exit code 143; see ...\n")
+        rest, err = follow.communicate(timeout=30)
+        assert follow.returncode == 0, err
+        assert rest.startswith("disttrain: job tail (id 1) Stopped in 1.0 s")
+    finally:
+        follow.kill()
+        follow.communicate()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = psutil.Process(gone.pid).create_time()
+    gone.wait()
+    with JobStore(tmp_path / "jobs.db") as store:  # killed before its last line: nothing to wait for
+        job = store.create(name="killed", spec={}, job_dir=str(tmp_path / "job"), log_dir=str(logs),
+                           runner_host=socket.gethostname(), runner_pid=gone.pid, runner_started=started)
+        for state in ("Staging", "Running", "Stopped"):
+            store.transition(job.id, JobState(state))
+    result = disttrain("jobs", "logs", "killed", "-f", env=env, timeout=30)
+    assert result.returncode == 0 and result.stdout.startswith("[rank0] ready"), result.stderr
+
+
+
+
+def test_jobs_logs_of_a_rank_that_printed_nothing_is_empty_not_an_error(tmp_path, env):
+    logs = tmp_path / "job" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "plan.json").write_text(json.dumps({"world_size": 2}))
+    (logs / "rank0.log").write_text("hello from 0\n")
+    with JobStore(tmp_path / "jobs.db") as store:
+        job = store.create(name="quiet", spec={}, job_dir=str(tmp_path / "job"), log_dir=str(logs))
+        for state in ("Staging", "Running", "Uploading", "Completed"):
+            store.transition(job.id, JobState(state))
+    assert disttrain("jobs", "logs", "quiet", "--rank", "0", env=env).stdout == "hello from 0\n"
+    silent = disttrain("jobs", "logs", "quiet", "--rank", "1", env=env)
+    assert (silent.returncode, silent.stdout) == (0, "")
+    assert silent.stderr == "disttrain: job quiet: rank 1 has printed nothing\n"
+    followed = disttrain("jobs", "logs", "quiet", "--rank", "1", "-f", env=env)
+    assert (followed.returncode, followed.stdout) == (0, "")
+    wrong = disttrain("jobs", "logs", "quiet", "--rank", "2", env=env)
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1
+    assert "--rank 2: job quiet has ranks 0..1" in wrong.stderr
+
+
+STEPS_SCRIPT = """\
+import time
+for step in range(5):
+    print(f"step {step} loss={1.0 / (step + 1):.4f}", flush=True)
+    print(f"lr={0.1 / (step + 1):.4f}", flush=True)  # a line of its own, right after: no step in it
+    time.sleep(0.3)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_metric_points_are_timed_as_printed_and_plotted_by_step(tmp_path, env):
+    """Points were timed when a 0.5 s poll of the log found them (a batch shared one time: +0.0,
+    +0.0, +1.4, +1.4 s); now each line's point is timed when the launch relayed it, and the plot's
+    x axis is the step the job reports (issue 27)."""
+    from disttrain.jobs.metrics import plot_axes
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "steps.py").write_text(STEPS_SCRIPT)
+    spec = spec_file(tmp_path, "steps", entry_point="steps.py", source_dir=str(tmp_path / "src"),
+                     private_opt_ml="off",
+                     metric_definitions=[{"Name": "step", "Regex": r"step (\d+)"},
+                                         {"Name": "loss", "Regex": r"loss=([0-9.]+)"},
+                                         {"Name": "lr", "Regex": r"lr=([0-9.]+)"}])
+    result = disttrain("job", "run", str(spec), env=env, timeout=100)
+    assert result.returncode == 0, result.stderr
+    with JobStore(tmp_path / "jobs.db") as store:
+        series = store.metric_series(1)
+    assert len({t for name in ("loss", "lr") for t, _ in series[name]}) == 10  # every line its own time
+    assert [t for t, _ in series["step"]] == [t for t, _ in series["loss"]]
+    xlabel, drawn = plot_axes(series)
+    assert xlabel == "step"
+    assert drawn["loss"] == ([0, 1, 2, 3, 4], [1.0, 0.5, 0.3333, 0.25, 0.2])
+    assert drawn["lr"] == ([0, 1, 2, 3, 4], [0.1, 0.05, 0.0333, 0.025, 0.02])
+    plotted = disttrain("jobs", "metrics", "1", "--plot", str(tmp_path / "noext"), env=env)
+    assert plotted.returncode == 0, plotted.stderr
+    assert plotted.stdout.strip() == f"wrote {tmp_path / 'noext.png'}"
+    assert (tmp_path / "noext.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "noext").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("where", "fragment"), [
+    ("/proc/x.png", "cannot write in /proc"),
+    ("{tmp}/nonexistent/dir/x.png", "the folder {tmp}/nonexistent/dir does not exist"),
+    ("{tmp}/plot.foo", ".foo is not an image format"),
+])
+def test_a_plot_path_that_cannot_be_written_is_one_line(tmp_path, env, where, fragment):
+    with JobStore(tmp_path / "jobs.db") as store:
+        job = store.create(name="m", spec={}, job_dir=str(tmp_path / "job"))
+        store.add_metrics(job.id, [("loss", 1.0, 0.5), ("loss", 2.0, 0.25)])
+    where, fragment = where.format(tmp=tmp_path), fragment.format(tmp=tmp_path)
+    result = disttrain("jobs", "metrics", "m", "--plot", where, env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and fragment in result.stderr, result.stderr
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_a_metric_regex_without_a_group_is_refused_when_the_spec_is_read(tmp_path, env):
+    spec = spec_file(tmp_path, "nogroup", metric_definitions=[{"Name": "loss", "Regex": "loss=[0-9.]+"}])
+    result = disttrain("job", "run", str(spec), env=env)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "metric_definitions[0].Regex 'loss=[0-9.]+' has no group" in result.stderr
+    assert "(e.g. 'loss=([0-9.eE+-]+)')" in result.stderr
+    assert not (tmp_path / "jobs.db").exists() or disttrain("jobs", "ls", env=env).stdout.count("\n") == 1
+
+
 # --- S3: a real S3-protocol server (moto) on loopback, reached through s3fs -------------------
 
 @pytest.mark.timeout(150)
@@ -293,3 +425,22 @@ def test_a_dry_run_shows_the_containers_wrapper_and_records_nothing(tmp_path, en
     assert tasks == [{"type": "ps", "index": 0}, {"type": "ps", "index": 1}]
     assert [node["opt_ml"] for node in plan["nodes"]] == [None, None]
     assert not (tmp_path / "jobs.db").exists() and not (tmp_path / "home").exists()
+
+
+@pytest.mark.timeout(150)
+def test_a_job_whose_code_shadows_the_standard_library_still_runs(tmp_path, env):
+    """The instances' agents start in the job's code folder: a user's `copy.py` or `json.py` there
+    (harmless to their own script, which never imports them) must not replace the standard
+    library inside disttrain's agent."""
+    code = tmp_path / "code"
+    code.mkdir()
+    for name in ("copy", "json", "signal"):
+        (code / f"{name}.py").write_text(f"raise ImportError('the job\\'s own {name}.py was imported')\n")
+    (code / "train.py").write_text("import os\nprint('trained on', os.environ['SM_CURRENT_HOST'], flush=True)\n")
+    spec = tmp_path / "shadow.yaml"
+    spec.write_text(yaml.safe_dump({"name": "shadow", "entry_point": "train.py", "source_dir": str(code),
+                                    "instance_count": 2, "processes_per_instance": 1, "private_opt_ml": "off"}))
+    result = disttrain("job", "run", str(spec), env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "was imported" not in result.stderr
+    assert "trained on algo-1" in result.stdout and "trained on algo-2" in result.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -182,3 +183,84 @@ def test_two_nodes_started_by_hand_form_one_job(tmp_path):
     for proc, (out, err) in zip(procs, outs):
         assert proc.returncode == 0, err
         assert "sum 2" in out
+
+
+@pytest.fixture
+def small_memory_cgroup(tmp_path):
+    """A child of this process's memory cgroup limited to 700 MiB (no swap), removed afterwards."""
+    from disttrain.agent.oom import memory_cgroup
+
+    mine = memory_cgroup()
+    if mine is None:
+        pytest.skip("no readable memory cgroup here (neither cgroup v2's memory controller nor v1's memory)")
+    child = mine.path / f"disttrain-oom-test-{os.getpid()}"
+    try:
+        child.mkdir()
+    except OSError as err:
+        pytest.skip(f"cannot make a memory cgroup under {mine.path}: {err.strerror}")
+    try:
+        limit = str(700 << 20)
+        if mine.version == 2:
+            (child / "memory.max").write_text(limit)
+            if (child / "memory.swap.max").exists():
+                (child / "memory.swap.max").write_text("0")
+        else:
+            (child / "memory.limit_in_bytes").write_text(limit)
+            if (child / "memory.memsw.limit_in_bytes").exists():
+                (child / "memory.memsw.limit_in_bytes").write_text(limit)
+        yield child
+    finally:
+        for _ in range(50):  # its processes are gone once the test's command has ended
+            try:
+                child.rmdir()
+                break
+            except OSError:
+                time.sleep(0.2)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_by_the_oom_killer_is_named_so(small_memory_cgroup):
+    """Issue 23: a rank the kernel's OOM killer ended was reported as "killed by SIGKILL", no more."""
+    procs = small_memory_cgroup / "cgroup.procs"
+
+    def enter_cgroup() -> None:  # the whole command (launcher, agent, rank) in the small cgroup
+        procs.write_text(str(os.getpid()))
+
+    result = subprocess.run([sys.executable, "-m", "disttrain", "run", "-n", "1", str(SCRIPTS / "oom_rank.py")],
+                            capture_output=True, text=True, timeout=100, env=cli_env(), preexec_fn=enter_cgroup)
+    assert result.returncode == 137, result.stderr
+    assert "[rank0] allocating" in result.stdout and "not killed" not in result.stdout
+    assert "disttrain: rank 0 on" in result.stderr
+    assert "was killed by the kernel's OOM killer (SIGKILL: out of memory)" in result.stderr
+    assert "(memory cgroup limit 700 MiB)" in result.stderr
+    assert "fix: fewer processes per host, a smaller batch per process, or more memory" in result.stderr
+
+
+def test_oom_evidence_is_read_from_the_cgroup_and_the_kernel_log(tmp_path):
+    """The files as the kernel writes them (fixtures), for machines where the real test cannot run."""
+    from disttrain.agent.oom import MemoryCgroup, OomWatch, kernel_oom_line, memory_cgroup, oom_kill_count
+
+    assert oom_kill_count("low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n") == 2  # v2
+    assert oom_kill_count("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n") == 0  # v1
+    assert oom_kill_count("nothing here\n") is None
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.events").write_text("oom 0\noom_kill 0\n")
+    (v2 / "memory.max").write_text(f"{256 << 20}\n")
+    watch = OomWatch(MemoryCgroup(v2, 2), kmsg=str(tmp_path / "no-kmsg"))
+    assert watch.explain(4242) is None
+    (v2 / "memory.events").write_text("oom 1\noom_kill 1\n")
+    assert watch.explain(4242) == (f"the memory cgroup {v2} counted 1 OOM kill(s) since the workers started "
+                                   "(memory.events) (memory cgroup limit 256 MiB)")
+    (v2 / "memory.max").write_text("max\n")
+    assert MemoryCgroup(v2, 2).limit() is None
+    kmsg = tmp_path / "kmsg"  # /dev/kmsg gives one record per read; a file gives all: the first is read
+    kmsg.write_text("3,812,1,-;Memory cgroup out of memory: Killed process 4242 (python) total-vm:90000kB\n")
+    assert kernel_oom_line(4242, since=0.0, kmsg=str(kmsg)) == \
+        "Memory cgroup out of memory: Killed process 4242 (python) total-vm:90000kB"
+    assert kernel_oom_line(4243, since=0.0, kmsg=str(kmsg)) is None
+    assert kernel_oom_line(4242, since=5.0, kmsg=str(kmsg)) is None  # logged before the workers started
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text("35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n")
+    found = memory_cgroup(mountinfo=str(mountinfo))
+    assert found is None or found.version in (1, 2)  # this process's own cgroup, where the mount matches

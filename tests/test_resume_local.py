@@ -6,6 +6,8 @@ import errno
 import os
 import random
 import signal
+import struct
+import zipfile
 
 import numpy as np
 import pytest
@@ -15,10 +17,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import disttrain
 from disttrain import checkpoint
+from disttrain.checkpoint_layout import MARKER, STATE_FILE, CheckpointLayout
 from disttrain.errors import DisttrainError, UsageError
+from disttrain.runtime import checkpoint_write, preemption, resume, rng
 from disttrain.runtime import context as context_module
-from disttrain.runtime import preemption, resume, rng
-from disttrain.runtime.checkpoint_layout import MARKER, STATE_FILE, CheckpointLayout
 
 SAMPLES, BATCH, EPOCHS = 40, 4, 3  # 10 steps per epoch, 30 in all
 
@@ -60,7 +62,7 @@ class Crash(Exception):
     """Stands for SIGKILL: the process stops between two lines of the loop."""
 
 
-def train(directory, *, every=3, crash_at=None, sigterm_at=None, data=None):
+def train(directory, *, every=3, crash_at=None, sigterm_at=None, data=None, signals=(signal.SIGTERM,)):
     """A loop drawing from every generator (dropout, torch, python, numpy) with an
     Adam optimizer and an epoch-wise LR scheduler; the final weights."""
     random.seed(0)
@@ -84,7 +86,8 @@ def train(directory, *, every=3, crash_at=None, sigterm_at=None, data=None):
             loss.backward()
             optimizer.step()
             if state.step == sigterm_at:
-                os.kill(os.getpid(), signal.SIGTERM)
+                for signum in signals:
+                    os.kill(os.getpid(), signum)
         scheduler.step()
     state.close()
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -114,6 +117,15 @@ def test_resumed_epoch_does_not_read_the_batches_done(ctx, uninterrupted, tmp_pa
     assert len(data.read) == SAMPLES * EPOCHS - 6 * BATCH
 
 
+def test_the_position_is_known_right_after_resume(ctx, tmp_path):
+    """Before: epoch_step was 0 until the epoch's steps began."""
+    with pytest.raises(Crash):
+        train(tmp_path, crash_at=17)  # checkpoint at step 15: epoch 1, 5 of its 10 steps done
+    state = disttrain.resume(tmp_path, model=torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2)))
+    assert (state.step, state.epoch, state.epoch_step, state.resumed_from) == (15, 1, 5, 15)
+
+
 def test_checkpoint_holds_progress_and_every_generator(ctx, tmp_path):
     train(tmp_path, every=4)
     path = checkpoint.latest(tmp_path)
@@ -138,6 +150,22 @@ def test_sigterm_stops_at_the_step_saves_and_exits_143(ctx, uninterrupted, tmp_p
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # close() gave it back
 
 
+def test_ctrl_c_stops_at_the_step_saves_and_exits_130(ctx, uninterrupted, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        train(tmp_path, every=100, sigterm_at=4, signals=(signal.SIGINT,))
+    assert stopped.value.code == 130
+    assert checkpoint.latest(tmp_path).name == "step_00000005"
+    assert f"Ctrl-C (SIGINT): stopped after step 5, saved in {tmp_path}; exiting with 130" in capsys.readouterr().err
+    assert same_weights(train(tmp_path, every=100), uninterrupted)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # close() gave it back
+
+
+def test_a_second_ctrl_c_interrupts_at_once_without_saving(ctx, tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path, every=100, sigterm_at=4, signals=(signal.SIGINT, signal.SIGINT))
+    assert checkpoint.latest(tmp_path) is None
+
+
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(ctx, uninterrupted, tmp_path):
     with pytest.raises(Crash):
         train(tmp_path, every=3, crash_at=20)
@@ -147,6 +175,40 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(ctx, uninterrupted
     (tmp_path / ".tmp-step_00000021-4242").mkdir()  # a writer killed before its rename
     with pytest.warns(UserWarning, match="step_00000018"):
         assert same_weights(train(tmp_path, every=3), uninterrupted)
+
+
+def change_a_weight(path):
+    """One byte inside a tensor's data changed: torch.load still reads the file, silently."""
+    with zipfile.ZipFile(path) as archive:
+        record = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size >= 8)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[record.header_offset + 26:record.header_offset + 30])
+    raw[record.header_offset + 30 + name_len + extra_len + 4] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+def test_a_changed_weight_in_the_newest_checkpoint_is_found_and_skipped(ctx, uninterrupted, tmp_path):
+    """Before: the run resumed from the changed weights without a word."""
+    with pytest.raises(Crash):
+        train(tmp_path, every=3, crash_at=20)
+    newest = checkpoint.latest(tmp_path)
+    change_a_weight(newest / STATE_FILE)
+    torch.load(newest / STATE_FILE, weights_only=True)  # still loads
+    with pytest.warns(UserWarning) as seen:
+        assert same_weights(train(tmp_path, every=3), uninterrupted)  # from step 15
+    skipped = [str(w.message) for w in seen if "skipping" in str(w.message)]
+    assert skipped == [f"disttrain: skipping checkpoint {newest}: {STATE_FILE} does not match its sha256 "
+                       "digest (changed after it was written); trying the one before"]
+
+
+def test_no_whole_checkpoint_left_is_one_error(ctx, tmp_path):
+    with pytest.raises(Crash):
+        train(tmp_path, every=3, crash_at=8)  # steps 3 and 6
+    for path in sorted(tmp_path.iterdir()):
+        (path / STATE_FILE).write_bytes((path / STATE_FILE).read_bytes()[:-10])
+    with pytest.warns(UserWarning, match="skipping"), \
+            pytest.raises(DisttrainError, match=f"no whole checkpoint left in {tmp_path}: all 2 are damaged"):
+        train(tmp_path)
 
 
 def test_hostile_rank_file_is_refused(ctx, tmp_path):
@@ -174,6 +236,11 @@ def test_no_directory_counts_only(ctx, tmp_path, monkeypatch):
 def test_environment_gives_the_defaults(ctx, tmp_path, monkeypatch):
     monkeypatch.setenv("DISTTRAIN_CHECKPOINT_DIR", str(tmp_path / "ck"))
     monkeypatch.setenv("DISTTRAIN_CHECKPOINT_EVERY", "7")
+    # The launcher's contract is read once, by init(): a context made before the variables
+    # were set does not see them.
+    assert disttrain.resume(model=torch.nn.Linear(2, 2)).directory is None
+    disttrain.shutdown()
+    disttrain.init()
     state = disttrain.resume(model=torch.nn.Linear(2, 2))
     assert (state.directory, state.every) == (tmp_path / "ck", 7)
     assert disttrain.resume(tmp_path / "mine", every=2, model=torch.nn.Linear(2, 2)).every == 2
@@ -198,7 +265,7 @@ def disk_full(path, write):
 
 
 def test_full_disk_is_one_clear_error_and_leaves_nothing(ctx, tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "write_durably", disk_full)
+    monkeypatch.setattr(checkpoint_write, "write_durably", disk_full)
     state = disttrain.resume(tmp_path / "ck", model=torch.nn.Linear(2, 2))
     with pytest.raises(DisttrainError, match=r"cannot write checkpoint directory .*ck.*No space left"):
         state.save()
@@ -206,7 +273,7 @@ def test_full_disk_is_one_clear_error_and_leaves_nothing(ctx, tmp_path, monkeypa
 
 
 def test_periodic_save_failing_exits_with_one_line(ctx, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(checkpoint, "write_durably", disk_full)
+    monkeypatch.setattr(checkpoint_write, "write_durably", disk_full)
     with pytest.raises(SystemExit) as stopped:
         train(tmp_path, every=2)
     assert stopped.value.code == 1

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from _launch import run_single, worker_env
+from _launch import kill_tree, launch_argv, run_ranks, run_single, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mnist_convnet.py"
@@ -106,6 +110,81 @@ def test_other_world_size_resumes_with_a_warning(preempted, tmp_path):
     assert "saved by 2 ranks and is resumed by 1" in result.stderr
     assert "cannot be bit-for-bit the run that never stopped" in result.stderr
     assert (tmp_path / "model.pt").is_file()
+
+
+SHARDED_TRAIN = Path(__file__).parent / "scripts" / "sharded_train.py"
+
+
+def logged_steps(out: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted(out.glob("rank*.jsonl")) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_more_ranks_resume_the_epoch_repeating_only_padding(tmp_path):
+    """1 rank saves after 40 of the epoch's 64 samples; 3 ranks train the other 24, 8 each.
+    Before: each new rank started at position 40 // 3 = 13 of its shard, so rank 0 trained
+    the sample at position 39 a second time, beyond the sampler's padding."""
+    common = ["--strategy", "ddp", "--ckpt", tmp_path / "ckpt", "--every", "5", "--dropout", "0"]
+    one = run_single(SHARDED_TRAIN, [tmp_path / "one", *common, "--die-at", "12"], timeout=150)
+    assert one.returncode != 0 and checkpoint_steps(tmp_path / "ckpt") == [5, 10]
+    three = run_ranks(SHARDED_TRAIN, 3, [tmp_path / "three", *common], timeout=200)
+    assert three.returncode == 0, three.stderr[-3000:]
+    assert "resuming from step 10" in three.stderr
+    before = [s for s in logged_steps(tmp_path / "one") if s["step"] < 10]
+    after = logged_steps(tmp_path / "three")
+    seen = Counter(i for s in before + after if s["epoch"] == 0 for i in s["idx"])
+    assert set(seen) == set(range(64))  # none skipped
+    padding = -(64 - 40) % 3  # what the rest of the epoch needs to divide among 3 ranks: none here
+    assert sum(seen.values()) - 64 <= padding, [i for i, n in seen.items() if n > 1]
+    assert sorted(s["step"] for s in after if s["epoch"] == 0) == [10] * 3 + [11] * 3  # 8 samples each: 2 steps
+
+
+def ctrl_c(out: Path, *args) -> subprocess.CompletedProcess:
+    """Press Ctrl-C in a terminal running 2 ranks of a long run: SIGINT to the launcher's
+    process group, once rank 0 has logged a few steps."""
+    argv = launch_argv(SHARDED_TRAIN, 2, [out, "--strategy", "ddp", "--epochs", "1000", *args])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        log = out / "rank0.jsonl"
+        while not (log.is_file() and len(log.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc.pid)
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_saves_like_sigterm_and_says_so_in_one_line(tmp_path):
+    """Before: each rank printed a ~40-line KeyboardInterrupt traceback, and nothing was saved."""
+    ckpt = tmp_path / "ckpt"
+    result = ctrl_c(tmp_path / "out", "--ckpt", ckpt, "--every", "1000")
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, result.stderr[-3000:]
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("[rank")]
+    stopped_at = int(line.split("stopped after step ")[1].split(",")[0])
+    assert line == (f"[rank0] disttrain: Ctrl-C (SIGINT): stopped after step {stopped_at}, saved in {ckpt}; "
+                    "exiting with 130, the next run resumes there")
+    assert checkpoint_steps(ckpt) == [stopped_at]
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_without_checkpoints_is_one_line_per_rank(tmp_path):
+    result = ctrl_c(tmp_path / "out")
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, result.stderr[-3000:]
+    lines = sorted(x for x in result.stderr.splitlines() if x.startswith("[rank"))
+    assert [x.split(" at ")[0] for x in lines] == [
+        f"[rank{r}] disttrain: rank {r}: interrupted by Ctrl-C (SIGINT)" for r in (0, 1)], lines
+    assert all(x.endswith(", without saving a checkpoint") and "sharded_train.py:" in x for x in lines)
+
+
+def checkpoint_steps(ckpt: Path) -> list[int]:
+    return sorted(int(p.name[len("step_"):]) for p in ckpt.iterdir())
 
 
 RESTARTS = 3

@@ -277,7 +277,7 @@ def test_teardown_kills_everything_in_the_namespaces_and_removes_them():
     with Cluster(2) as c:
         names = {n.netns for n in c.nodes}
         ids = [c.ns_id(n) for n in c.nodes]
-        sshd = [int((c.workdir / f"sshd_{n.name}.pid").read_text()) for n in c.nodes]
+        sshd = [c.sshd_pid(n) for n in c.nodes]
         workdir = c.workdir
         assert c.processes_in("node0") == [] and c.processes_in("node1") == []
         # a local process, one that ignores SIGTERM, and a remote command orphaned by

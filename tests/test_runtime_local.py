@@ -1,5 +1,6 @@
 """The runtime in this very process, a world of one: prepare, metrics, checkpoints."""
 
+import json
 import math
 from collections import namedtuple
 
@@ -9,9 +10,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import disttrain
 from disttrain import checkpoint
+from disttrain.checkpoint_layout import MARKER, STATE_FILE, hash_file
 from disttrain.errors import DisttrainError, UsageError
 from disttrain.runtime import loop
-from disttrain.runtime.checkpoint_layout import MARKER, STATE_FILE
 from disttrain.runtime.samplers import EvalShardSampler
 
 
@@ -159,10 +160,21 @@ class Payload:
     """Stands for anything a pickle could smuggle in."""
 
 
+def rewrite_digest(step_dir, name):
+    """What a writer trusted to change the file would do: record its new digest."""
+    meta = json.loads((step_dir / MARKER).read_text())
+    meta["digests"][name] = hash_file(step_dir / name)
+    (step_dir / MARKER).write_text(json.dumps(meta))
+
+
 def test_weights_only_refuses_arbitrary_objects(ctx, tmp_path):
     checkpoint.save(tmp_path, step=1, value=1)
     target = tmp_path / "step_00000001" / STATE_FILE
     torch.save({"step": 1, "value": Payload()}, target)
+    # Its digest no longer matches, but a file holding code is refused, not skipped as damage.
+    with pytest.raises(DisttrainError, match="weights_only=False"):
+        checkpoint.load_latest(tmp_path)
+    rewrite_digest(target.parent, STATE_FILE)
     with pytest.raises(DisttrainError, match="weights_only=False"):
         checkpoint.load_latest(tmp_path)
     assert isinstance(checkpoint.load_latest(tmp_path, weights_only=False)["value"], Payload)

@@ -10,7 +10,8 @@ import torch
 import disttrain
 from disttrain.errors import UsageError
 from disttrain.runtime.precision import resolve
-from disttrain.runtime.strategy import PrepareOptions, default_blocks, select_blocks
+from disttrain.runtime.strategies import PrepareOptions
+from disttrain.runtime.strategies.fsdp import default_blocks, select_blocks
 
 
 class Block(torch.nn.Module):

@@ -187,6 +187,60 @@ def test_max_run_exceeded_is_failed(sm_home, capsys):
     assert f"job {described['TrainingJobName']}" in shown and "MaxRuntimeExceeded" in shown
 
 
+
+def test_max_run_that_fires_before_the_launch_starts_is_failed(sm_home, monkeypatch):
+    """The max_run timer's SIGTERM reaching the runner outside the launch (here: a slow probe of
+    the instances, before the launch stops on SIGTERM itself) was recorded Stopped, "stopped by
+    SIGTERM" (issue 27); whichever of max_run and a stop comes first decides the record, once."""
+    import time as clock
+
+    from disttrain.jobs.runner import run_job
+    from disttrain.jobs.spec import spec_from_mapping
+    from disttrain.launch.local import InstancesLauncher
+
+    write(sm_home / "src" / "quick.py", "print('ran', flush=True)\n")
+    probed = []
+
+    def slow_facts(self, spec, ctx):
+        probed.append(True)
+        clock.sleep(30)  # max_run (1 s) ends while the instances are being probed
+        raise AssertionError("max_run did not stop the job")
+
+    monkeypatch.setattr(InstancesLauncher, "facts", slow_facts)
+    spec = spec_from_mapping({"name": "slowstart", "entry_point": "quick.py", "source_dir": "src", "max_run": 1,
+                              "private_opt_ml": "off"}, base_dir=sm_home)
+    record = run_job(spec)
+    assert probed and str(record.state) == "Failed", record.failure
+    assert record.failure.startswith("MaxRuntimeExceeded") and record.exit_code == 143
+
+
+
+def test_max_run_and_the_end_of_the_launch_decide_the_outcome_once(tmp_path):
+    """Whichever comes first wins: a launch that ended (or a stop that reached the runner) before
+    max_run fired stays as it ended; a max_run that fired first is the outcome whatever follows."""
+    import signal as signals
+
+    from disttrain.jobs.container import Watch
+    from disttrain.jobs.layout import JobLayout
+    from disttrain.jobs.spec import spec_from_mapping
+
+    spec = spec_from_mapping({"name": "w", "entry_point": "x.py", "max_run": 60}, base_dir=tmp_path)
+    layout = JobLayout(tmp_path / "job", ("algo-1",))
+    received: list[int] = []
+    previous = signals.signal(signals.SIGTERM, lambda signum, _frame: received.append(signum))
+    try:
+        ended_first = Watch(spec, layout, tmp_path / "jobs.db", 1, say=lambda _line: None)
+        assert ended_first.settle() is None
+        ended_first._expire()  # the timer firing a moment too late
+        assert (ended_first.timed_out, received) == (False, [])
+        fired_first = Watch(spec, layout, tmp_path / "jobs.db", 1, say=lambda _line: None)
+        fired_first._expire()
+        assert fired_first.settle().startswith("MaxRuntimeExceeded") and received == [signals.SIGTERM]
+        assert fired_first.settle().startswith("MaxRuntimeExceeded")  # asked again: the same answer
+    finally:
+        signals.signal(signals.SIGTERM, previous)
+
+
 CHECKPOINT_SCRIPT = """\
     import os
     path = "/opt/ml/checkpoints/step.txt"
@@ -274,14 +328,17 @@ def test_requirements_txt_into_the_jobs_own_environment(sm_home):
 
 
 PS_SCRIPT = """\
-    import json, os, time
+    import json, os, socket, sys, time
     cfg = json.loads(os.environ["TF_CONFIG"])
     task = cfg["task"]
+    if task["type"] == "ps":
+        time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)  # --ps-start S: slow to start
     out = os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], f"{task['type']}.json")
     with open(out, "w") as fh:
         json.dump(cfg, fh)
-    if task["type"] == "ps":
-        time.sleep(300)  # a ps task serves until the job ends
+    if task["type"] == "ps":  # a ps task serves on its address until the job ends, as TF's Server
+        server = socket.create_server(("", int(cfg["cluster"]["ps"][task["index"]].rsplit(":", 1)[1])))
+        time.sleep(300)
 """
 
 
@@ -300,6 +357,24 @@ def test_parameter_server_tf_config_per_instance(sm_home):
     assert sorted(master["cluster"]) == ["master", "ps", "worker"] and len(master["cluster"]["ps"]) == 2
     assert master["task"] == {"type": "master", "index": 0} and worker["task"] == {"type": "worker", "index": 0}
     assert [p["task"] for p in ps] == [{"type": "ps", "index": 0}, {"type": "ps", "index": 1}]
+
+
+
+def test_parameter_server_ps_task_slow_to_start_is_kept_until_it_serves(sm_home):
+    """A ps task still starting (imports on a loaded machine) when the master's task ended was
+    stopped before it wrote anything: the job Completed without its output (issue 27). The ps task
+    is now stopped once it serves on its address (or has ended)."""
+    from disttrain.sagemaker.tensorflow import TensorFlow
+
+    write(sm_home / "src" / "ps.py", PS_SCRIPT)
+    est = TensorFlow(entry_point="ps.py", source_dir="src", instance_count=1, model_dir=False,
+                     hyperparameters={"ps-start": 3}, distribution={"parameter_server": {"enabled": True}},
+                     disttrain={"private_opt_ml": "off"})
+    est.fit()
+    job_dir = Path(est.latest_training_job.describe()["JobDir"])
+    assert (job_dir / "algo-1" / "output" / "data" / "master.json").exists()
+    ps = json.loads((job_dir / "algo-1" / "output" / "data" / "ps.json").read_text())
+    assert ps["task"] == {"type": "ps", "index": 0}
 
 
 def test_contract_units():
@@ -337,7 +412,8 @@ MPI_SCRIPT = """\
 
     comm = MPI.COMM_WORLD
     total = comm.allreduce(comm.Get_rank() + 1)
-    print(f"rank {comm.Get_rank()} of {comm.Get_size()} on {os.environ['SM_CURRENT_HOST']} sum={total}", flush=True)
+    print(f"rank {comm.Get_rank()} of {comm.Get_size()} on {os.environ['SM_CURRENT_HOST']} sum={total} "
+          f"FOO={os.environ.get('FOO')}", flush=True)
     if comm.Get_rank() == 0:
         with open(os.path.join(os.environ["SM_MODEL_DIR"], "sum.txt"), "w") as fh:
             fh.write(str(total))
@@ -358,8 +434,9 @@ def test_mpi_two_processes(sm_home):
     est.fit()
     job_dir = Path(est.latest_training_job.describe()["JobDir"])
     log = (job_dir / "logs" / "job.log").read_text()
-    assert "[algo-1 rank0] rank 0 of 2 on algo-1 sum=3" in log
-    assert "[algo-2 rank1] rank 1 of 2 on algo-2 sum=3" in log
+    # custom_mpi_options reach every instance's ranks (mpirun applies -x to one application context)
+    assert "[algo-1 rank0] rank 0 of 2 on algo-1 sum=3 FOO=1" in log
+    assert "[algo-2 rank1] rank 1 of 2 on algo-2 sum=3 FOO=1" in log
     assert (job_dir / "algo-1" / "model" / "sum.txt").read_text() == "3"
 
 
@@ -470,7 +547,7 @@ def test_mpirun_output_and_metric_definitions_units():
     assert untag.feed("mpirun's own line\n") == ["mpirun's own line\n"]
     assert untag.feed("[1,2]<stderr>:no newline yet") == []
     assert untag.flush() == ["[algo-2 rank2] no newline yet\n"]
-    defs = check_definitions([{"Name": "loss", "Regex": r"loss=([0-9.e+-]+)"}, {"Name": "n", "Regex": r"\d+"}])
+    defs = check_definitions([{"Name": "loss", "Regex": r"loss=([0-9.e+-]+)"}, {"Name": "n", "Regex": r"(\d+)"}])
     assert match_line(defs, "step 3 loss=2.5e-03") == [("loss", 0.0025), ("n", 3.0), ("n", 2.0), ("n", 5.0), ("n", 3.0)]
     with pytest.raises(UsageError, match=r"metric_definitions\[0\].Regex '\(' is not a regular expression"):
         check_definitions([{"Name": "x", "Regex": "("}])

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import multiprocessing
+import random
+import signal
 import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
+from conftest import SCRIPTS
 from disttrain.store import FINAL, TRANSITIONS, JobState, JobStore, TransitionError
 
 HAPPY_PATH = (JobState.STAGING, JobState.RUNNING, JobState.UPLOADING, JobState.COMPLETED)
@@ -119,3 +127,169 @@ def test_a_store_from_before_slurm_jobs_gains_the_slurm_job_id_column(tmp_path):
         assert job.slurm_job_id == "42" and store.get("new").to_dict()["slurm_job_id"] == "42"
     with JobStore(path) as again:  # opened once more: nothing to add
         assert again.get("new").slurm_job_id == "42" and again.integrity() == "ok"
+
+
+class Driver:
+    """A process holding the store, moved one step at a time (tests/scripts/store_driver.py)."""
+
+    def __init__(self, path: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(SCRIPTS / "store_driver.py"), str(path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def __call__(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline().split(maxsplit=1)
+        assert answer and answer[0] == "ok", f"{command}: {answer}"
+        return answer[1].strip()
+
+    def end(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        finally:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def drivers(tmp_path):
+    started: list[Driver] = []
+
+    def start() -> Driver:
+        started.append(Driver(tmp_path / "jobs.db"))
+        return started[-1]
+
+    yield start
+    for driver in started:
+        driver.end()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("aside", ["reopen", "private"])
+def test_a_commit_survives_a_second_open_in_the_runners_process(drivers, aside):
+    """Issue 23's lost write: a second JobStore (or make_private) in the runner's process dropped its
+    SQLite locks, so the next process to close checkpointed and deleted the WAL the runner wrote into."""
+    runner = drivers()
+    runner("open")
+    job = runner("create lost")
+    for state in ("Staging", "Running"):
+        runner(f"to {job} {state}")
+    runner(aside)  # the metrics follower's store, opened and closed (or make_private on the open file)
+    other = drivers()
+    assert [other("open"), other(f"get {job}"), other("close")] == ["opened", "Running", "closed"]
+    assert [runner(f"to {job} Uploading"), runner(f"to {job} Completed")] == ["Uploading", "Completed"]
+    third = drivers()
+    third("open")
+    assert third(f"get {job}") == "Completed"
+    runner("close")
+    assert third(f"get {job}") == "Completed"
+    fourth = drivers()
+    assert [fourth("open"), fourth(f"get {job}"), fourth("close")] == ["opened", "Completed", "closed"]
+    third("close")
+    last = drivers()
+    assert [last("open"), last(f"get {job}"), last("close")] == ["opened", "Completed", "closed"]
+
+
+def _reached(lines: list[str]) -> tuple[str | None, str | None, int, int]:
+    """(last state committed, state being committed when it stopped, metric points done, tried)."""
+    done = tried = None
+    points = tries = 0
+    for line in lines:
+        word, what, *_ = line.split()
+        if what == "metric":
+            points += word == "done"
+            tries += word == "try"
+        elif word == "done":
+            done, tried = "Pending" if what == "create" else what, None
+        else:
+            tried = "Pending" if what == "create" else what
+    return done, tried, points, tries
+
+
+@pytest.mark.timeout(90)
+def test_runners_killed_at_random_leave_every_record_where_its_runner_got(tmp_path):
+    """≥ 12 runners at once, each with a metrics follower, readers opening and closing the store
+    around them, some runners SIGKILLed at random moments: every record ends in the state its
+    runner last committed, with every metric point it committed."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    path = tmp_path / "jobs.db"
+    script = str(SCRIPTS / "store_runner.py")
+    names = [f"r{k}" for k in range(24)]
+    runners = {name: subprocess.Popen([sys.executable, script, str(path), name, str(rng.randrange(1 << 30))],
+                                      stdout=subprocess.PIPE, text=True) for name in names}
+    readers = [subprocess.Popen([sys.executable, script, str(path), "--reader"]) for _ in range(3)]
+    # Half the runners are killed after a random line of their output (a full run prints 18), a
+    # random moment later: before, inside or after any commit of the runner or its follower.
+    doomed = {name: (rng.randrange(1, 18), rng.uniform(0.0, 0.02)) for name in rng.sample(names, len(names) // 2)}
+    outputs: dict[str, list[str]] = {name: [] for name in names}
+
+    def follow(name: str) -> None:
+        proc = runners[name]
+        for line in proc.stdout:
+            outputs[name].append(line.strip())
+            if name in doomed and len(outputs[name]) == doomed[name][0]:
+                time.sleep(doomed[name][1])
+                proc.send_signal(signal.SIGKILL)
+
+    followers = [threading.Thread(target=follow, args=(name,)) for name in names]
+    try:
+        for thread in followers:
+            thread.start()
+        for proc in runners.values():
+            proc.wait(timeout=60)
+        assert [reader.poll() for reader in readers] == [None] * len(readers)  # still reading
+    finally:
+        for proc in [*runners.values(), *readers]:
+            proc.kill()
+            proc.wait()
+        for thread in followers:
+            thread.join(timeout=10)
+    counts: dict[str, int] = {}
+    with JobStore(path) as store:
+        assert store.integrity() == "ok"
+        for name, proc in runners.items():
+            done, tried, points, tries = _reached(outputs[name])
+            if proc.returncode == 0:
+                assert (done, tried) == ("Completed", None), (name, outputs[name])
+            else:
+                assert name in doomed and proc.returncode == -signal.SIGKILL, (name, proc.returncode)
+            recorded = store.list()
+            record = next((r for r in recorded if r.name == name), None)
+            state = str(record.state) if record else None
+            assert state in {done, tried}, f"seed {seed}: {name} reached {done} (trying {tried}), recorded {state}"
+            kept = len(store.metric_series(record.id).get("loss", [])) if record else 0
+            assert points <= kept <= tries, f"seed {seed}: {name} committed {points} point(s), recorded {kept}"
+            counts[state or "none"] = counts.get(state or "none", 0) + 1
+    print(f"seed {seed}: {len(doomed)} of {len(names)} runners killed; records: {counts}")
+
+
+def test_stores_of_one_process_share_a_connection_and_outlive_each_other(tmp_path):
+    path = tmp_path / "jobs.db"
+    first = JobStore(path)
+    job = first.create(name="shared", spec={}, job_dir="/jobs/shared")
+    with JobStore(tmp_path / "." / "jobs.db") as second:  # the same file by another spelling
+        second.transition(job.id, JobState.STAGING)
+        second.close()  # closing twice is harmless
+    assert first.transition(job.id, JobState.RUNNING).state is JobState.RUNNING  # still open
+    errors: list[BaseException] = []
+
+    def points(k: int) -> None:
+        try:
+            with JobStore(path) as store:  # another thread's store: the same connection, under its lock
+                for i in range(50):
+                    store.add_metrics(job.id, [(f"m{k}", float(i), float(i))])
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=points, args=(k,)) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    for _ in range(20):
+        first.get(job.id)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    assert {name: len(series) for name, series in first.metric_series(job.id).items()} == {"m0": 50, "m1": 50, "m2": 50}
+    first.close()

@@ -99,3 +99,17 @@ def test_two_ranks_reduce_the_validation_metrics(tmp_path, strategy):
     assert sum(x.startswith("[rank0] epoch 0 step 0/") for x in result.stdout.splitlines()) == 1
     run_dir = Path(result.stderr.split("logs: ")[1].split()[0])
     assert len((run_dir / METRICS_FILE).read_text().splitlines()) == 2  # rank 0 writes, once
+    # TensorBoard's scalars, written without importing TensorFlow (installed here): before,
+    # torch.utils.tensorboard imported it after epoch 0, seconds of CPU inside the run.
+    assert report["tensorflow_imported"] is False
+    assert tensorboard_scalars(run_dir / "tensorboard", "val_top1") == [(0, pytest.approx(report["history"][0])),
+                                                                         (1, pytest.approx(report["last"]["val_top1"]))]
+
+
+def tensorboard_scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = logdir.glob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    return [(e.step, e.value) for e in accumulator.Scalars(tag)]

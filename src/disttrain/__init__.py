@@ -17,7 +17,7 @@ _EXPORTS = {
     "shutdown": "runtime.context",
     "Context": "runtime.context",
     "prepare": "runtime.data",
-    "unwrap": "runtime.data",
+    "unwrap": "runtime.strategies",
     "epochs": "runtime.loop",
     "resume": "runtime.resume",
     "TrainingState": "runtime.resume",
@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import checkpoint
     from .runtime.accumulate import Accumulator, accumulate, clip_grad_norm_
     from .runtime.context import Context, context, init, shutdown
-    from .runtime.data import prepare, unwrap
+    from .runtime.data import prepare
     from .runtime.loop import epochs
     from .runtime.metrics import (
         AverageMeter,
@@ -70,4 +70,5 @@ if TYPE_CHECKING:  # pragma: no cover
         topk_correct,
     )
     from .runtime.resume import TrainingState, resume
+    from .runtime.strategies import unwrap
     from .trainer import Trainer

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,32 @@ def write_private(path: str | os.PathLike, text: str) -> Path:
 
 
 def make_private(path: str | os.PathLike) -> None:
-    """Create ``path`` empty as 0600 if it does not exist; make it 0600 if it does and is ours."""
+    """Create ``path`` empty as 0600 if it does not exist; make it 0600 if it does and is ours.
+
+    Never opens ``path`` itself: it may be a SQLite database that this process already has open,
+    and closing any descriptor of a file drops every POSIX lock the process holds on it (SQLite's
+    locks, then its WAL is checkpointed and deleted under it by another process). A new file is
+    made 0600 under a temporary name and hard-linked into place, so it appears private and closed;
+    an existing one is only ``chmod``-ed, which touches no lock.
+    """
+    path = Path(path)
     try:
-        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
-        if os.stat(path).st_uid == os.getuid():
+        if not path.exists():
+            _link_new(path)
+        if path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o777 != 0o600:
             os.chmod(path, 0o600)
     except OSError:
         pass  # the caller's own open reports an unusable path, in its words
+
+
+def _link_new(path: Path) -> None:
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".new")  # 0600
+    os.close(fd)
+    try:
+        os.link(temp, path)
+    except FileExistsError:
+        pass  # made meanwhile by another process: it is the one to use
+    except OSError:  # no hard links here (some FUSE file systems): the file is made by its user,
+        pass  # then chmod-ed, private from then on
+    finally:
+        os.unlink(temp)

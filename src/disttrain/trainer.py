@@ -13,7 +13,8 @@ A small loop on top of the runtime, for those who want one: it calls
 first metric, checkpoints after every epoch and resumes from the newest checkpoint. Rank 0
 shows progress, appends one JSON line per epoch to ``metrics.jsonl`` in the run folder
 (``disttrain run`` sets it) and, when tensorboard is installed, writes the same numbers as
-TensorBoard scalars there. Anything it does not do is a plain loop away: the runtime
+TensorBoard scalars there (with tensorboard's record writer: ``torch.utils.tensorboard``
+would import TensorFlow where it is installed). Anything it does not do is a plain loop away: the runtime
 underneath is the same.
 """
 
@@ -31,13 +32,13 @@ from typing import Any
 import torch
 
 from .errors import UsageError
-from .runtime import checkpoint
+from .runtime import checkpoint, strategies
 from .runtime.accumulate import Accumulator
 from .runtime.context import context
-from .runtime.data import prepare, unwrap
+from .runtime.data import prepare
 from .runtime.loop import epochs as epoch_range
-from .runtime.metrics import MeanMeter, print0, reduce_max, reduce_mean, reduce_sum, topk_correct
-from .workerenv import WorkerEnv
+from .runtime.metrics import MeanMeter, barrier, print0, reduce_max, reduce_mean, reduce_sum, topk_correct
+from .tbevents import EventFile
 
 __all__ = ["Trainer"]
 
@@ -87,7 +88,8 @@ class Trainer:
         if loss_fn is None:
             raise UsageError("Trainer(loss_fn=...): give the loss, e.g. torch.nn.functional.cross_entropy")
         self.metrics = _metrics(metrics)  # before prepare(): a typo should cost nothing
-        env = WorkerEnv.from_environ()
+        ctx = context()
+        env = ctx.env
         loaders = [train_loader] + ([val_loader] if val_loader is not None else [])
         self.ddp_model, self.optimizer, *prepared = prepare(
             model, optimizer, *loaders, strategy=strategy, mixed_precision=mixed_precision)
@@ -95,8 +97,9 @@ class Trainer:
                                 clip_grad_norm=clip_grad_norm)
         # DDP: validated unwrapped (see EvalShardSampler). FSDP: every forward gathers the
         # shards from all ranks, so validation runs the sharded model on every rank.
-        self.sharded = strategy == "fsdp" and context().distributed
-        self.model = self.ddp_model if self.sharded else unwrap(self.ddp_model)
+        strategy_used = strategies.of(self.ddp_model, ctx)
+        self.sharded = strategy_used.collective_forward
+        self.model = strategy_used.eval_model(self.ddp_model)
         self.train_loader = prepared[0]
         self.val_loader = prepared[1] if val_loader is not None else None
         self.loss_fn, self.scheduler = loss_fn, scheduler
@@ -137,6 +140,9 @@ class Trainer:
     def train_epoch(self, epoch: int) -> dict[str, float]:
         self.ddp_model.train()
         loss_meter = MeanMeter()
+        # The clock starts with every rank here: rank 0's writing after the last epoch (its
+        # metrics, the best model) would otherwise count in the other ranks' first step.
+        barrier()
         start = time.perf_counter()
         batches = self._bar(self.train_loader, epoch)
         for step, (inputs, target) in enumerate(batches):
@@ -245,21 +251,11 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.run_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
-        writer = self._tensorboard()
-        if writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "epoch":
-                    writer.add_scalar(key, value, record["epoch"])
-            writer.flush()
-
-    def _tensorboard(self) -> Any:
-        if self._writer is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is optional
-                return None
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-        return self._writer
+        if self._writer is None:  # None again without tensorboard: it is optional
+            self._writer = EventFile.open(self.run_dir / "tensorboard")
+        if self._writer is not None:
+            self._writer.scalars({key: value for key, value in record.items()
+                                  if isinstance(value, (int, float)) and key != "epoch"}, step=record["epoch"])
 
     def _bar(self, loader: Iterable, epoch: int) -> Iterable:
         """tqdm on rank 0 at a terminal; through a launcher's pipes (where a redrawn bar

@@ -41,6 +41,9 @@ BENCH_EXIT = "DISTTRAIN_BENCH_EXIT"
 # Set by ``disttrain bench --comm``: DDP exchanges no gradients (torch's no-op hook), to time
 # the same steps without communication.
 BENCH_NO_SYNC = "DISTTRAIN_BENCH_NO_SYNC"
+# Set by ``disttrain bench --comm`` for its compute reference: denormal floats flushed to zero,
+# the fastest the same arithmetic can go (see disttrain.scaling.comm).
+BENCH_FLUSH_DENORMAL = "DISTTRAIN_BENCH_FLUSH_DENORMAL"
 BENCH_MARKER = "disttrain-bench:"  # rank 0's result line on stdout starts with it
 DEFAULT_PG_TIMEOUT_S = 300
 

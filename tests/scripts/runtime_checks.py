@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import disttrain
 import disttrain.errors
 from disttrain import checkpoint
-from disttrain.runtime.data import unwrap
+from disttrain.runtime.strategies import unwrap
 
 out_dir, ckpt_dir = Path(sys.argv[1]), Path(sys.argv[2])
 ctx = disttrain.init()

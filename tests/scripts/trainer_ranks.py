@@ -28,4 +28,6 @@ history = trainer.fit(2)
 with torch.no_grad():  # on every rank: a sharded model's forward is a collective
     hits = int((trainer.model(val.tensors[0]).argmax(1) == val.tensors[1]).sum())
 if disttrain.context().is_main:
-    print(json.dumps({"last": history[-1], "whole_val_top1": hits / len(val)}), flush=True)
+    print(json.dumps({"last": history[-1], "whole_val_top1": hits / len(val),
+                      "tensorflow_imported": "tensorflow" in sys.modules,
+                      "history": [r["val_top1"] for r in history]}), flush=True)

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from typing import TextIO
 
@@ -28,6 +29,7 @@ from . import elastic_agent, lifeline
 from .attempt_store import AttemptStores
 from .elastic_agent import Regroups
 from .elastic_config import endpoint, launch_config
+from .oom import OomWatch
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, format_failure, root_cause, shell_exit_code
@@ -50,6 +52,23 @@ def _exported(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _handlers_kept() -> Iterator[None]:
+    """torch's worker group sets its own handlers for the stop signals and leaves them set; a
+    node run in a program's own process (the local launcher) gives the program its own back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # torch sets no handler outside the main thread either
+        return
+    signals = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: set from C, cannot be put back from Python
+                signal.signal(sig, handler)
 
 
 def _quiet_torch_elastic() -> None:
@@ -186,7 +205,8 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
     stores = AttemptStores(plan, node)
-    with _exported(env), _watchdog(plan, node, link) as dog, _elastic(plan, node, link) as agents, RendezvousWait(
+    with _handlers_kept(), _exported(env), _watchdog(plan, node, link) as dog, _elastic(plan, node, link) as agents, \
+            RendezvousWait(
             awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(stores)
@@ -195,6 +215,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                 entry, args = run_path, list(plan.argv[2:])
             else:  # each worker dies with this agent, even when it is SIGKILLed (see lifeline.py)
                 entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable)
+            oom = OomWatch()  # the kernel's OOM kills from now on: a worker's SIGKILL may be one
             elastic_launch(config, entry)(*args)
             if agents:  # an elastic job: the rendezvous store's host stays until the others have left it
                 stores.farewell(agents[-1].get_worker_group().group_world_size,
@@ -204,7 +225,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             first = root_cause(failures, plan.run_dir)
             failed = {f.rank for f in failures}
             finished = tuple(w.rank for w in node.workers if w.rank not in failed)
-            print(format_failure(first, failures, plan.run_dir, finished=finished),
+            print(format_failure(first, failures, plan.run_dir, finished=finished, oom=oom),
                   file=report_to, flush=True)
             return first.exit_code
         except SignalException as err:

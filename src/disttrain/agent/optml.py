@@ -15,8 +15,14 @@ machine's ``/opt`` entries bound back in, plus ``ml``.
 - other users: bubblewrap (``bwrap``, Debian's ``bubblewrap``), which makes the user namespace
   needed to mount without privileges.
 
-Run as a file (``python -S -E optml.py INSTANCE_DIR -- CMD...``) before every worker: standard
-library only, no package import at start-up.
+Inside the namespace the instance's SageMaker host names resolve too: where the job wrote a
+hosts file beside the instance folder (:func:`hosts_file`: ``ADDRESS algo-K`` lines), the
+namespace's ``/etc/hosts`` is the machine's own plus those lines, so ``algo-1`` (SDK v3's
+``SM_MASTER_ADDR``, ``torchrun --master_addr algo-1``) reaches the first instance. The merged
+file is made on the machine the processes run on (:func:`etc_hosts`), next to the hosts file.
+
+Run as a file (``python -S -E optml.py INSTANCE_DIR [--etc-hosts FILE] -- CMD...``) before every
+worker: standard library only, no package import at start-up.
 """
 
 from __future__ import annotations
@@ -57,11 +63,41 @@ def namespace_tool() -> tuple[str | None, str]:
     return tool, ""
 
 
+def hosts_file(instance_dir: str) -> str:
+    """Where a job puts the host names its instances resolve (``ADDRESS NAME`` lines): beside the
+    instance's folder, so that it is not under /opt/ml."""
+    return os.path.normpath(instance_dir) + ".hosts"
+
+
+def etc_hosts(instance_dir: str) -> str | None:
+    """This machine's ``/etc/hosts`` plus the job's host names, written beside the instance folder
+    (whole or not at all); None when the job wrote no hosts file."""
+    try:
+        with open(hosts_file(instance_dir)) as fh:
+            names = fh.read()
+    except FileNotFoundError:
+        return None
+    try:
+        with open("/etc/hosts") as fh:
+            machine = fh.read()
+    except OSError:
+        machine = ""
+    merged = os.path.normpath(instance_dir) + ".etc_hosts"
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(merged), prefix=".etc_hosts.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(machine.rstrip("\n") + "\n# the job's instances (disttrain)\n" + names)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, merged)
+    return merged
+
+
 def prefix(tool: str, instance_dir: str) -> list[str]:
     """The argv that runs a command with ``instance_dir`` at /opt/ml (the command follows)."""
+    hosts = etc_hosts(instance_dir)
     if tool == "unshare":
         return ["unshare", "--mount", "--propagation", "private", "--",
-                sys.executable, "-S", "-E", os.path.abspath(__file__), instance_dir, "--"]
+                sys.executable, "-S", "-E", os.path.abspath(__file__), instance_dir,
+                *(["--etc-hosts", hosts] if hosts else []), "--"]
     # --die-with-parent: bwrap forks the command, and the agent stops a worker by signalling bwrap.
     argv = ["bwrap", "--dev-bind", "/", "/", "--die-with-parent"]
     if not os.path.isdir(OPT_ML):
@@ -72,6 +108,8 @@ def prefix(tool: str, instance_dir: str) -> list[str]:
                 argv += ["--symlink", os.readlink(entry.path), target]
             else:
                 argv += ["--dev-bind", entry.path, target]
+    if hosts:
+        argv += ["--ro-bind", hosts, "/etc/hosts"]
     return [*argv, "--bind", instance_dir, OPT_ML, "--"]
 
 
@@ -135,12 +173,18 @@ def mount_private_opt_ml(instance_dir: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python optml.py INSTANCE_DIR -- COMMAND...`` (inside unshare)."""
+    """``python optml.py INSTANCE_DIR [--etc-hosts FILE] -- COMMAND...`` (inside unshare)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    hosts = None
+    if len(argv) > 2 and argv[1] == "--etc-hosts":
+        hosts = argv[2]
+        argv = [argv[0], *argv[3:]]
     if len(argv) < 3 or argv[1] != "--":
-        sys.exit("usage: python optml.py INSTANCE_DIR -- COMMAND...")
+        sys.exit("usage: python optml.py INSTANCE_DIR [--etc-hosts FILE] -- COMMAND...")
     try:
         mount_private_opt_ml(argv[0])
+        if hosts:  # the instance's host names, in this namespace only
+            _mount("--bind", hosts, "/etc/hosts")
     except (OSError, subprocess.CalledProcessError) as err:
         sys.exit(f"disttrain: cannot give this instance a private /opt/ml: {err}; {FIX}")
     os.execvp(argv[2], argv[2:])

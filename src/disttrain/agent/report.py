@@ -1,7 +1,8 @@
 """The root-cause block: which rank failed first, where, how, and its last lines.
 
 It is built from the files the agent already keeps (the rank's stderr and stdout), so it
-works for every script, with or without torch's ``@record`` decorator.
+works for every script, with or without torch's ``@record`` decorator. A rank that died of
+SIGKILL is named as killed for memory when the kernel says so (see :mod:`.oom`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .logs import rank_log
+from .oom import OomWatch
 
 TAIL_LINES = 15
 # What a rank says when a peer vanished: the peer, not this rank, is where to look.
@@ -104,13 +106,17 @@ def lost_a_peer(lines: list[str]) -> bool:
 
 
 def format_failure(first: RankFailure, failures: list[RankFailure], run_dir: str, *,
-                   finished: tuple[int, ...] = ()) -> str:
-    """The root-cause block. ``finished``: ranks that exited 0 while others still ran."""
+                   finished: tuple[int, ...] = (), oom: OomWatch | None = None) -> str:
+    """The root-cause block. ``finished``: ranks that exited 0 while others still ran; ``oom``:
+    started with the workers, to tell a SIGKILL of the kernel's OOM killer from any other."""
     stderr = rank_log(run_dir, first.rank, "stderr", first.attempt)
     stdout = rank_log(run_dir, first.rank, "stdout", first.attempt)
     last = [strip_torch_prefix(line, first.rank) for line in (tail(stderr) or tail(stdout))]
     from_file = error_file_lines(run_dir, first)
+    memory = oom.explain(first.pid) if oom is not None and first.signal_name == "SIGKILL" else None
     how = f"was killed by {first.signal_name}" if first.signal_name else f"exited with code {first.exit_code}"
+    if memory:
+        how = "was killed by the kernel's OOM killer (SIGKILL: out of memory)"
     others = sorted(f.rank for f in failures if f.rank != first.rank and not f.stopped_by_agent)
     stopped = sorted(f.rank for f in failures if f.rank != first.rank and f.stopped_by_agent)
     lines = []
@@ -124,6 +130,9 @@ def format_failure(first: RankFailure, failures: list[RankFailure], run_dir: str
     else:
         suffix = "; the other ranks were stopped" if stopped else ""
         lines.append(f"disttrain: rank {first.rank} on {first.host} {how} (pid {first.pid}){suffix}")
+    if memory:
+        lines.append(f"  out of memory: {memory}")
+        lines.append("  fix: fewer processes per host, a smaller batch per process, or more memory for the job")
     lines += [f"  logs: {stderr}", f"        {stdout}"]
     if others:
         lines.append(f"  also failed after it: rank {', '.join(map(str, others))}")

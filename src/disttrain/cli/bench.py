@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..config.launch import LaunchSpec, parse_env
 from ..errors import UsageError
+from ..plotfile import plot_path
 from ..scaling import comm, plot, report
 from ..scaling.bench import (
     BenchSpec,
@@ -34,6 +35,7 @@ from ..scaling.bench import (
 from .common import add_host_args, hosts_from_args
 
 DEFAULT_COUNTS = "1,2,4"
+DEFAULT_REPEAT = 2
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,11 +43,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="time a training script with several process counts; recommend one",
         usage="disttrain bench [options] SCRIPT [options] [-- script args]",
-        description="Run SCRIPT under each process count of -n (one `disttrain run` each, in "
-        "turn), keeping the global batch constant by passing --global-batch / processes to "
-        "the script's per-process batch flag. Prints samples/s, speed-up and parallel "
-        "efficiency per count and the count to use on this machine. Options may come before "
-        "or after SCRIPT; the script's own arguments go after `--`.",
+        description="Run SCRIPT under each process count of -n (one `disttrain run` each, --repeat "
+        "times, the counts interleaved), keeping the global batch constant by passing --global-batch / "
+        "processes to the script's per-process batch flag. Prints samples/s, speed-up and parallel "
+        "efficiency per count and the count to use on this machine, and flags numbers that are the "
+        "machine's noise. Options may come before or after SCRIPT; the script's own arguments go "
+        "after `--`.",
     )
     _add_options(p, lambda value: value)
     # One REMAINDER for the script and what follows: with a positional of its own for the
@@ -72,6 +75,9 @@ def _add_options(p: argparse.ArgumentParser, default) -> None:
                    help="training steps to time per count, after the warm-up (default 20)")
     p.add_argument("--warmup", type=int, default=default(5), metavar="N",
                    help="untimed steps first (default 5)")
+    p.add_argument("--repeat", type=int, default=default(DEFAULT_REPEAT), metavar="R",
+                   help="runs of each count, the counts interleaved (1,2,4,4,2,1...); the best run counts, "
+                   f"and runs far apart are flagged as noise (default {DEFAULT_REPEAT})")
     p.add_argument("--timeout", type=float, default=default(600.0), metavar="S",
                    help="seconds one count may take before it is stopped (default 600)")
     p.add_argument("--json", action="store_true", default=default(False),
@@ -145,8 +151,10 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     spec = BenchSpec(
         launch=launch, where=tuple(where), counts=parse_counts(args.nproc), hosts=tuple(h.name for h in hosts or ()),
         global_batch=args.global_batch, batch_arg=args.batch_arg, steps=args.steps,
-        warmup=args.warmup, timeout_s=args.timeout,
+        warmup=args.warmup, timeout_s=args.timeout, repeat=args.repeat,
     )
+    if not spec.hosts and not launch.is_module and Path(spec.script).is_dir():
+        raise UsageError(f"{spec.script} is a directory, not a script: name the .py file to run in it")
     if not spec.hosts and not launch.is_module and not Path(spec.script).is_file():
         raise UsageError(f"script not found: {spec.script}")
     return spec
@@ -157,6 +165,7 @@ def handle(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     if args.plot:
         plot.require_matplotlib()
+        plot_path(args.plot)  # a place that cannot take it fails now, not after the measuring
     if args.dry_run:  # each count's command and spec (its --env by name only, as run --dry-run)
         counts = [{"command": spec.command(), "spec": json.loads(spec.count(n).public_json())} for n in spec.counts]
         if args.json:

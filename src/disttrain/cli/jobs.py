@@ -12,6 +12,7 @@ from ..private import mask_secrets
 from .job import add_store_arg
 
 FOLLOW_POLL_S = 0.3
+FOLLOW_LAST_LINE_S = 30.0  # a runner on another host: how long its last line may take
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -136,47 +137,92 @@ def handle_show(args: argparse.Namespace) -> int:
 
 def handle_logs(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from ..jobs.control import refresh
 
     with _store(args) as store:
         record = store.get(args.job)
         logs = Path(record.log_dir or Path(record.job_dir) / "logs")
         path = logs / ("job.log" if args.rank is None else f"rank{args.rank}.log")
+        if args.rank is not None:
+            _check_rank(record, logs, args.rank)
         if not args.follow and not path.exists():
-            what = "no output yet" if args.rank is None else f"no output of rank {args.rank}"
-            raise UsageError(f"job {record.name}: {what} ({path})")
-        offset = 0
-        while True:
-            offset = _print_from(path, offset)
-            if not args.follow:
-                return 0
-            if refresh(store, store.get(record.id)).state.final:
-                _print_from(path, offset)  # what was written while we looked at the state
-                return 0
-            time.sleep(FOLLOW_POLL_S)
+            if args.rank is None:
+                raise UsageError(f"job {record.name}: no output yet ({path})")
+            # A rank that printed nothing is not a mistake: its (empty) output, and a word on stderr.
+            print(f"disttrain: job {record.name}: rank {args.rank} has printed nothing"
+                  f"{'' if record.state.final else ' yet'}", file=sys.stderr)
+            return 0
+        if args.follow:
+            _follow(store, record, path, job_log=args.rank is None)
+        else:
+            _print_from(path, 0, b"")
+    return 0
 
 
-def _print_from(path: Path, offset: int) -> int:
+def _check_rank(record, logs: Path, rank: int) -> None:
+    """``--rank`` names one of the job's ranks (known once it started: its plan.json)."""
+    from ..errors import UsageError
+
+    try:
+        world = json.loads((logs / "plan.json").read_text())["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        world = None  # not started yet, or a plan from elsewhere: any rank may come
+    if rank < 0 or (world is not None and rank >= world):
+        ranks = f"ranks 0..{world - 1}" if world else "ranks from 0"
+        raise UsageError(f"--rank {rank}: job {record.name} has {ranks}")
+
+
+def _follow(store, record, path: Path, *, job_log: bool) -> None:
+    """Print ``path`` as it grows until the job has ended and its runner has written its last line.
+
+    The runner records the end first, then writes that line: a follower that stopped at the
+    record's end would miss it. It stops at once if the runner is gone (killed before its last
+    line), and FOLLOW_LAST_LINE_S after the end if the runner is on another host and silent.
+    """
+    from ..jobs.control import refresh, runner_alive
+    from ..jobs.runner import last_line_start
+
+    offset, tail = 0, b""
+    ended_at = None
+    while True:
+        offset, tail = _print_from(path, offset, tail)
+        record = refresh(store, store.get(record.id))
+        if record.state.final:
+            ended_at = ended_at or time.monotonic()
+            marker = last_line_start(record).encode()
+            if (not job_log or marker in tail or runner_alive(record) is False
+                    or time.monotonic() - ended_at > FOLLOW_LAST_LINE_S):
+                _print_from(path, offset, tail)  # what was written while we looked at the state
+                return
+        time.sleep(FOLLOW_POLL_S)
+
+
+def _print_from(path: Path, offset: int, tail: bytes) -> tuple[int, bytes]:
+    """Print what ``path`` holds after ``offset``; the new offset, and the last lines printed
+    (enough to find the runner's last line even if it came in two reads)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(offset)
             data = fh.read()
     except FileNotFoundError:
-        return offset
+        return offset, tail
     sys.stdout.write(data.decode(errors="replace"))
     sys.stdout.flush()
-    return offset + len(data)
+    return offset + len(data), (tail + data)[-4096:]
 
 
 def handle_metrics(args: argparse.Namespace) -> int:
+    if args.plot:
+        from ..plotfile import plot_path, require_matplotlib
+
+        require_matplotlib()
+        png = plot_path(args.plot)
     with _store(args) as store:
         record = store.get(args.job)
         series = store.metric_series(record.id)
     if args.plot:
         from ..jobs.metrics import plot_series
 
-        plot_series(series, Path(args.plot), title=f"job {record.name}")
-        print(f"wrote {args.plot}")
+        print(f"wrote {plot_series(series, png, title=f'job {record.name}')}")
     if args.json:
         print(json.dumps(series))
     elif not args.plot:

@@ -16,8 +16,10 @@ from . import doctor as doctor_cmd
 from . import job as job_cmd
 from . import jobs as jobs_cmd
 from . import run as run_cmd
+from . import sagemaker as sagemaker_cmd
+from . import tune as tune_cmd
 
-SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd, job_cmd, jobs_cmd)
+SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd, job_cmd, jobs_cmd, sagemaker_cmd, tune_cmd)
 # What launchers run on the hosts; never offered to a user in help or errors.
 HIDDEN = frozenset({"agent", "receive", "launch-step", "run-spec"})
 _INVALID_CHOICE = re.compile(r"argument \S+: invalid choice: '(.*)' \(choose from")

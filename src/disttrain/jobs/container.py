@@ -127,21 +127,36 @@ class Watch:
         self.spec, self.layout, self.say = spec, layout, say
         # TensorBoard event files in the job folder: tensorboard --logdir ~/.disttrain/jobs shows every job
         box = spec.container
-        self.metrics = MetricWatcher(box.metric_definitions, layout.transcript, store_path, job_id,
-                                     events_dir=layout.root / "tensorboard")
+        self.metrics = MetricWatcher(box.metric_definitions, store_path, job_id, events_dir=layout.root / "tensorboard")
         self.syncer = (Syncer(box.checkpoint_s3_uri, self._checkpoint_dirs(), box.storage_options, say)
                        if box.checkpoint_s3_uri else None)
         self.timed_out = False
         self._timer: threading.Timer | None = None
+        # max_run and the end of the launch (or a stop) race; the first to take this decides.
+        self._decide = threading.Lock()
+        self._settled = False
 
     def _checkpoint_dirs(self) -> list[Path]:
         local = self.spec.container.checkpoint_local_path
         return list(dict.fromkeys(local_dir(i, local) for i in self.layout.instances))
 
     def _expire(self) -> None:
-        self.timed_out = True
-        self.say(f"disttrain: {MAX_RUNTIME}: the job ran for max_run={self.spec.container.max_run} s; stopping it")
-        os.kill(os.getpid(), signal.SIGTERM)  # the launch stops every instance, as on `jobs stop`
+        with self._decide:
+            if self._settled:  # the launch ended, or a stop got there first: that is the outcome
+                return
+            self.timed_out = True
+            # Said before the signal: once it is sent, the runner may end and close the job's log.
+            self.say(f"disttrain: {MAX_RUNTIME}: the job ran for max_run={self.spec.container.max_run} s; stopping it")
+            os.kill(os.getpid(), signal.SIGTERM)  # the launch stops every instance, as on `jobs stop`
+
+    def settle(self) -> str | None:
+        """The launch has ended, or the runner is stopping (a SIGTERM it cannot tell from the
+        timer's own): from now on max_run cannot decide the outcome. Its failure if it had."""
+        with self._decide:
+            self._settled = True
+        if self._timer:
+            self._timer.cancel()
+        return self.failure()
 
     def __enter__(self) -> Watch:
         self.metrics.__enter__()
@@ -154,8 +169,7 @@ class Watch:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._timer:
-            self._timer.cancel()
+        self.settle()
         self.metrics.__exit__(*exc)
         if self.metrics.error:
             self.say(self.metrics.error)

@@ -1,27 +1,29 @@
 """``metric_definitions``: SageMaker's regexes over the job's live output, stored as time series.
 
-The job's transcript (every rank's relayed lines) is followed while the job runs; each line
-that a definition's ``Regex`` matches adds a point (name, time, value) to the job store, the
-value being the regex's first group (the whole match when it has none), as SageMaker reads
-CloudWatch metrics from the log. When TensorBoard is installed, each point is also appended to
-an event file in the job folder as it arrives, so ``tensorboard --logdir ~/.disttrain/jobs``
-shows a running job's curves growing.
+Every line the launch writes to the job's transcript (every rank's relayed lines) is handed
+to the watcher with the time it was written, and each line that a definition's ``Regex``
+matches adds a point (name, time, value) to the job store, the value being the regex's first
+group, as SageMaker reads CloudWatch metrics from the log (a regex without a group is refused
+when the spec is read). A point is timed when its line was relayed, not when the watcher got
+to it: a curve has no steps where a poll collected several lines at once. When TensorBoard is
+installed, each point is also appended to an event file in the job folder as it arrives, so
+``tensorboard --logdir ~/.disttrain/jobs`` shows a running job's curves growing.
 """
 
 from __future__ import annotations
 
-import os
+import queue
 import re
-import socket
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from ..errors import UsageError
+from ..tbevents import EventFile
 
-POLL_S = 0.5
+STEP_NAMES = ("step", "iteration", "iter", "epoch")  # a series by one of these names is the plots' x axis
 
 
 def check_definitions(definitions: Any) -> list[tuple[str, re.Pattern]]:
@@ -37,9 +39,13 @@ def check_definitions(definitions: Any) -> list[tuple[str, re.Pattern]]:
         if not isinstance(name, str) or not name:
             raise UsageError(f"metric_definitions[{index}].Name must be a non-empty string, got {name!r}")
         try:
-            compiled.append((name, re.compile(regex)))
+            pattern = re.compile(regex)
         except (re.error, TypeError) as err:
             raise UsageError(f"metric_definitions[{index}].Regex {regex!r} is not a regular expression: {err}") from None
+        if not pattern.groups:  # SageMaker reads the value from the first group; without one, nothing
+            raise UsageError(f"metric_definitions[{index}].Regex {regex!r} has no group: put the value in "
+                             f"parentheses, as SageMaker reads the first group (e.g. 'loss=([0-9.eE+-]+)')")
+        compiled.append((name, pattern))
     return compiled
 
 
@@ -47,7 +53,7 @@ def match_line(definitions: Sequence[tuple[str, re.Pattern]], line: str) -> list
     points = []
     for name, pattern in definitions:
         for found in pattern.finditer(line):
-            text = found.group(1) if pattern.groups else found.group(0)
+            text = found.group(1)
             try:
                 points.append((name, float(text)))
             except (TypeError, ValueError):
@@ -55,76 +61,44 @@ def match_line(definitions: Sequence[tuple[str, re.Pattern]], line: str) -> list
     return points
 
 
-class EventFile:
-    """A job's TensorBoard event file, appended and flushed as points arrive (step = the point's
-    number in its series).
-
-    tensorboard's own record writer over a plain file: its ``EventFileWriter`` opens files through
-    ``tf.io.gfile``, which imports TensorFlow where it is installed (seconds of CPU in the runner).
-    """
-
-    def __init__(self, logdir: Path) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from tensorboard.summary.writer.record_writer import RecordWriter
-
-        self._event, self._summary = Event, Summary
-        logdir.mkdir(parents=True, exist_ok=True)
-        # TensorBoard's own naming: it reads every file whose name holds "tfevents".
-        path = logdir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.0"
-        self.path = path
-        self._writer = RecordWriter(open(path, "ab"))
-        self._steps: dict[str, int] = {}
-        self._write(Event(wall_time=time.time(), step=0, file_version="brain.Event:2"))
-
-    @classmethod
-    def open(cls, logdir: Path) -> EventFile | None:
-        """None without TensorBoard (``pip install 'disttrain[tensorboard]'``): the store keeps the series."""
-        try:
-            return cls(logdir)
-        except ImportError:
-            return None
-
-    def _write(self, event) -> None:
-        self._writer.write(event.SerializeToString())
-
-    def add(self, rows: Sequence[tuple[str, float, float]]) -> None:
-        for name, when, value in rows:
-            step = self._steps.get(name, 0)
-            self._steps[name] = step + 1
-            self._write(self._event(wall_time=when, step=step, summary=self._summary(
-                value=[self._summary.Value(tag=name, simple_value=value)])))
-        self._writer.flush()  # a reader (tensorboard) sees every point as soon as it is matched
-
-    def close(self) -> None:
-        self._writer.close()
-
-
 class MetricWatcher:
-    """Follows ``transcript`` in a thread; each matched point goes to the store at once, and to
-    the TensorBoard event file in ``events_dir`` (opened at the first point).
+    """Matches the lines handed to :meth:`feed` in a thread; each point goes to the store at once,
+    and to the TensorBoard event file in ``events_dir`` (opened at the first point).
 
-    Its own store connection: SQLite connections stay in the thread that made them.
+    Its own store (the process's connection, shared under its lock): writing there never holds
+    up the relay that feeds it.
     """
 
-    def __init__(self, definitions: list[dict[str, str]], transcript: Path, store_path: Path, job_id: int,
+    def __init__(self, definitions: list[dict[str, str]], store_path: Path, job_id: int,
                  events_dir: Path | None = None) -> None:
         self.definitions = check_definitions(definitions)
-        self.transcript, self.store_path, self.job_id = transcript, store_path, job_id
+        self.store_path, self.job_id = store_path, job_id
         self.events_dir = events_dir
         self._events: EventFile | None = None
-        self._stop = threading.Event()
+        self._lines: queue.SimpleQueue[tuple[float, str] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._follow, name="disttrain-metrics", daemon=True)
+        self._open = False
         self.error: str | None = None
+
+    def feed(self, when: float, line: str) -> None:
+        """One line of the job's output, written at ``when`` (any thread)."""
+        if self._open:
+            self._lines.put((when, line))
+
+    def tap(self, transcript: TextIO) -> TextIO:
+        """``transcript``, with each line written to it also fed here, timed as written."""
+        return _Tapped(transcript, self.feed) if self.definitions else transcript
 
     def __enter__(self) -> MetricWatcher:
         if self.definitions:
+            self._open = True
             self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
+        if self._open:
+            self._open = False
+            self._lines.put(None)  # after every line fed so far
             self._thread.join(timeout=30)
 
     def _follow(self) -> None:
@@ -132,63 +106,109 @@ class MetricWatcher:
 
         try:
             with JobStore(self.store_path) as store:
-                offset, partial = 0, b""
-                while True:
-                    stopping = self._stop.is_set()  # read the file once more after the stop
-                    offset, partial = self._read(store, offset, partial)
-                    if stopping:
-                        return
-                    self._stop.wait(POLL_S)
+                ending = False
+                while not ending:
+                    batch = [self._lines.get()]  # block until the next line (or the end)
+                    while True:  # and take what else has come meanwhile: one transaction for all
+                        try:
+                            batch.append(self._lines.get_nowait())
+                        except queue.Empty:
+                            break
+                    ending = None in batch
+                    self._add(store, [item for item in batch if item is not None])
         except Exception as err:  # metrics must never fail the job; say why they stopped
             self.error = f"disttrain: metrics stopped: {type(err).__name__}: {err}"
         finally:
             if self._events is not None:
                 self._events.close()
 
-    def _read(self, store, offset: int, partial: bytes) -> tuple[int, bytes]:
-        try:
-            with open(self.transcript, "rb") as fh:
-                fh.seek(offset)
-                data = fh.read()
-        except FileNotFoundError:
-            return offset, partial
-        if not data:
-            return offset, partial
-        lines = (partial + data).split(b"\n")
-        now = time.time()
-        rows = [(name, now, value) for line in lines[:-1]
-                for name, value in match_line(self.definitions, line.decode(errors="replace"))]
+    def _add(self, store, lines: list[tuple[float, str]]) -> None:
+        rows = [(name, when, value) for when, line in lines for name, value in match_line(self.definitions, line)]
+        if not rows:
+            return
         store.add_metrics(self.job_id, rows)
-        if rows and self.events_dir is not None:
+        if self.events_dir is not None:
             if self._events is None:
                 self._events = EventFile.open(self.events_dir)
                 if self._events is None:
                     self.events_dir = None  # no TensorBoard: do not try again
             if self._events is not None:
                 self._events.add(rows)
-        return offset + len(data), lines[-1]
 
 
-def plot_series(series: dict[str, list[tuple[float, float]]], png: Path, title: str) -> None:
-    """One panel per metric, value over seconds since the first point."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'disttrain[plot]'") from None
+class _Tapped:
+    """A transcript that also hands each complete line to ``sink(time, line)`` as it is written."""
+
+    def __init__(self, out: TextIO, sink) -> None:
+        self._out, self._sink = out, sink
+        self._partial = ""
+        self._lock = threading.Lock()  # the relay writes from one thread per agent stream
+
+    def write(self, text: str) -> int:
+        written = self._out.write(text)
+        with self._lock:
+            lines = (self._partial + text).split("\n")
+            self._partial = lines.pop()
+            now = time.time()
+            for line in lines:
+                self._sink(now, line)
+        return written
+
+    def __getattr__(self, name: str):
+        return getattr(self._out, name)  # flush, close, name...
+
+
+def plot_axes(series: dict[str, list[tuple[float, float]]]) -> tuple[str, dict[str, tuple[list, list]]]:
+    """The x label and each series' (xs, ys) as drawn: by step where the job reports one (a
+    series named step, iteration, iter or epoch: each point takes the step its line, or the
+    last line before it, reported), else by seconds since the first point."""
+    steps_name = next((n for want in STEP_NAMES for n in series if n.lower() == want), None)
+    if steps_name is None:
+        start = min(points[0][0] for points in series.values())
+        return "seconds since the first point", {
+            name: ([t - start for t, _ in points], [v for _, v in points]) for name, points in series.items()}
+    steps = sorted(series[steps_name])
+    drawn: dict[str, tuple[list, list]] = {}
+    for name, points in series.items():
+        if name == steps_name:
+            continue
+        xs, ys = [], []
+        k = -1
+        for t, v in sorted(points):
+            while k + 1 < len(steps) and steps[k + 1][0] <= t:
+                k += 1
+            if k >= 0:  # a point before the first step has no place on this axis
+                xs.append(steps[k][1])
+                ys.append(v)
+        drawn[name] = (xs, ys)
+    return steps_name, drawn
+
+
+def plot_series(series: dict[str, list[tuple[float, float]]], png: Path, title: str) -> Path:
+    """One panel per metric (see :func:`plot_axes`); the path written (from ``plot_path``)."""
+    from ..plotfile import require_matplotlib, save
+
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     if not series:
         raise UsageError(f"{title}: no metrics recorded (give metric_definitions)")
-    start = min(points[0][0] for points in series.values())
-    fig, axes = plt.subplots(len(series), 1, figsize=(7, 2.6 * len(series)), squeeze=False)
-    for ax, (name, points) in zip(axes[:, 0], sorted(series.items())):
-        ax.plot([t - start for t, _ in points], [v for _, v in points], marker=".")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("seconds since the first point")
-    axes[0, 0].set_title(title)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    plt.close(fig)
+    xlabel, drawn = plot_axes(series)
+    if not drawn:
+        drawn = {xlabel: ([t - series[xlabel][0][0] for t, _ in series[xlabel]], [v for _, v in series[xlabel]])}
+        xlabel = "seconds since the first point"
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(7, 2.6 * len(drawn)), squeeze=False)
+    try:
+        for ax, (name, (xs, ys)) in zip(axes[:, 0], sorted(drawn.items())):
+            ax.plot(xs, ys, marker=".")
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+        axes[-1, 0].set_xlabel(xlabel)
+        axes[0, 0].set_title(title)
+        fig.tight_layout()
+        return save(fig, png)
+    finally:
+        plt.close(fig)

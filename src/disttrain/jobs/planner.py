@@ -20,10 +20,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..agent.optml import hosts_file
+from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
 from ..launch import Context
 from ..plan.container import ContainerSetup, InstanceSetup
 from ..plan.launch import NodeFacts
+from . import sagemaker_v3
 from .container import PS_SHIM, Prepared
 from .distribution import ps_tf_config
 from .layout import JobLayout
@@ -43,19 +46,26 @@ class JobPlanner:
     environ: Mapping[str, str]  # the launching shell's environment
 
     def launch_spec(self) -> LaunchSpec:
-        """What every instance runs: the entry point with the hyperparameters as the toolkit passes them.
+        """What every instance runs: the entry point with the hyperparameters as the toolkit passes them
+        (for contract model_trainer: as SDK v3's drivers do, or its command run through bash).
 
         The distribution sets the processes per instance, and TF_CONFIG only for
         multi_worker_mirrored_strategy (parameter_server's is the container's, see :meth:`__call__`).
         """
         program, where = self.spec.program, self.spec.placement
         elastic = where.min_instance_count is not None and where.min_instance_count < where.instance_count
+        if self.v3:  # SDK v3's arguments, or its command run through bash
+            entry, is_module, args = sagemaker_v3.worker_command(program.entry_point, program.command,
+                                                                 program.hyperparameters)
+        else:
+            entry, is_module, args = program.entry_point, False, tuple(hyperparameter_args(program.hyperparameters))
         return LaunchSpec(
             # An elastic job (min_instance_count): --nnodes MIN:MAX on the c10d rendezvous.
             **({"nnodes": where.instance_count, "min_nnodes": where.min_instance_count, "rdzv_backend": "c10d"}
                if elastic else {}),
-            entry=program.entry_point,
-            script_args=tuple(hyperparameter_args(program.hyperparameters)),
+            entry=entry,
+            is_module=is_module,
+            script_args=args,
             nproc_per_node=program.distribution.processes_per_instance(where.processes_per_instance),
             max_restarts=where.max_restarts,
             env=dict(program.env),
@@ -64,6 +74,11 @@ class JobPlanner:
             checkpoint_dir=str(self.layout.checkpoints),
             framework=program.distribution.launch_framework,
         )
+
+    @property
+    def v3(self) -> bool:
+        """SDK v3 ModelTrainer's contract (jobs/sagemaker_v3.py), not the training toolkit's."""
+        return self.spec.container.contract == "model_trainer"
 
     def context(self) -> Context:
         return Context(run_id=self.name, run_dir=str(self.layout.logs), cwd=str(self.cwd),
@@ -93,7 +108,10 @@ class JobPlanner:
         for k, inst in enumerate(self.instances(nodes, node_ranks)):
             host = inst.host
             paths = self.layout.instance(host)
-            env = sm_env(inst, paths)
+            if self.v3:
+                env = self._v3_vars(inst, addresses, master_port)
+            else:
+                env = sm_env(inst, paths)
             # The toolkit puts the code folder on PYTHONPATH, so the script imports its neighbours.
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(self.cwd), self.environ.get("PYTHONPATH"))))
             if dist.kind == "parameter_server":
@@ -108,7 +126,28 @@ class JobPlanner:
         return ContainerSetup(instances=tuple(setups), python=self.ready.python,
                               wrapper=PS_SHIM if dist.kind == "parameter_server" else None)
 
-    def write_config(self, nodes: Sequence[NodeFacts], node_ranks: Sequence[int] | None = None) -> None:
-        """Each instance's ``input/config/*.json``, from the values its variables were made of."""
-        for inst in self.instances(nodes, node_ranks):
-            write_config(inst, self.layout.instance(inst.host))
+    def _v3_vars(self, inst: Instance, addresses: Sequence[str], master_port: int) -> dict[str, str]:
+        program = self.spec.program
+        master = sagemaker_v3.master_endpoint(addresses, master_port, names_resolve=self.ready.private_opt_ml)
+        distributed = sagemaker_v3.distributed_config(program.distribution,
+                                                      self.spec.placement.processes_per_instance)
+        return sagemaker_v3.instance_vars(inst, self.layout.instance(inst.host), master=master,
+                                          source_dir=str(self.cwd), entry_script=program.entry_point,
+                                          distributed=distributed)
+
+    def write_config(self, nodes: Sequence[NodeFacts], node_ranks: Sequence[int] | None = None, *,
+                     master_addr: str, master_port: int) -> None:
+        """Each instance's ``input/config/*.json`` (and SDK v3's ``sm_training.env``), from the values
+        its variables were made of; and, where it gets a private /opt/ml, the host names it resolves
+        (``algo-K``: agent/optml.py puts them in its own /etc/hosts)."""
+        addresses = [node.address or master_addr for node in nodes]
+        instances = self.instances(nodes, node_ranks)
+        names = "".join(f"{address} {inst.host}\n" for address, inst in zip(addresses, instances))
+        for inst in instances:
+            paths = self.layout.instance(inst.host)
+            if self.v3:
+                sagemaker_v3.write_files(inst, paths, self._v3_vars(inst, addresses, master_port))
+            else:
+                write_config(inst, paths)
+            if self.ready.private_opt_ml:
+                write_atomic(hosts_file(str(paths.root)), names)

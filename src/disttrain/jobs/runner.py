@@ -130,7 +130,8 @@ class JobStepEvents(Events):
 
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
         planner = self.planner
-        planner.write_config(facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,), facts.node_ranks)
+        planner.write_config(facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,), facts.node_ranks,
+                             master_addr=plan.master_addr, master_port=plan.master_port)
         write_private(planner.layout.logs / "plan.json", plan.to_json())
         where = ", ".join(f"{i} on {w}" if i != w else i for i, w in zip(_instances(planner.layout, facts), facts.where))
         how = {"mpi": "mpirun", "none": "once per instance"}.get(planner.spec.distribution.kind, plan.backend)
@@ -140,7 +141,8 @@ class JobStepEvents(Events):
 
 
 def _joining(events: JobStepEvents, plan: LaunchPlan, facts: Facts) -> None:
-    events.planner.write_config(facts.nodes, facts.node_ranks)
+    events.planner.write_config(facts.nodes, facts.node_ranks, master_addr=plan.master_addr,
+                                master_port=plan.master_port)
 
 
 def _instances(layout: JobLayout, facts: Facts) -> list[str]:
@@ -177,8 +179,8 @@ class JobRun(JobStepEvents):
             try:
                 return self._run()
             except JobStopped as stop:
-                timed_out = self.watch.failure() if self.watch else None
-                if timed_out:  # container: max_run's own SIGTERM, come before the launch took over the signal
+                timed_out = self.watch.settle() if self.watch else None  # the timer's own SIGTERM?
+                if timed_out:
                     return self._end(JobState.FAILED, 128 + stop.signum, failure=timed_out)
                 return self._end(JobState.STOPPED, 128 + stop.signum, failure=f"stopped by {stop}")
             except KeyboardInterrupt:
@@ -202,9 +204,11 @@ class JobRun(JobStepEvents):
                                   environ=os.environ)
         # container: metrics, checkpoint sync and max_run (under Slurm, time in the queue counts too)
         self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
+        self.transcript = self.watch.metrics.tap(self.transcript)  # each line timed as the launch writes it
         with self.watch:
             outcome = self.launcher.run(self.planner.launch_spec(), self.planner.context(), self)
-        return self._finish(outcome)
+            timed_out = self.watch.settle()  # decided: a max_run that fires from now on is too late
+        return self._finish(outcome, timed_out)
 
     # -- the launch's events: the record follows the launch --------------------------------
 
@@ -225,13 +229,12 @@ class JobRun(JobStepEvents):
         return JobClient(name=self.record.name, job_dir=str(self.layout.root), cwd=str(self.cwd),
                          spec=self.spec.to_dict())  # whole (masking is for records): the step runs it
 
-    def _finish(self, outcome: Outcome) -> JobRecord:
+    def _finish(self, outcome: Outcome, timed_out: str | None) -> JobRecord:
         layout = self.layout
         metrics = final_metrics(layout.logs)
         series = self.store.metric_series(self.id)
         if series:  # container: metric_definitions' last values
             metrics = {**(metrics or {}), **{name: points[-1][1] for name, points in series.items()}}
-        timed_out = self.watch.failure() if self.watch else None
         if timed_out:
             return self._end(JobState.FAILED, outcome.exit_code or 1, metrics=metrics, failure=timed_out)
         if outcome.signal:
@@ -261,13 +264,19 @@ class JobRun(JobStepEvents):
         except TransitionError:  # `jobs stop` recorded the end first (the runner was unresponsive)
             record = self.store.get(self.id)
         took = (record.ended or time.time()) - record.created
-        line = f"disttrain: job {record.name} (id {record.id}) {record.state} in {took:.1f} s"
+        line = f"{last_line_start(record)} in {took:.1f} s"
         if record.state is JobState.COMPLETED:
             line += f"; model: {record.artifacts['model']}"
         else:
             line += f", exit code {exit_code}; see `disttrain jobs show {record.id}`"
         self.say(line)
         return record
+
+
+def last_line_start(record: JobRecord) -> str:
+    """How the runner's last line of a job's log begins (written just after the end is recorded,
+    so a follower of the log waits for it)."""
+    return f"disttrain: job {record.name} (id {record.id}) {record.state}"
 
 
 @contextlib.contextmanager

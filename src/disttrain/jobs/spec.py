@@ -37,6 +37,9 @@ from ..private import mask_secrets
 from .distribution import NONE, TF_KINDS, Distribution, parse_distribution
 
 FRAMEWORKS = ("pytorch", "tensorflow")
+# Which SageMaker container contract the script sees: the training toolkit's (SDK v1/v2 estimators)
+# or SDK v3 ModelTrainer's (jobs/sagemaker_v3.py).
+CONTRACTS = ("toolkit", "model_trainer")
 LAUNCHERS = ("local", "ssh", "slurm")  # disttrain.launch's; `backend:` is the old key's name
 # launcher: slurm: what the job's sbatch script asks for besides --nodes (= instance_count).
 SLURM_KEYS = ("partition", "time", "gpus_per_node", "sbatch_args")
@@ -92,9 +95,17 @@ class Program:
     env: Mapping[str, str] = field(default_factory=dict)
     framework: str = "pytorch"
     distribution: Distribution = NONE  # parsed once, from the estimator's `distribution=` dict
+    # SDK v3's SourceCode(command=...): run through bash in each instance (contract model_trainer);
+    # the entry point may then be left out.
+    command: str | None = None
 
     def __post_init__(self) -> None:
-        check_path("entry_point", self.entry_point)
+        if self.command is not None:
+            if not isinstance(self.command, str) or not self.command.strip():
+                raise UsageError(f"command must be a non-empty string, got {shown(self.command)}")
+            check_value("command", self.command)
+        if self.command is None or self.entry_point:
+            check_path("entry_point", self.entry_point)
         if Path(self.entry_point).is_absolute() or ".." in Path(self.entry_point).parts:
             raise UsageError(f"entry_point must be a path inside source_dir, got {self.entry_point!r}")
         check_path("source_dir", self.source_dir)
@@ -224,6 +235,7 @@ class Container:
     metric_definitions: list[dict[str, str]] = field(default_factory=list)  # [{Name, Regex}]
     max_run: int | None = None  # seconds; then the job is stopped and Failed (MaxRuntimeExceeded)
     private_opt_ml: str = "auto"  # auto | required | off: each instance sees its folder at /opt/ml
+    contract: str = "toolkit"  # toolkit | model_trainer: the SM_* variables, files and arguments the script sees
 
     def __post_init__(self) -> None:
         from .metrics import check_definitions
@@ -250,6 +262,7 @@ class Container:
         if self.max_run is not None and (not _is_int(self.max_run) or self.max_run < 1):
             raise UsageError(f"max_run must be a positive number of seconds, got {self.max_run!r}")
         _choice("private_opt_ml", self.private_opt_ml, ("auto", "required", "off"))
+        _choice("contract", self.contract, CONTRACTS)
 
     def _check_apart_from_inputs(self) -> None:
         """Checkpoints written into an input channel would land in the user's dataset (and a
@@ -277,6 +290,8 @@ class JobSpec:
         if len(self.name) > MAX_BASE_NAME:
             raise UsageError(f"name may have at most {MAX_BASE_NAME} characters (each run appends a "
                              f"{RUN_SUFFIX_LEN}-character timestamp), got {len(self.name)}")
+        if self.program.command is not None and self.container.contract != "model_trainer":
+            raise UsageError("command is SDK v3's SourceCode(command=...): it needs contract: model_trainer")
         if self.program.distribution.kind == "mpi" and self.placement.launcher != "local":
             raise UsageError(f"distribution mpi runs the instances of launcher local only (this job: "
                              f"{self.placement.launcher}); use torch_distributed, or run mpirun yourself")
@@ -332,8 +347,9 @@ def spec_from_mapping(data: Any, *, base_dir: str | os.PathLike, source: str = "
     if unknown:
         raise UsageError(f"{source}: unknown key {shown(unknown[0])}; known keys: {', '.join(KNOWN_KEYS)}")
     for key in REQUIRED_KEYS:
-        if key not in fields:
+        if key not in fields and not (key == "entry_point" and fields.get("command")):
             raise UsageError(f"{source}: {key} is required")
+    fields.setdefault("entry_point", "")  # a command job's
     try:
         check_name(fields["name"])
         fields = _normalised(fields, Path(base_dir))

@@ -66,7 +66,7 @@ def check_inputs(spec: JobSpec) -> None:
             raise UsageError(f"source_dir: {source} must be a local folder or a .tar.gz (local or a URL)")
         if not path.is_dir():
             raise UsageError(f"source_dir: {path} is not a folder")
-        if not (path / entry).is_file():
+        if entry and not (path / entry).is_file():  # a command job may name no entry point
             raise UsageError(f"entry_point: {entry} not found in source_dir {path}")
     for channel, location in spec.container.inputs.items():
         if not _exists(location, storage_options, f"inputs.{channel}"):
@@ -91,7 +91,7 @@ def stage_source(spec: JobSpec, layout: JobLayout) -> Path:
         archive = layout.packed / "sourcedir" / posixpath.basename(source)
         _copy(source, archive.parent, spec.container.storage_options, "source_dir")
     safe_extract(archive, layout.code)
-    if not (layout.code / spec.program.entry_point).is_file():
+    if spec.program.entry_point and not (layout.code / spec.program.entry_point).is_file():
         raise UsageError(f"entry_point: {spec.program.entry_point} not found in source_dir {source}")
     return layout.code
 

@@ -52,6 +52,8 @@ def check_entry(spec: LaunchSpec, cwd: str) -> None:
             sys.path.pop(0)
         if not found:
             raise UsageError(f"module {spec.entry!r} not found (is it on PYTHONPATH or in {cwd}?)")
+    elif (Path(cwd) / spec.entry).is_dir():
+        raise UsageError(f"{spec.entry} is a directory, not a script: name the .py file to run in it")
     elif not (Path(cwd) / spec.entry).is_file():
         raise UsageError(f"script not found: {spec.entry}")
 

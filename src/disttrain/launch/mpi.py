@@ -32,12 +32,11 @@ from ..agent.optml import instance_prefix
 from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
 from ..errors import UsageError
-from ..net import free_port
 from ..plan.launch import LaunchPlan
 from ..preflight.facts import local_facts
 from ..wire import InstanceEnv, Outcome
 from .base import AgentLauncher, Context, Events, Facts
-from .local import instance_nodes, own_gpus
+from .local import choose_port, instance_nodes, own_gpus
 
 STOP_GRACE_S = 15
 WRAPPER = "disttrain.launch.mpi"
@@ -54,15 +53,18 @@ def find_mpirun() -> str:
 def mpirun_argv(*, mpirun: str, ranks_per_instance: int, instance_envs: Sequence[Path],
                 prefixes: Sequence[Sequence[str]], worker_argv: Sequence[str], custom_mpi_options: str,
                 as_root: bool) -> list[str]:
-    """One mpirun for the whole job: an application context per instance (MPMD, ``:``-separated)."""
+    """One mpirun for the whole job: an application context per instance (MPMD, ``:``-separated).
+
+    ``custom_mpi_options`` go into every context: mpirun applies per-context options such as
+    ``-x NAME=VALUE`` to the one context they stand in, and takes global ones given again."""
     argv = [mpirun, "--oversubscribe", "--bind-to", "none", "--tag-output"]
     if as_root:
         argv.append("--allow-run-as-root")
-    argv += shlex.split(custom_mpi_options)
+    custom = shlex.split(custom_mpi_options)
     for index, (env_file, prefix) in enumerate(zip(instance_envs, prefixes)):
         if index:
             argv.append(":")
-        argv += ["-np", str(ranks_per_instance), *prefix,
+        argv += ["-np", str(ranks_per_instance), *custom, *prefix,
                  sys.executable, "-m", WRAPPER, str(env_file), "--", *worker_argv]
     return argv
 
@@ -175,7 +177,7 @@ class MpiLauncher(AgentLauncher):
             raise UsageError(f"{missing[0]} not found in {ctx.cwd}")
         here = local_facts()
         return Facts(nodes=instance_nodes(self.instances, cpus=here.cpus, gpus=here.cuda_devices),
-                     master_addr="127.0.0.1", master_port=free_port("127.0.0.1"),
+                     master_addr="127.0.0.1", master_port=choose_port(spec),
                      where=(here.hostname,) * len(self.instances))
 
     def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:

@@ -134,11 +134,17 @@ class LocalTransport(Transport):
         return list(command)
 
 
+# ``python -m disttrain`` puts the folder it starts in first on sys.path, so a job's own
+# ``copy.py`` or ``json.py`` there would shadow the standard library inside the agent itself. The
+# agent starts with ``-c`` instead, whose first act is to drop that entry (``-P`` would need 3.11).
+AGENT_BOOT = "import sys; del sys.path[0]; import runpy; runpy.run_module('disttrain', run_name='__main__')"
+
+
 def probe_command(python: str, *, master: str, port: int | None, cwd: str, paths: Sequence[str] = (),
                   listen: Sequence[int] = ()) -> list[str]:
     """``disttrain agent`` with what the node is asked about (no ``cd`` into ``cwd``: it may
     not exist there yet, which is a finding, not a failure)."""
-    argv = [python, "-m", "disttrain", "agent", "--master", master, "--cwd", cwd]
+    argv = [python, "-c", AGENT_BOOT, "agent", "--master", master, "--cwd", cwd]
     if port is not None:
         argv += ["--port", str(port)]
     for path in paths:

@@ -126,10 +126,10 @@ class SlurmAllocationLauncher(SessionLauncher):
 
 
 def run_step(environ: MutableMapping[str, str],
-             events_for: Callable[[RunClient | JobClient | None], tuple[Events, ContainerPlanner | None]]) -> int:
+             client_for: Callable[[RunClient | JobClient | None], tuple[Events, ContainerPlanner | None]]) -> int:
     """Inside a Slurm batch job: the spec the submitting side shipped, launched on the
-    allocation (``events_for`` rebuilds the client's event sink from what it shipped, and what
-    the client adds to the plan: a job's container)."""
+    allocation (``client_for`` rebuilds the client's event sink, and what it adds to the plan,
+    from what it shipped)."""
     alloc = SlurmAllocation.from_environ(environ)
     if alloc is None:
         raise UsageError("disttrain launch-step runs inside the Slurm job that `disttrain run --launcher slurm` "
@@ -142,7 +142,7 @@ def run_step(environ: MutableMapping[str, str],
     run_dir = step.run_dir
     if alloc.restart_count:  # a requeued job: the first run's logs stay as they were
         run_dir = str(Path(run_dir) / f"requeue_{alloc.restart_count}")
-    events, container = events_for(step.client)
+    events, container = client_for(step.client)
     ctx = Context(run_id=step.run_id, run_dir=run_dir, cwd=step.cwd, python=step.python, paths=step.paths,
                   environ=dict(environ), container=container)
     # An elastic range uses every node Slurm gave (MIN to MAX of them); a fixed count its first N.

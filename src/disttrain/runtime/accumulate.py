@@ -23,25 +23,23 @@ import warnings
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UsageError
-from .context import context
+from . import strategies
+from .context import context, current
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the gradients of ``model`` to a total norm of ``max_norm``; returns the norm
-    before clipping, the same on every rank.
-
-    With FSDP each rank holds a shard of each gradient: the norm of the local shards would
-    differ per rank and clip each shard by a different factor. torch's ``clip_grad_norm_``
-    computes on the gradients' ``DTensor`` form, whose norm is reduced over the ranks;
-    the result is made a plain tensor here.
-    """
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    full = getattr(norm, "full_tensor", None)
-    return full() if callable(full) else norm
+    before clipping, the same on every rank (with FSDP, the norm of the whole gradient,
+    not of this rank's shards: see the strategy's ``clip_grad_norm``)."""
+    ctx = current()
+    if ctx is None:  # nothing prepared yet: clipping needs no process group
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full = getattr(norm, "full_tensor", None)
+        return full() if callable(full) else norm
+    return strategies.of(model, ctx).clip_grad_norm(model, max_norm)
 
 
 class Accumulator:
@@ -55,15 +53,13 @@ class Accumulator:
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise UsageError(f"accumulate(clip_grad_norm={clip_grad_norm!r}): a positive norm, "
                              "or None not to clip")
-        prepared = context().runtime.prepared(model)
-        if prepared is not None and prepared.strategy == "fsdp":
-            _check_optimizer_steps(model, optimizer)
+        self.strategy = strategies.of(model, context())
+        self.strategy.check_optimizer(model, optimizer)
         self.model = model
         self.optimizer = optimizer
         self.steps = steps
         self.clip_grad_norm = clip_grad_norm
-        self.strategy = prepared.strategy if prepared is not None else None
-        self.scaler = prepared.precision.scaler() if prepared is not None else None
+        self.scaler = self.strategy.precision.scaler()
         self.micro = 0  # micro-batches since the last optimizer step
         self.stepped = False  # whether leaving the last block stepped the optimizer
         self.grad_norm: torch.Tensor | None = None  # before clipping, at the last step
@@ -76,7 +72,7 @@ class Accumulator:
 
     def __enter__(self) -> Accumulator:
         self.stepped = False
-        self._sync = self._no_sync() if not self.syncing else contextlib.nullcontext()
+        self._sync = self.strategy.no_sync(self.model) if not self.syncing else contextlib.nullcontext()
         self._sync.__enter__()
         return self
 
@@ -99,18 +95,11 @@ class Accumulator:
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def _no_sync(self) -> contextlib.AbstractContextManager:
-        if isinstance(self.model, DistributedDataParallel):
-            return self.model.no_sync()
-        if callable(getattr(self.model, "set_requires_gradient_sync", None)):  # FSDP2
-            return _fsdp_no_sync(self.model)
-        return contextlib.nullcontext()  # a world of one: nothing to sync
-
     def _step(self) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
         if self.clip_grad_norm is not None:
-            self.grad_norm = clip_grad_norm_(self.model, self.clip_grad_norm)
+            self.grad_norm = self.strategy.clip_grad_norm(self.model, self.clip_grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skipped when a gradient overflowed
             self.scaler.update()
@@ -132,27 +121,6 @@ class Accumulator:
         self.micro = 0  # the accumulated gradients were not saved
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-
-
-def _check_optimizer_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """FSDP replaced the parameters: an optimizer still holding the old ones would step
-    tensors the model no longer uses -- training that silently does nothing."""
-    current = {id(p) for p in model.parameters()}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(id(p) not in current for p in held):
-        raise UsageError(
-            "accumulate(): the optimizer steps parameters the model no longer has; with "
-            "strategy='fsdp' pass the optimizer to prepare() (it is re-pointed at the shards) "
-            "or build it after prepare()")
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: Any):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int = 1, *,

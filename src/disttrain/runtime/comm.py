@@ -129,10 +129,11 @@ class CommSettings:
     bench_no_sync: bool = False
 
     @classmethod
-    def resolve(cls, grad_compression: str | None = None, bucket_mb: Any = None,
-                environ: Mapping[str, str] | None = None) -> CommSettings:
-        """``prepare``'s arguments, else the launcher's defaults from the environment."""
-        env = WorkerEnv.from_environ(environ)
+    def resolve(cls, grad_compression: str | None = None, bucket_mb: Any = None, *,
+                env: WorkerEnv | None = None) -> CommSettings:
+        """``prepare``'s arguments, else the launcher's defaults in ``env`` (the worker
+        environment the context read once; None: no launcher defaults)."""
+        env = env if env is not None else WorkerEnv.from_environ({})
         raw = grad_compression if grad_compression is not None else env.grad_compression
         name, rank = parse_compression(raw)
         bucket = parse_bucket_mb(bucket_mb if bucket_mb is not None else env.bucket_mb)

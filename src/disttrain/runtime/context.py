@@ -8,18 +8,21 @@ import gc
 import os
 import socket
 import sys
+import sysconfig
 import threading
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..errors import DisttrainError
 from ..placement import choose_backend, choose_device
-from ..workerenv import CONNECT_TIMEOUT, WorkerEnv
+from ..workerenv import BENCH_FLUSH_DENORMAL, CONNECT_TIMEOUT, WorkerEnv
 from . import heartbeat
 from .state import Runtime
 
@@ -86,6 +89,9 @@ class Context:
     # What the runtime remembers (prepared models, tracked loaders, the training state):
     # mutable, so outside equality; it lives and dies with this context.
     runtime: Runtime = field(default_factory=Runtime, compare=False, repr=False)
+    # The launcher's contract, read once by init(): every default the runtime takes from the
+    # environment (checkpoint folder, gradient compression...) comes from here.
+    env: WorkerEnv = field(default_factory=lambda: WorkerEnv.from_environ({}), compare=False, repr=False)
 
 
 def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) -> Context:
@@ -112,6 +118,7 @@ def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) ->
         backend=chosen if distributed else None,
         is_main=env.rank == 0,
         distributed=distributed,
+        env=env,
     )
 
 
@@ -124,7 +131,8 @@ _DRAIN_S = 0.1
 
 class _OneLineErrors:
     """An uncaught DisttrainError (a refused checkpoint, a full disk) is one line, as the CLI
-    prints it: its message is the whole story, a traceback through disttrain's code is noise."""
+    prints it: its message is the whole story, a traceback through disttrain's code is noise.
+    So is Ctrl-C: every rank gets it, and a traceback per rank buries the launcher's line."""
 
     def __init__(self, previous) -> None:
         self.previous = previous
@@ -132,8 +140,22 @@ class _OneLineErrors:
     def __call__(self, kind, value, tb) -> None:
         if isinstance(value, DisttrainError):
             print(f"disttrain: error: {value}", file=sys.stderr, flush=True)
+        elif isinstance(value, KeyboardInterrupt):
+            print(f"disttrain: rank {current_rank()}: interrupted by Ctrl-C (SIGINT) at {_where(tb)}, "
+                  "without saving a checkpoint", file=sys.stderr, flush=True)
         else:
             self.previous(kind, value, tb)
+
+
+def _where(tb) -> str:
+    """``file:line`` of the script's innermost frame in ``tb`` (else the innermost one)."""
+    frames = list(traceback.walk_tb(tb))  # (frame, line), outermost first
+    library = (str(Path(__file__).resolve().parent.parent), *sysconfig.get_paths().values())
+    mine = [(f, n) for f, n in frames if not f.f_code.co_filename.startswith(library)] or frames
+    if not mine:
+        return "?"
+    frame, line = mine[-1]
+    return f"{Path(frame.f_code.co_filename).name}:{line}"
 
 
 def init(*, backend: str | None = None, timeout_s: float | None = None) -> Context:
@@ -154,6 +176,8 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
                 stacklevel=2,
             )
         return _current
+    if os.environ.get(BENCH_FLUSH_DENORMAL) == "1":  # bench --comm's reference; before any thread pool starts
+        torch.set_flush_denormal(True)
     env = WorkerEnv.from_environ()
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     ctx = resolve(env, cuda_devices=cuda_devices, backend=backend)
@@ -163,6 +187,7 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
         ctx = replace(ctx, backend=dist.get_backend())
     elif ctx.distributed:
         timeout = timedelta(seconds=env.pg_timeout_s if timeout_s is None else timeout_s)
+        ctx.runtime.pg_timeout_s = timeout.total_seconds()
         extra = {"device_id": ctx.device} if ctx.backend == "nccl" else {}
         # torch's init_process_group makes every traceback line read "[rankN]: ..."; disttrain's
         # launcher already puts "[rankN] " before each line, so keep Python's own hook there.
@@ -190,6 +215,11 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
 def context() -> Context:
     """The current :class:`Context`, initialising with defaults on first use."""
     return _current if _current is not None else init()
+
+
+def current() -> Context | None:
+    """The current :class:`Context`, or None before :func:`init` (initialises nothing)."""
+    return _current
 
 
 def current_runtime() -> Runtime | None:

@@ -19,11 +19,11 @@ from torch.utils.data import (
 )
 
 from ..errors import UsageError
-from . import heartbeat, loop, preemption, steptimer
+from . import heartbeat, loop, preemption, steptimer, strategies
 from .context import Context, context, current_runtime
 from .device import batch_target, move_to, non_blocking_for, pin_memory_for
 from .samplers import EvalShardSampler
-from .strategy import PrepareOptions, wrap_model
+from .strategies import PrepareOptions
 
 # DistributedSampler's own default, used when the loader carries no generator.
 DEFAULT_SEED = 0
@@ -60,22 +60,14 @@ def prepare(model: torch.nn.Module | None, optimizer: Any, *dataloaders: DataLoa
     return (prepared, optimizer, *loaders)
 
 
-def unwrap(model: Any) -> Any:
-    """The user's module inside DDP and ``torch.compile`` wrappers (for state_dict)."""
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif isinstance(model, torch.nn.Module) and hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-
 def _prepare_model(model: torch.nn.Module, ctx: Context, options: PrepareOptions,
                    optimizer: Any) -> torch.nn.Module:
     if isinstance(model, DistributedDataParallel) or ctx.runtime.prepared(model) is not None:
         return model  # prepared already
-    return wrap_model(model, ctx, options, optimizer)
+    strategy = strategies.choose(options, ctx)
+    wrapped = strategy.wrap(model, optimizer)
+    ctx.runtime.models[wrapped] = strategy
+    return wrapped
 
 
 class PreparedLoader(DataLoader):
@@ -110,8 +102,8 @@ class PreparedLoader(DataLoader):
 def _training_ddp_models() -> list[DistributedDataParallel]:
     # Join only knows DDP; an FSDP model must not see uneven batches (documented).
     runtime = current_runtime()
-    models = list(runtime.models) if runtime is not None else []
-    return [m for m in models if isinstance(m, DistributedDataParallel) and m.training]
+    models = list(runtime.models.items()) if runtime is not None else []
+    return [m for m, strategy in models if strategy.joins_uneven_batches and m.training]
 
 
 def shard_sampler(loader: DataLoader, *, rank: int, world_size: int, position: int = 0) -> Sampler:

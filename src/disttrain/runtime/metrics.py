@@ -1,8 +1,21 @@
-"""Numbers reduced across ranks, and output that appears once rather than once per rank."""
+"""Numbers reduced across ranks, and output that appears once rather than once per rank.
+
+The rule of every reduction here (``reduce_*``, ``MeanMeter.avg``, ``barrier``): it is a
+collective, so every rank calls it, at the same point. Called where only some ranks go
+(``if ctx.is_main: print(meter.avg)``), the others would never join it and the job would
+hang. So a call is refused at once, in one line, when its source shows it inside a rank
+test (:mod:`.rankonly`); and before ``MeanMeter.avg`` and ``barrier()`` join the collective,
+each rank checks in with the others through the job's store, so that one the source does
+not give away fails with the same line after the process group's timeout instead of
+meeting another collective. (``reduce_*``, often called every step, get the source check
+only: the store's round trips would cost each call about a millisecond here.)
+"""
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 from collections.abc import Sequence
 from numbers import Number
 from typing import TypeVar
@@ -10,14 +23,69 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from .context import context, current_rank
+from ..errors import DisttrainError, UsageError
+from .context import Context, context, current_rank
 from .device import ddp_device_ids
+from .rankonly import caller_outside_disttrain, rank_condition
 
 Value = TypeVar("Value", torch.Tensor, int, float)
 
+RULE = ("it is a collective: every rank must call it at the same point (read it before "
+        "`if ctx.is_main:`, and use the value inside; MeanMeter.local_avg is this rank's own, "
+        "without a collective)")
 
-def _reduce(value: Value, op: dist.ReduceOp, *, mean: bool = False) -> Value:
+_gates = itertools.count()
+_SPIN_POLLS = 20
+
+
+def every_rank(ctx: Context, what: str, *, check_source: bool = True, check_in: bool = True) -> None:
+    """Refuse ``what`` when its source shows that only some ranks call it; then (``check_in``)
+    wait until every rank has called it, bounded by the process group's timeout, so that
+    it never meets another collective on the ranks that did not."""
+    if not ctx.distributed:
+        return
+    guard = rank_condition(caller_outside_disttrain()) if check_source else None
+    if guard is not None:
+        filename, line, test = guard
+        raise UsageError(f"{what} at {filename}:{line} runs only where `{test}` holds, but {RULE}")
+    store = _store() if check_in else None
+    if store is None:
+        return
+    # Numbered and named, so that a lone call never pairs with another rank's different one.
+    key = f"disttrain/collective/{next(_gates)}/{what}"
+    timeout = ctx.runtime.pg_timeout_s
+    deadline, polls = time.monotonic() + timeout, 0
+    try:
+        # Polled, not store.wait(): a wait blocks in C++ where Ctrl-C cannot reach it. The
+        # first polls come at once (ranks in step arrive within a round trip or two).
+        arrived = store.add(key, 1)
+        while arrived < ctx.world_size:
+            if time.monotonic() > deadline:
+                raise UsageError(f"{what} on rank {ctx.rank}: the other ranks did not call it within "
+                                 f"{timeout:.0f} s; {RULE}")
+            polls += 1
+            if polls > _SPIN_POLLS:
+                time.sleep(min(0.02, 0.0001 * 2 ** (polls - _SPIN_POLLS)))
+            arrived = store.add(key, 0)
+    except dist.DistError as err:  # the store is gone: the job is ending
+        raise DisttrainError(f"{what} on rank {ctx.rank}: lost the job's store while waiting for the "
+                             "other ranks (another rank ended)") from err
+
+
+def _store() -> dist.Store | None:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # a group set up without a store
+        return None
+
+
+def _reduce(value: Value, op: dist.ReduceOp, *, mean: bool = False, what: str = "reduce",
+            check_in: bool = False) -> Value:
     ctx = context()
+    # reduce_* run every step in many loops: the source check only (a dictionary lookup per
+    # frame once a call site is known); the store check's round trips are for the reads
+    # made once an epoch (MeanMeter.avg) and barrier().
+    every_rank(ctx, what, check_in=check_in)
     is_tensor = isinstance(value, torch.Tensor)
     if is_tensor:
         # A detached copy on the context's device: all_reduce works in place and must not
@@ -42,7 +110,7 @@ def reduce_sum(value: Value) -> Value:
 
     A collective: every rank must call it. Tensors come back detached, on their device.
     """
-    return _reduce(value, dist.ReduceOp.SUM)
+    return _reduce(value, dist.ReduceOp.SUM, what="reduce_sum()")
 
 
 def reduce_mean(value: Value) -> Value:
@@ -51,12 +119,12 @@ def reduce_mean(value: Value) -> Value:
     For a mean over samples when ranks hold different numbers of them, use
     :class:`MeanMeter`. Integers come back as floats.
     """
-    return _reduce(value, dist.ReduceOp.SUM, mean=True)
+    return _reduce(value, dist.ReduceOp.SUM, mean=True, what="reduce_mean()")
 
 
 def reduce_max(value: Value) -> Value:
     """The largest ``value`` over all ranks (e.g. the slowest rank's step time)."""
-    return _reduce(value, dist.ReduceOp.MAX)
+    return _reduce(value, dist.ReduceOp.MAX, what="reduce_max()")
 
 
 class MeanMeter:
@@ -64,7 +132,9 @@ class MeanMeter:
 
     ``update(batch_mean, n=batch_size)`` per batch; ``.sum`` and ``.count`` are this rank's,
     ``.local_avg`` their mean. ``.avg`` is global sum / global count, so ranks with more
-    samples weigh more, as they should (a mean of per-rank means would not).
+    samples weigh more, as they should (a mean of per-rank means would not). Reading
+    ``.avg`` is a collective: read it on every rank (``loss = meter.avg``), then use the
+    value where you like; read inside ``if ctx.is_main:`` it is refused at once.
     """
 
     def __init__(self) -> None:
@@ -89,7 +159,8 @@ class MeanMeter:
     @property
     def avg(self) -> float:
         """The mean over every rank's samples; NaN if there are none. A collective."""
-        totals = reduce_sum(torch.tensor([self.sum, float(self.count)], dtype=torch.float64))
+        totals = _reduce(torch.tensor([self.sum, float(self.count)], dtype=torch.float64),
+                         dist.ReduceOp.SUM, what="MeanMeter.avg", check_in=True)
         total, count = totals.tolist()
         return total / count if count else math.nan
 
@@ -140,6 +211,9 @@ def print0(*args, **kwargs) -> None:
 def barrier() -> None:
     """Wait until every rank gets here; nothing to wait for in a world of one."""
     ctx = context()
+    # Not judged by its source: rank 0 working while the others wait at one barrier, then
+    # joining them at another, is a barrier's classic use.
+    every_rank(ctx, "barrier()", check_source=False)
     if ctx.distributed:
         if ctx.backend == "nccl":
             dist.barrier(device_ids=ddp_device_ids(ctx.device))

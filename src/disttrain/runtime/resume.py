@@ -18,8 +18,8 @@ moment and resumed ends with the same bits as the run that never stopped, becaus
 - each rank's generators are restored *after* the resumed epoch's iterator exists, since
   creating it draws from them, which the uninterrupted run did before the checkpoint.
 
-SIGTERM stops the loop at the next step boundary on every rank, saves, and exits with
-:data:`~.preemption.PREEMPTED_EXIT` (see :mod:`.preemption`).
+SIGTERM and Ctrl-C stop the loop at the next step boundary on every rank, save, and exit
+with 128 + the signal (see :mod:`.preemption`).
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ from torch.utils.data import (
 )
 
 from ..errors import DisttrainError, UsageError
-from ..workerenv import CHECKPOINT_DIR, RESUMED_MARKER, WorkerEnv
+from ..workerenv import CHECKPOINT_DIR, RESUMED_MARKER
 from . import checkpoint, comm, loop, preemption, rng
 from .context import Context, context, current_runtime
-from .data import unwrap, with_sampler
-from .samplers import EvalShardSampler
+from .data import with_sampler
+from .samplers import EvalShardSampler, rest_of_epoch
+from .strategies import unwrap
 
 __all__ = ["TrainingState", "current", "resume"]
 
@@ -79,9 +80,8 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     makes the samples divide among the new number of ranks).
     """
     ctx = context()
-    env = WorkerEnv.from_environ()
-    directory = directory if directory is not None else env.checkpoint_dir
-    every = every if every is not None else (env.checkpoint_every or 0)
+    directory = directory if directory is not None else ctx.env.checkpoint_dir
+    every = every if every is not None else (ctx.env.checkpoint_every or 0)
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise UsageError(f"resume(every={every!r}): steps between checkpoints, an integer >= 0 "
                          "(0: at the end of each epoch)")
@@ -228,6 +228,9 @@ class TrainingState:
                 "a directory of its own")
         self.step = self.resumed_from = self._saved_step = loaded["step"]
         self.epoch = progress["epoch"]
+        # Where the loop stands before its first step (with another number of ranks, counted
+        # again when the epoch's steps begin).
+        self.epoch_step, self._epoch_samples = progress["epoch_step"], progress["epoch_samples"]
         for obj in self._objects.values():
             if isinstance(obj, torch.optim.Optimizer) and self.step > 0:
                 # It did step, in the run resumed: resuming at an epoch's end, a scheduler
@@ -249,7 +252,7 @@ class TrainingState:
 
     def _watch_sigterm(self) -> None:
         if not preemption.install():
-            warnings.warn("disttrain.resume() outside the main thread: SIGTERM cannot be "
+            warnings.warn("disttrain.resume() outside the main thread: SIGTERM and Ctrl-C cannot be "
                           "handled, a preempted run loses the steps since its last checkpoint",
                           stacklevel=3)
             return
@@ -264,24 +267,25 @@ class TrainingState:
         point, self._point = self._point, None
         if point is None:
             return iter(loader)
+        same_world = point.world_size == self._ctx.world_size
         batch_size = getattr(loader, "batch_size", None) or 1
-        per_rank = point.epoch_samples // self._ctx.world_size
-        self.epoch_step = point.epoch_step if point.world_size == self._ctx.world_size \
-            else per_rank // batch_size
+        self.epoch_step = point.epoch_step if same_world \
+            else point.epoch_samples // self._ctx.world_size // batch_size
         self._epoch_samples = point.epoch_samples
         if point.epoch_done:
             batches: Iterator[Any] = iter(())
             self.epoch_step = self._epoch_len if self._epoch_len is not None else self.epoch_step
         else:
-            batches = self._rest_of_epoch(loader, per_rank, self.epoch_step)
+            batches = self._rest_of_epoch(loader, point.epoch_samples, same_world)
         # Only now: creating the iterator drew from the generators (the loader's seed for
         # its workers), which the uninterrupted run did before the checkpoint.
         self._restore_generators(point, loader)
         return batches
 
-    def _rest_of_epoch(self, loader: Any, samples: int, steps: int) -> Iterator[Any]:
-        """``loader``'s batches from its ``samples``-th sample (``steps``-th batch) on."""
-        if samples == 0:
+    def _rest_of_epoch(self, loader: Any, consumed: int, same_world: bool) -> Iterator[Any]:
+        """``loader``'s batches once the ranks together consumed the epoch's first
+        ``consumed`` samples (:func:`.samplers.rest_of_epoch`)."""
+        if consumed == 0:
             return iter(loader)
         indexable = (
             isinstance(loader, DataLoader)
@@ -291,20 +295,26 @@ class TrainingState:
         if not indexable:
             self._warn_on_main(
                 f"resuming epoch {self.epoch} part-way by reading and dropping its first "
-                f"{steps} batches: a {type(loader).__name__} without an index sampler cannot "
-                "start in the middle")
+                f"{self.epoch_step} batches: a {type(loader).__name__} without an index sampler "
+                "cannot start in the middle")
             batches = iter(loader)
-            for _ in range(steps):
+            for _ in range(self.epoch_step):
                 next(batches, None)
             return batches
-        if not isinstance(loader.sampler, _REPEATABLE):
-            self._warn_on_main(
-                f"resuming epoch {self.epoch} part-way with a {type(loader.sampler).__name__}, "
-                "which may not repeat the order it had: batches of this epoch may be seen "
-                "twice or not at all (disttrain.prepare() gives a DistributedSampler, which "
-                "does repeat it)")
-        remaining = list(loader.sampler)[samples:]
-        return iter(with_sampler(loader, remaining))
+        world = self._ctx.world_size
+        remaining = rest_of_epoch(loader.sampler, consumed, rank=self._ctx.rank, world_size=world)
+        if remaining is None:
+            if not isinstance(loader.sampler, _REPEATABLE):
+                self._warn_on_main(
+                    f"resuming epoch {self.epoch} part-way with a {type(loader.sampler).__name__}, "
+                    "which may not repeat the order it had: batches of this epoch may be seen "
+                    "twice or not at all (disttrain.prepare() gives a DistributedSampler, which "
+                    "does repeat it)")
+            remaining = list(loader.sampler)[consumed // world:]
+        rest = with_sampler(loader, remaining)
+        if not same_world and self._epoch_len is not None:
+            self.epoch_step = max(0, self._epoch_len - len(rest))  # reaches the epoch's length at its end
+        return iter(rest)
 
     def _restore_generators(self, point: _ResumePoint, loader: Any) -> None:
         if point.rank_state is not None:
@@ -322,10 +332,10 @@ class TrainingState:
             self._checkpoint(asynchronous=False if stop else None)
         if stop:
             if self._ctx.is_main:
-                print(f"disttrain: SIGTERM: stopped after step {self.step}, saved in "
-                      f"{self.directory}; exiting with {preemption.PREEMPTED_EXIT}, "
-                      "the next run resumes there", file=sys.stderr, flush=True)
-            raise SystemExit(preemption.PREEMPTED_EXIT)
+                print(f"disttrain: {preemption.describe(stop)}: stopped after step {self.step}, saved in "
+                      f"{self.directory}; exiting with {128 + stop}, the next run resumes there",
+                      file=sys.stderr, flush=True)
+            raise SystemExit(128 + stop)
 
     def _checkpoint(self, asynchronous: bool | None = None) -> None:
         if self._saved_step == self.step:
@@ -369,7 +379,8 @@ def _world_size_warning(point: _ResumePoint, world_size: int) -> str:
         caveats.append(f"ranks {point.world_size}-{world_size - 1} have no saved random state "
                        "and keep their own seeds")
     if point.epoch_samples % world_size:
-        caveats.append(f"up to {world_size - 1} samples of this epoch are trained on twice")
+        caveats.append(f"the rest of epoch {point.epoch} is padded to divide among {world_size} ranks "
+                       f"(up to {world_size - 1} of its samples trained twice, as DistributedSampler pads)")
     return (
         f"disttrain: the checkpoint was saved by {point.world_size} ranks and is resumed by "
         f"{world_size}: training continues at sample {point.epoch_samples} of epoch "

@@ -14,16 +14,7 @@ the life of the process, whatever contexts come and go.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
-
-
-@dataclass(frozen=True)
-class PreparedModel:
-    """How ``prepare()`` set up one model: read by the checkpoint and accumulation code."""
-
-    strategy: str  # "ddp" or "fsdp"
-    precision: Any  # a runtime.precision.Precision
 
 
 class Runtime:
@@ -34,15 +25,17 @@ class Runtime:
     """
 
     def __init__(self) -> None:
-        self.models: weakref.WeakKeyDictionary[Any, PreparedModel] = weakref.WeakKeyDictionary()
+        # each model prepare() returned -> its runtime.strategies.Strategy
+        self.models: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.loaders: weakref.WeakSet[Any] = weakref.WeakSet()
         self.training: Any = None  # the TrainingState the last resume() returned
         self.owns_group = False  # only a group init() created is destroyed by shutdown()
         self.pending_save: Any = None  # an asynchronous checkpoint still being written
         self.async_group: Any = None  # the CPU group asynchronous checkpoints talk over
+        self.pg_timeout_s = 300.0  # the process group's timeout: how long a collective may wait
 
-    def prepared(self, model: Any) -> PreparedModel | None:
-        """How ``model`` (as prepare() returned it) was prepared, or None."""
+    def prepared(self, model: Any) -> Any:
+        """The strategy ``model`` (as prepare() returned it) was prepared with, or None."""
         try:
             return self.models.get(model)
         except TypeError:  # not weak-referenceable: not a module prepare() returned

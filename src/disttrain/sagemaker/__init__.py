@@ -10,13 +10,21 @@ Change only the import::
                            framework_version="2.1.0", py_version="py3", script_mode=True)
     estimator.fit({"data": "s3://bucket/data"})
 
-Each ``fit`` is a recorded job (``disttrain jobs ls``): the container contract of SageMaker's
-training toolkit, a private ``/opt/ml`` per instance, ``distribution=``, metrics, checkpoints.
+or change nothing: ``disttrain sagemaker run notebook.ipynb`` (or ``%load_ext disttrain.sagemaker``
+in Jupyter) serves ``import sagemaker`` from this package, SDK v2 and v3 module paths alike
+(``sagemaker.pytorch``, ``sagemaker.tuner``, ``sagemaker.train``, ``sagemaker.modules.train``,
+``sagemaker.core.parameter``, ...).
+
+Each ``fit``/``train`` is a recorded job (``disttrain jobs ls``): the container contract of
+SageMaker's training toolkit (estimators) or of SDK v3 (ModelTrainer), a private ``/opt/ml`` per
+instance, ``distribution=``, metrics, checkpoints; ``HyperparameterTuner`` runs its trials as
+jobs, searched by Optuna.
 """
 
 from __future__ import annotations
 
-from .analytics import TrainingJobAnalytics
+from . import image_uris, s3, session
+from .analytics import HyperparameterTuningJobAnalytics, TrainingJobAnalytics
 from .estimator import (
     Estimator,
     EstimatorBase,
@@ -27,9 +35,23 @@ from .estimator import (
 )
 from .inputs import TrainingInput
 from .pytorch import PyTorch
-from .session import get_execution_role
+from .session import Session, get_execution_role
 from .tensorflow import TensorFlow
 
-__all__ = ["Estimator", "EstimatorBase", "Framework", "PyTorch", "TensorFlow", "TrainingInput", "TrainingJob",
-           "TrainingJobAnalytics",
-           "UnexpectedStatusException", "RenamedArgumentWarning", "get_execution_role"]
+__all__ = ["Estimator", "EstimatorBase", "Framework", "HyperparameterTuningJobAnalytics", "PyTorch", "Session",
+           "TensorFlow", "TrainingInput", "TrainingJob", "TrainingJobAnalytics", "UnexpectedStatusException",
+           "RenamedArgumentWarning", "get_execution_role", "image_uris", "s3", "session",
+           "load_ipython_extension", "unload_ipython_extension"]
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext disttrain.sagemaker``: from here on, ``import sagemaker`` in this kernel is disttrain's."""
+    from .sdkshim import install
+
+    install(say=print)
+
+
+def unload_ipython_extension(ipython) -> None:
+    from .sdkshim import uninstall
+
+    uninstall()

@@ -57,3 +57,81 @@ class TrainingJobAnalytics:
 
     def export_csv(self, filename: str) -> None:
         self.dataframe().to_csv(filename)
+
+
+class HyperparameterTuningJobAnalytics:
+    """``tuner.analytics()``: the trials of a tuning job, as the SDK's frame.
+
+    ``dataframe()`` has one row per trial and the SDK's columns: each tuned hyperparameter
+    (a number where it is one), ``TrainingJobName``, ``TrainingJobStatus``, ``FinalObjectiveValue``
+    (the objective's last point), ``TrainingStartTime``, ``TrainingEndTime`` (datetimes) and
+    ``TrainingElapsedTimeSeconds``.
+    """
+
+    def __init__(self, hyperparameter_tuning_job_name: str, sagemaker_session=None) -> None:
+        self._tuning_job_name = hyperparameter_tuning_job_name
+        self.clear_cache()
+
+    @property
+    def name(self) -> str:
+        return self._tuning_job_name
+
+    def __repr__(self) -> str:
+        return f"<disttrain.sagemaker.HyperparameterTuningJobAnalytics for {self.name}>"
+
+    def clear_cache(self) -> None:
+        self._description = None
+        self._dataframe = None
+
+    def description(self, force_refresh: bool = False) -> dict:
+        from .tuning import describe
+
+        if force_refresh:
+            self.clear_cache()
+        if self._description is None:
+            self._description = describe(self.name)
+        return self._description
+
+    def training_job_summaries(self, force_refresh: bool = False) -> list[dict]:
+        return self.description(force_refresh)["TrainingJobSummaries"]
+
+    @property
+    def tuning_ranges(self) -> dict:
+        ranges = self.description()["HyperParameterTuningJobConfig"]["ParameterRanges"]
+        return {param["Name"]: param for group in ranges.values() for param in group}
+
+    def dataframe(self, force_refresh: bool = False):
+        try:
+            import pandas as pd
+        except ImportError:
+            raise UsageError(PANDAS_MISSING.replace("training_job_analytics", "tuner.analytics()")) from None
+        import datetime
+
+        def when(value):
+            return None if value is None else datetime.datetime.fromtimestamp(value, tz=datetime.timezone.utc)
+
+        if force_refresh:
+            self.clear_cache()
+        if self._dataframe is None:
+            rows = []
+            for summary in self.training_job_summaries():
+                row = {}
+                for key, value in summary["TunedHyperParameters"].items():
+                    try:
+                        value = float(value)
+                    except (TypeError, ValueError):
+                        pass
+                    row[key] = value
+                row["TrainingJobName"] = summary["TrainingJobName"]
+                row["TrainingJobStatus"] = summary["TrainingJobStatus"]
+                row["FinalObjectiveValue"] = summary.get("FinalHyperParameterTuningJobObjectiveMetric", {}).get("Value")
+                start, end = summary["TrainingStartTime"], summary["TrainingEndTime"]
+                row["TrainingStartTime"], row["TrainingEndTime"] = when(start), when(end)
+                if start and end:
+                    row["TrainingElapsedTimeSeconds"] = end - start
+                rows.append(row)
+            self._dataframe = pd.DataFrame(rows)
+        return self._dataframe
+
+    def export_csv(self, filename: str) -> None:
+        self.dataframe().to_csv(filename)

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 from ..config.text import check_path
-from ..errors import DisttrainError, UsageError
+from ..errors import UsageError
+from .buckets import resolve
 from .inputs import channels
+from .trainingjob import TrainingJob, UnexpectedStatusException, start_job
 
 USED = (
     "entry_point", "source_dir", "dependencies", "hyperparameters", "instance_count", "instance_type",
@@ -68,10 +67,6 @@ PLACEMENT_ENV = "DISTTRAIN_PLACEMENT"  # a YAML file with those keys, for notebo
 
 class RenamedArgumentWarning(UserWarning):
     """An SDK v1 argument name, accepted under its v2 name."""
-
-
-class UnexpectedStatusException(DisttrainError):
-    """``fit(wait=True)`` on a job that ended Failed or Stopped, as the SDK raises."""
 
 
 def _placement(overrides: dict[str, Any] | None) -> dict[str, Any]:
@@ -207,14 +202,14 @@ class EstimatorBase:
             "hyperparameters": self._hyperparameters_for_job(),
             "instance_count": self.instance_count,
             "instance_type": self.instance_type,
-            "inputs": channels(inputs),
-            "output_path": self.output_path,
+            "inputs": {name: resolve(location) for name, location in channels(inputs).items()},
+            "output_path": resolve(self.output_path),
             "framework": self.framework,
             "distribution": dict(self.args.get("distribution") or {}),
             "env": env,
             "max_run": self.args.get("max_run"),
             "metric_definitions": list(self.args.get("metric_definitions") or []),
-            "checkpoint_s3_uri": self.args.get("checkpoint_s3_uri"),
+            "checkpoint_s3_uri": resolve(self.args.get("checkpoint_s3_uri")),
             "checkpoint_local_path": self.args.get("checkpoint_local_path"),
             **self.placement,
         }
@@ -227,18 +222,14 @@ class EstimatorBase:
     def fit(self, inputs: Any = None, wait: bool = True, logs: Any = True, job_name: str | None = None,
             experiment_config: dict | None = None) -> None:
         """Run one job: checked here (bad input raises before anything is recorded), run in a child process."""
-        from ..jobs.container import preflight
         from ..jobs.runner import new_job_name
-        from ..jobs.spec import check_name, spec_from_mapping
-        from ..jobs.staging import check_inputs
+        from ..jobs.spec import check_name
 
         base = (self.base_job_name or self.default_base_name)[:42].rstrip("-")
         name = check_name(job_name, "job_name") if job_name else new_job_name(check_name(base, "base_job_name"))
-        spec = spec_from_mapping(self._spec_fields(inputs, name), base_dir=os.getcwd(), source=type(self).__name__)
-        check_inputs(spec)  # a missing channel or entry point: one line, nothing recorded
-        preflight(spec)  # mpirun, Keras, mount namespace: the same
         show = logs not in (False, None, "None")  # the SDK also takes "All" / "None"
-        self.latest_training_job = TrainingJob.start(spec, name, logs=show)
+        self.latest_training_job = start_job(self._spec_fields(inputs, name), name, logs=show,
+                                             source=type(self).__name__)
         if wait:
             self.latest_training_job.wait(logs=logs)
 
@@ -302,129 +293,5 @@ class Framework(EstimatorBase):
     """Base of the framework estimators (``PyTorch``, ``TensorFlow``)."""
 
 
-class TrainingJob:
-    """``estimator.latest_training_job``: ``.name``, ``.wait()``, ``.describe()``, ``.logs()``."""
-
-    def __init__(self, name: str, process: subprocess.Popen | None = None) -> None:
-        self.name, self.job_name = name, name
-        self._process = process
-        self._relay_thread = None
-
-    @classmethod
-    def start(cls, spec, name: str, *, logs: bool) -> TrainingJob:
-        from ..wire import FitRequest
-
-        fd, spec_file = tempfile.mkstemp(prefix="disttrain-fit-", suffix=".json")  # 0600
-        with os.fdopen(fd, "w") as fh:
-            fh.write(FitRequest(spec=spec.to_dict()).to_line() + "\n")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "disttrain.sagemaker.runjob", spec_file, name],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            start_new_session=True,  # a Ctrl-C in the notebook interrupts the wait, not the job
-        )
-        job = cls(name, process)
-        job._relay(show=logs)
-        return job
-
-    def _relay(self, *, show: bool) -> None:
-        import threading
-
-        def pump() -> None:
-            for line in self._process.stdout:
-                if show:
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
-
-        self._relay_thread = threading.Thread(target=pump, daemon=True)
-        self._relay_thread.start()
-
-    def _record(self):
-        from ..jobs.control import refresh
-        from ..store import JobStore
-
-        with JobStore() as store:
-            return refresh(store, store.get(self.name))
-
-    def _wait_recorded(self, timeout_s: float = 60.0):
-        """The record, once the child process has created it."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return self._record()
-            except UsageError:
-                if self._process is not None and self._process.poll() is not None:
-                    raise UsageError(f"job {self.name} never started (exit code {self._process.returncode}); "
-                                     "see the output above") from None
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-
-    def wait(self, logs: Any = True) -> None:
-        """Until the job ends; raises UnexpectedStatusException when it did not complete."""
-        if self._process is not None:
-            self._process.wait()
-            if self._relay_thread is not None:
-                self._relay_thread.join(timeout=10)
-        else:
-            while not self._record().state.final:
-                time.sleep(0.5)
-        record = self._wait_recorded()
-        if str(record.state) != "Completed":
-            reason = (record.failure or "").strip().splitlines()
-            raise UnexpectedStatusException(
-                f"Error for Training job {self.name}: {record.state}. Reason: {reason[0] if reason else '?'} "
-                f"(disttrain jobs show {record.id})")
-
-    def describe(self) -> dict[str, Any]:
-        """The record in DescribeTrainingJob's shape (the keys notebooks read)."""
-        from ..store import JobStore
-
-        record = self._wait_recorded()
-        with JobStore() as store:
-            series = store.metric_series(record.id)
-        status = {"Pending": "InProgress", "Staging": "InProgress", "Running": "InProgress",
-                  "Uploading": "InProgress"}.get(str(record.state), str(record.state))
-        spec = record.spec
-        described = {
-            "TrainingJobName": record.name,
-            "TrainingJobStatus": status,
-            "SecondaryStatus": str(record.state),
-            "HyperParameters": {k: str(v) for k, v in (spec.get("hyperparameters") or {}).items()},
-            "ResourceConfig": {"InstanceCount": spec.get("instance_count"),
-                               "InstanceType": spec.get("instance_type", "local")},
-            "StoppingCondition": {"MaxRuntimeInSeconds": spec.get("max_run")},
-            "CreationTime": record.created,
-            "TrainingStartTime": record.started,
-            "TrainingEndTime": record.ended,
-            "FinalMetricDataList": [{"MetricName": n, "Value": p[-1][1], "Timestamp": p[-1][0]}
-                                    for n, p in sorted(series.items())],
-            "OutputDataConfig": {"S3OutputPath": spec.get("output_path")},
-            "CheckpointConfig": {"S3Uri": spec.get("checkpoint_s3_uri"),
-                                 "LocalPath": spec.get("checkpoint_local_path") or "/opt/ml/checkpoints"},
-            "JobDir": record.job_dir,
-        }
-        if record.failure:
-            described["FailureReason"] = record.failure.strip()
-        if "model" in record.artifacts:
-            described["ModelArtifacts"] = {"S3ModelArtifacts": record.artifacts["model"]}
-        return described
-
-    def logs(self, follow: bool = False) -> None:
-        record = self._wait_recorded()
-        path = Path(record.log_dir or Path(record.job_dir) / "logs") / "job.log"
-        offset = 0
-        while True:
-            try:
-                with open(path, "rb") as fh:
-                    fh.seek(offset)
-                    data = fh.read()
-            except FileNotFoundError:
-                data = b""
-            sys.stdout.write(data.decode(errors="replace"))
-            sys.stdout.flush()
-            offset += len(data)
-            if not follow or self._record().state.final:
-                if follow and data:
-                    continue  # what was written while we looked at the state
-                return
-            time.sleep(0.3)
+__all__ = ["Estimator", "EstimatorBase", "Framework", "RenamedArgumentWarning", "TrainingJob",
+           "UnexpectedStatusException"]

@@ -32,10 +32,11 @@ class BenchSpec:
     steps: int
     warmup: int
     timeout_s: float
+    repeat: int = 1  # runs of each count, the counts interleaved
 
     def __post_init__(self) -> None:
         for name, value, low in (("--global-batch", self.global_batch, 1), ("--steps", self.steps, 1),
-                                 ("--warmup", self.warmup, 0)):
+                                 ("--warmup", self.warmup, 0), ("--repeat", self.repeat, 1)):
             if value < low:
                 raise UsageError(f"{name} must be at least {low}, got {value}")
         if not self.timeout_s > 0:
@@ -94,27 +95,39 @@ def parse_counts(text: str) -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
+def rounds(counts: tuple[int, ...], repeat: int) -> list[int]:
+    """The order the counts run in: ``repeat`` rounds, every other one reversed (1,2,4,4,2,1),
+    so that a machine slowing down or speeding up meanwhile weighs on every count alike."""
+    order: list[int] = []
+    for k in range(repeat):
+        order += counts if k % 2 == 0 else counts[::-1]
+    return order
+
+
 def run_all(spec: BenchSpec) -> list[report.Measurement]:
-    """Every count in turn; a failing one is recorded and the next one runs."""
-    results: list[report.Measurement] = []
+    """Every count ``spec.repeat`` times, interleaved (see :func:`rounds`), each count's runs
+    combined (:func:`report.combine`); a failing run is recorded and the next one runs."""
+    runs: dict[int, list[report.Measurement]] = {n: [] for n in spec.counts}
     hosts = max(1, len(spec.hosts))
-    for n in spec.counts:
+    for n in rounds(spec.counts, spec.repeat):
         world = n * hosts
         batch = spec.global_batch // world
         label = report.processes(n, hosts)
-        print(f"disttrain bench: {label}, {batch} samples per process per step ...",
+        which = f" (run {len(runs[n]) + 1} of {spec.repeat})" if spec.repeat > 1 else ""
+        print(f"disttrain bench: {label}{which}, {batch} samples per process per step ...",
               file=sys.stderr, flush=True)
         try:
             outcome = runner.run_count(spec.command(), spec.count(n), timeout_s=spec.timeout_s)
         except KeyboardInterrupt:
             print(f"disttrain bench: interrupted during {label}", file=sys.stderr)
             raise
-        if outcome.returncode == 2 and not any(m.ok for m in results):
+        if outcome.returncode == 2 and not any(m.ok for ms in runs.values() for m in ms):
             usage = [line for line in outcome.stderr.splitlines() if line.startswith("disttrain: error:")]
             if usage:  # disttrain run refused the command: every count would
                 raise UsageError(usage[-1][len("disttrain: error: "):])
         result = runner.measurement(outcome, nproc=n, world_size=world, batch_per_process=batch,
-                                    timeout_s=spec.timeout_s, threads=expected_threads(spec, n))
+                                    timeout_s=spec.timeout_s, threads=expected_threads(spec, n),
+                                    local=not spec.hosts)
         if result.ok:
             print(f"disttrain bench: {label}: {result.samples_per_s:,.0f} samples/s "
                   f"({outcome.seconds:.0f} s)", file=sys.stderr, flush=True)
@@ -122,8 +135,8 @@ def run_all(spec: BenchSpec) -> list[report.Measurement]:
             where = f"; logs: {result.log_dir}" if result.log_dir else ""
             print(f"disttrain bench: {label}: FAILED: {result.error}{where}", file=sys.stderr,
                   flush=True)
-        results.append(result)
-    return results
+        runs[n].append(result)
+    return [report.combine(runs[n]) for n in spec.counts]
 
 
 def expected_threads(spec: BenchSpec, nproc: int) -> int | None:

@@ -2,12 +2,22 @@
 
 The numbers in, the table and JSON out; nothing here starts a process or reads a clock, so
 the recommendation is unit-tested on given numbers (the seed chapter's own, for one).
+
+Each count runs several times, the counts interleaved (:func:`combine` keeps the best run:
+other work only ever slows a run down). A row is flagged as *noise*, and a recommendation
+built on it says it cannot be trusted, when the numbers cannot be what the script does:
+
+- efficiency above 100% (N processes more than N times as fast as one: the runs it is
+  compared with were slowed by something else);
+- its runs differ by more than :data:`NOISY_SPREAD`;
+- the rest of the machine kept a different number of cores busy (by :data:`LOAD_CHANGE`
+  or more) during its runs than during those of the count it is compared with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..placement import auto_nproc
@@ -16,6 +26,10 @@ from ..placement import auto_nproc
 TOLERANCE = 0.05
 # Below this parallel efficiency, more than half of every added process is lost.
 LOW_EFFICIENCY = 0.5
+# Repeats of one count further apart than this, (max - min) / max: the machine, not the script.
+NOISY_SPREAD = 0.10
+# Cores the rest of the machine kept busy, changing by this much between compared runs.
+LOAD_CHANGE = 0.5
 
 STEP_TIMER = "step-timer"
 SCRIPT_SUMMARY = "script-summary"
@@ -39,10 +53,33 @@ class Measurement:
     error: str | None = None
     exit_code: int | None = None
     log_dir: str | None = None
+    runs: tuple[float, ...] = ()  # samples/s of each repeat that finished (the best is samples_per_s)
+    others_cores: tuple[float, ...] = ()  # per repeat: cores the rest of this machine kept busy
 
     @property
     def ok(self) -> bool:
         return self.error is None and bool(self.samples_per_s) and self.samples_per_s > 0
+
+    @property
+    def spread(self) -> float | None:
+        """(max - min) / max of the repeats' samples/s; None with fewer than two."""
+        return (max(self.runs) - min(self.runs)) / max(self.runs) if len(self.runs) > 1 else None
+
+
+def combine(repeats: Sequence[Measurement]) -> Measurement:
+    """One count's repeats as one measurement: the best run's numbers (other work on the
+    machine only slows a run down), every run's rate and load kept; failed runs noted."""
+    finished = [m for m in repeats if m.ok]
+    others = tuple(c for m in repeats for c in m.others_cores)
+    if not finished:
+        return replace(repeats[-1], others_cores=others)
+    best = max(finished, key=lambda m: m.samples_per_s or 0.0)
+    notes = list(dict.fromkeys(n for m in finished for n in m.notes))
+    failed = [m for m in repeats if not m.ok]
+    if failed:
+        notes.append(f"{len(failed)} of {len(repeats)} runs failed: {failed[-1].error}")
+    return replace(best, runs=tuple(m.samples_per_s for m in finished), others_cores=others,
+                   notes=tuple(notes))
 
 
 @dataclass(frozen=True)
@@ -53,6 +90,7 @@ class Row:
     speedup: float | None  # samples/s over the baseline's
     ideal: float  # world size over the baseline's: what perfect scaling would give
     efficiency: float | None  # speedup / ideal
+    noise: tuple[str, ...] = ()  # why this row's numbers cannot be what the script does
 
     @property
     def world_size(self) -> int:
@@ -63,6 +101,7 @@ class Row:
 class Recommendation:
     nproc: int | None  # per host; None when no count finished
     reasons: tuple[str, ...] = field(default=())
+    trusted: bool = True  # False: built on numbers flagged as noise
 
 
 def scaling(measurements: Sequence[Measurement]) -> list[Row]:
@@ -79,8 +118,24 @@ def scaling(measurements: Sequence[Measurement]) -> list[Row]:
             rows.append(Row(m, None, ideal, None))
             continue
         speedup = m.samples_per_s / base.samples_per_s
-        rows.append(Row(m, speedup, ideal, speedup / ideal))
+        rows.append(Row(m, speedup, ideal, speedup / ideal, noise(m, base, speedup / ideal)))
     return rows
+
+
+def noise(m: Measurement, base: Measurement, efficiency: float) -> tuple[str, ...]:
+    """Why ``m``'s numbers, against ``base``'s, are the machine's rather than the script's."""
+    reasons = []
+    if round(efficiency * 100) > 100:
+        reasons.append(f"{efficiency:.0%} efficiency: {m.world_size} processes cannot be more than "
+                       f"{m.world_size / base.world_size:g}x as fast as {base.world_size}; "
+                       f"{'they' if base.world_size > 1 else 'it'} ran slowed by other work")
+    if m.spread is not None and m.spread > NOISY_SPREAD:
+        reasons.append(f"its {len(m.runs)} runs differ by {m.spread:.0%}")
+    loads = m.others_cores + (base.others_cores if base is not m else ())
+    if loads and max(loads) - min(loads) >= LOAD_CHANGE:
+        reasons.append(f"the machine's other work changed while it was measured ({min(loads):.1f} to "
+                       f"{max(loads):.1f} cores busy)")
+    return tuple(reasons)
 
 
 def processes(n: int, hosts: int = 1) -> str:
@@ -119,6 +174,13 @@ def recommend(rows: Sequence[Row], *, cpus: int | None, gpus: int = 0, hosts: in
     )
     if not finished:
         return Recommendation(None, ("no process count finished, nothing to compare", *failures))
+    noisy = tuple(f"{processes(r.measurement.nproc, hosts)}: {'; '.join(r.noise)}" for r in finished if r.noise)
+    if noisy:
+        distrust = ("not to be trusted: the numbers are noise (marked !), not this script's scaling; run the "
+                    "bench again on a quiet machine, or with more --repeat",)
+        chosen = recommend([replace(r, noise=()) for r in rows], cpus=cpus, gpus=gpus, hosts=hosts,
+                           tolerance=tolerance)
+        return Recommendation(chosen.nproc, (*distrust, *noisy, *chosen.reasons), trusted=False)
 
     def rate(row: Row) -> float:
         return row.measurement.samples_per_s or 0.0
@@ -162,19 +224,20 @@ def recommend(rows: Sequence[Row], *, cpus: int | None, gpus: int = 0, hosts: in
 def format_table(rows: Sequence[Row], recommendation: Recommendation, *, hosts: int = 1,
                  title: str = "") -> str:
     """The table ``disttrain bench`` prints, then the recommendation and its reasons."""
-    headers = ["processes", "threads each", "batch/process", "samples/s", "speed-up", "efficiency",
-               "measured by"]
+    headers = ["processes", "threads each", "batch/process", "samples/s", "runs", "spread", "speed-up",
+               "efficiency", "noise", "measured by"]
     lines = []
     body = []
     for row in rows:
         m = row.measurement
         count = f"{m.world_size} ({m.nproc}/host)" if hosts > 1 else str(m.world_size)
         threads = str(m.threads) if m.threads else "-"
+        spread = "-" if m.spread is None else f"{m.spread:.0%}"
         if m.ok:
-            cells = [count, threads, str(m.batch_per_process), f"{m.samples_per_s:,.0f}",
-                     f"{row.speedup:.2f}x", f"{row.efficiency:.0%}", _source(m)]
+            cells = [count, threads, str(m.batch_per_process), f"{m.samples_per_s:,.0f}", str(len(m.runs) or 1),
+                     spread, f"{row.speedup:.2f}x", f"{row.efficiency:.0%}", "!" if row.noise else "", _source(m)]
         else:
-            cells = [count, threads, str(m.batch_per_process), "-", "-", "-", f"FAILED: {m.error}"]
+            cells = [count, threads, str(m.batch_per_process), "-", "-", "-", "-", "-", "", f"FAILED: {m.error}"]
         body.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in body)) if body else len(h)
               for i, h in enumerate(headers)]
@@ -199,7 +262,8 @@ def format_table(rows: Sequence[Row], recommendation: Recommendation, *, hosts: 
         lines.append("no recommendation")
     else:
         lines.append(f"recommended: -n {recommendation.nproc}"
-                     + (" per host" if hosts > 1 else "") + " for this script on this machine")
+                     + (" per host" if hosts > 1 else "") + " for this script on this machine"
+                     + ("" if recommendation.trusted else " (NOT TRUSTED: noisy measurements)"))
     lines.extend(f"  - {reason}" for reason in recommendation.reasons)
     return "\n".join(lines)
 
@@ -218,10 +282,13 @@ def to_json(rows: Sequence[Row], recommendation: Recommendation, **context: Any)
     for row in rows:
         entry = asdict(row.measurement)
         entry["notes"] = list(row.measurement.notes)
-        entry.update(speedup=row.speedup, ideal_speedup=row.ideal, efficiency=row.efficiency)
+        entry.update(runs=list(row.measurement.runs), others_cores=list(row.measurement.others_cores),
+                     spread=row.measurement.spread, speedup=row.speedup, ideal_speedup=row.ideal,
+                     efficiency=row.efficiency, noise=list(row.noise))
         results.append(entry)
     return {
         **context,
         "results": results,
-        "recommendation": {"nproc": recommendation.nproc, "reasons": list(recommendation.reasons)},
+        "recommendation": {"nproc": recommendation.nproc, "reasons": list(recommendation.reasons),
+                           "trusted": recommendation.trusted},
     }

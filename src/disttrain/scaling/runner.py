@@ -12,6 +12,8 @@ line with ``train_samples_per_s`` (what ``examples/mnist_convnet.py`` prints).
 from __future__ import annotations
 
 import json
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -40,6 +42,45 @@ class Outcome:
     stderr: str
     seconds: float
     timed_out: bool = False
+    others_cores: float | None = None  # cores the rest of this machine kept busy meanwhile
+
+
+class OtherLoad:
+    """How many cores the rest of this machine kept busy while a count ran here.
+
+    The machine's busy time (``/proc/stat``) minus this process's and its reaped children's
+    CPU time (the count's launcher reaps its agents and workers, so all of their CPU lands
+    in our ``RUSAGE_CHILDREN`` once it has ended), over the wall time. None where
+    ``/proc/stat`` is not readable.
+    """
+
+    def __init__(self) -> None:
+        self._start = (_machine_busy(), _own_cpu(), time.perf_counter())
+
+    def cores(self) -> float | None:
+        busy0, own0, t0 = self._start
+        busy, wall = _machine_busy(), time.perf_counter() - t0
+        if busy is None or busy0 is None or wall <= 0:
+            return None
+        return max(0.0, (busy - busy0) - (_own_cpu() - own0)) / wall
+
+
+def _machine_busy() -> float | None:
+    """CPU seconds every core has spent busy since boot (user, nice, system, irq, softirq)."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def count_spec(base: LaunchSpec, *, nproc: int, batch_per_process: int, batch_arg: str, steps: int,
@@ -69,6 +110,7 @@ def run_count(argv: Sequence[str], spec: LaunchSpec, *, timeout_s: float, env: M
     agent gives each worker a session of its own, so a process group would miss them).
     """
     start = time.perf_counter()
+    load = OtherLoad()
     proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=None if env is None else dict(env), cwd=cwd)
     try:
@@ -79,7 +121,7 @@ def run_count(argv: Sequence[str], spec: LaunchSpec, *, timeout_s: float, env: M
     except KeyboardInterrupt:
         _stop(proc)
         raise
-    return Outcome(proc.returncode, stdout, stderr, time.perf_counter() - start)
+    return Outcome(proc.returncode, stdout, stderr, time.perf_counter() - start, others_cores=load.cores())
 
 
 def _stop(proc: subprocess.Popen) -> tuple[str, str]:
@@ -150,14 +192,17 @@ def parse_output(stdout: str) -> tuple[str, dict[str, Any]] | None:
 
 
 def measurement(outcome: Outcome, *, nproc: int, world_size: int, batch_per_process: int,
-                timeout_s: float, threads: int | None = None) -> Measurement:
+                timeout_s: float, threads: int | None = None, local: bool = True) -> Measurement:
     """What ``outcome`` says about this count: a throughput with notes, or the error.
 
     ``threads``: intra-op threads per process when known in advance; the step timer's
-    report, which the workers make, wins."""
+    report, which the workers make, wins. ``local``: the count ran on this machine alone, so
+    the load of the rest of it applies (on other hosts it is not known)."""
+    others = (outcome.others_cores,) if local and outcome.others_cores is not None else ()
     base: dict[str, Any] = {"nproc": nproc, "world_size": world_size,
                             "batch_per_process": batch_per_process, "threads": threads,
-                            "exit_code": outcome.returncode, "log_dir": _log_dir(outcome.stderr)}
+                            "exit_code": outcome.returncode, "log_dir": _log_dir(outcome.stderr),
+                            "others_cores": others}
     if outcome.timed_out:
         return Measurement(**base, error=f"timed out after {timeout_s:g} s (--timeout)")
     parsed = parse_output(outcome.stdout)

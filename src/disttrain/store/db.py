@@ -5,6 +5,14 @@ timeout (a writer waits for another instead of failing with "database is locked"
 short write transactions (``BEGIN IMMEDIATE``: the state check and the update happen under
 one lock, so two processes cannot both move the same job). No connection is held inside a
 transaction while a job runs, so a runner that is killed leaves nothing locked.
+
+SQLite's locks are POSIX record locks, which belong to a process and a file, not to a file
+descriptor: closing *any* descriptor of ``jobs.db`` in a process drops every lock SQLite holds
+on it there. Another process closing its last connection then believes it is the last one,
+checkpoints and deletes the WAL that this process still writes into, and this process's later
+commits are lost. So nothing here opens ``jobs.db`` outside SQLite (it is created private by a
+hard link, kept private by ``chmod``), and every :class:`JobStore` of a process shares one
+connection per file (the runner's metrics follower opens a second store while the first is open).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -114,20 +123,46 @@ def default_store_path() -> Path:
     return disttrain_home() / "jobs.db"
 
 
+class _Connection:
+    """One process's connection to one store file, shared by its JobStores (and their threads)."""
+
+    def __init__(self, path: Path) -> None:
+        make_private(path)  # job specs hold env values; SQLite gives -wal/-shm the same mode
+        # isolation_level=None: transactions are begun explicitly, and kept short. Threads share
+        # the connection under ``lock`` (a runner's metrics follower writes while the runner does).
+        self.db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        self.db.row_factory = sqlite3.Row
+        self.lock = threading.RLock()
+        self.users = 0
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")  # durable at each checkpoint; WAL stays consistent
+            self.db.executescript(_SCHEMA)  # each statement commits on its own; all are idempotent
+        except BaseException:
+            self.db.close()
+            raise
+
+
+_OPEN: dict[tuple[int, str], _Connection] = {}  # (pid, real path): a forked child opens its own
+_OPEN_LOCK = threading.Lock()
+
+
 class JobStore:
     def __init__(self, path: str | os.PathLike | None = None) -> None:
         self.path = Path(path) if path else default_store_path()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            make_private(self.path)  # job specs hold env values; SQLite gives -wal/-shm the same mode
-            # isolation_level=None: transactions are begun explicitly, and kept short.
-            self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-            self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")  # durable at each checkpoint; WAL stays consistent
-            self._db.executescript(_SCHEMA)  # each statement commits on its own; all are idempotent
+            key = (os.getpid(), os.path.realpath(self.path))
+            with _OPEN_LOCK:
+                shared = _OPEN.get(key)
+                if shared is None:
+                    shared = _OPEN[key] = _Connection(self.path)
+                shared.users += 1
+            self._key, self._shared, self._db, self._closed = key, shared, shared.db, False
             self._add_columns()
         except (OSError, sqlite3.Error) as err:
+            if getattr(self, "_key", None):
+                self.close()
             raise UsageError(f"cannot open the job store {self.path}: {err} (set --store or {STORE_ENV})") from None
 
     def _add_columns(self) -> None:
@@ -135,13 +170,23 @@ class JobStore:
             have = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
             return [column for column in _ADDED if column not in have]
 
-        if missing():
-            with self._write() as db:  # checked again under the lock: two processes opening an old store
-                for column in missing():
-                    db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {_ADDED[column]}")
+        with self._read():
+            if not missing():
+                return
+        with self._write() as db:  # checked again under the lock: two processes opening an old store
+            for column in missing():
+                db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {_ADDED[column]}")
 
     def close(self) -> None:
-        self._db.close()
+        """Closes the process's connection with its last user (SQLite checkpoints the WAL then)."""
+        with _OPEN_LOCK:
+            if self._closed:
+                return
+            self._closed = True
+            self._shared.users -= 1
+            if self._shared.users == 0:
+                del _OPEN[self._key]
+                self._shared.db.close()
 
     def __enter__(self) -> JobStore:
         return self
@@ -150,16 +195,23 @@ class JobStore:
         self.close()
 
     @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """The shared connection for a read, not in the middle of another thread's transaction."""
+        with self._shared.lock:
+            yield self._db
+
+    @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         # IMMEDIATE takes the write lock up front: a read-then-write inside a deferred
         # transaction could fail with SQLITE_BUSY halfway, after the busy timeout is moot.
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        with self._shared.lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def create(self, *, name: str, spec: dict, job_dir: str, **fields: Any) -> JobRecord:
         now = time.time()
@@ -208,19 +260,21 @@ class JobStore:
 
     def get(self, ref: int | str) -> JobRecord:
         """A job by id (``12``) or by name."""
-        if isinstance(ref, int) or str(ref).isdigit():
-            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (int(ref),)).fetchone()
-        else:
-            row = self._db.execute("SELECT * FROM jobs WHERE name = ?", (ref,)).fetchone()
-        if row is None:
-            raise UsageError(f"no job {ref!r} in {self.path} (see `disttrain jobs ls`)")
-        events = self._db.execute(
-            "SELECT state, time FROM events WHERE job_id = ? ORDER BY time, rowid", (row["id"],)).fetchall()
+        with self._read() as db:
+            if isinstance(ref, int) or str(ref).isdigit():
+                row = db.execute("SELECT * FROM jobs WHERE id = ?", (int(ref),)).fetchone()
+            else:
+                row = db.execute("SELECT * FROM jobs WHERE name = ?", (ref,)).fetchone()
+            if row is None:
+                raise UsageError(f"no job {ref!r} in {self.path} (see `disttrain jobs ls`)")
+            events = db.execute(
+                "SELECT state, time FROM events WHERE job_id = ? ORDER BY time, rowid", (row["id"],)).fetchall()
         return _record(row, tuple((e["state"], e["time"]) for e in events))
 
     def list(self, limit: int | None = None) -> list[JobRecord]:
         """Newest first."""
-        rows = self._db.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit or -1,)).fetchall()
+        with self._read() as db:
+            rows = db.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit or -1,)).fetchall()
         return [_record(row) for row in rows]
 
     def add_metrics(self, job_id: int, rows: list[tuple[str, float, float]]) -> None:
@@ -232,13 +286,16 @@ class JobStore:
     def metric_series(self, job_id: int) -> dict[str, list[tuple[float, float]]]:
         """Every series of a job, by name, in time order."""
         series: dict[str, list[tuple[float, float]]] = {}
-        for row in self._db.execute(
-                "SELECT name, time, value FROM metrics WHERE job_id = ? ORDER BY name, time, rowid", (job_id,)):
+        with self._read() as db:
+            rows = db.execute("SELECT name, time, value FROM metrics WHERE job_id = ? ORDER BY name, time, rowid",
+                              (job_id,)).fetchall()
+        for row in rows:
             series.setdefault(row["name"], []).append((row["time"], row["value"]))
         return series
 
     def integrity(self) -> str:
-        return self._db.execute("PRAGMA integrity_check").fetchone()[0]
+        with self._read() as db:
+            return db.execute("PRAGMA integrity_check").fetchone()[0]
 
 
 def _checked(fields: dict[str, Any]) -> dict[str, Any]:

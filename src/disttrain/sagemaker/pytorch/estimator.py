@@ -1,8 +1,8 @@
-"""``from disttrain.sagemaker.pytorch import PyTorch`` (the SDK's ``sagemaker.pytorch``)."""
+"""The SDK's ``sagemaker.pytorch.estimator``: ``PyTorch``."""
 
 from __future__ import annotations
 
-from .estimator import Framework
+from ..estimator import Framework
 
 
 class PyTorch(Framework):

@@ -1,10 +1,10 @@
-"""``from disttrain.sagemaker.tensorflow import TensorFlow`` (the SDK's ``sagemaker.tensorflow``)."""
+"""The SDK's ``sagemaker.tensorflow.estimator``: ``TensorFlow``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .estimator import Framework
+from ..estimator import Framework
 
 # What the SDK passes as --model_dir in local mode; with a private /opt/ml it is the instance's model folder.
 LOCAL_MODEL_DIR = "/opt/ml/model"

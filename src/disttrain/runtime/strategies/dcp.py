@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,23 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import DisttrainError, UsageError
-from .state import Runtime
-
-
-def split(objects: dict[str, Any], runtime: Runtime) -> dict[str, Any]:
-    """The objects to save through DCP: with a model prepared with ``strategy="fsdp"``,
-    every model and optimizer; otherwise none (the rank-0 file holds everything)."""
-    if not any(_is_fsdp(obj, runtime) for obj in objects.values()):
-        return {}
-    return {name: obj for name, obj in objects.items()
-            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))}
-
-
-
-def _is_fsdp(obj: Any, runtime: Runtime) -> bool:
-    prepared = runtime.prepared(obj) if isinstance(obj, torch.nn.Module) else None
-    return prepared is not None and prepared.strategy == "fsdp"
+from ...errors import DisttrainError, UsageError
+from ..torch_errors import FAILURES, first_line
 
 
 def state_dicts(objects: dict[str, Any]) -> dict[str, Any]:
@@ -60,16 +45,23 @@ def state_dicts(objects: dict[str, Any]) -> dict[str, Any]:
 
 
 def write(objects: dict[str, Any], directory: Path) -> None:
-    """Every rank writes its shards of ``objects`` into ``directory`` (a collective)."""
+    """Every rank writes its shards of ``objects`` into ``directory`` (a collective).
+
+    Not fsynced: the checkpoint's writer fsyncs each file while it digests it
+    (``checkpoint_layout.sync_and_digest``), the two at once."""
     with _single_process_quiet():
-        dcp.save(state_dicts(objects), checkpoint_id=directory)
+        dcp.save(state_dicts(objects), storage_writer=_writer(directory))
 
 
 def write_async(objects: dict[str, Any], directory: Path, group: Any) -> Any:
     """Like :func:`write`, but the files are written in the background: the state is
-    copied (staged) first, so training may change it right away. Returns the future;
-    its result on rank 0 means every rank's files and the metadata are written."""
-    return dcp.async_save(state_dicts(objects), checkpoint_id=directory, process_group=group)
+    copied (staged) first, so training may change it right away. Returns the future; its
+    result means every rank's files and the metadata are written."""
+    return dcp.async_save(state_dicts(objects), storage_writer=_writer(directory), process_group=group)
+
+
+def _writer(directory: Path) -> FileSystemWriter:
+    return FileSystemWriter(directory, sync_files=False)
 
 
 def read(objects: dict[str, Any], directory: Path) -> None:
@@ -115,10 +107,6 @@ def _owners(objects: dict[str, Any]) -> dict[str, torch.nn.Module]:
     return owners
 
 
-# DCP gathers every rank's failure into a CheckpointException, a BaseException.
-FAILURES = (Exception, CheckpointException)
-
-
 @contextlib.contextmanager
 def _single_process_quiet():
     """A world of one has no process group: DCP then works in this process alone, which is
@@ -126,17 +114,3 @@ def _single_process_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def first_line(err: BaseException) -> str:
-    """The telling line of a (often multi-line) torch error message, shortened."""
-    if isinstance(err, CheckpointException) and err.failures:
-        rank, (inner, _) = min(err.failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {first_line(inner)}"
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith(("Traceback", "File "))]
-    if not lines:
-        return type(err).__name__
-    # "Error(s) in loading state_dict for Net:" says nothing the next line does not.
-    telling = next((line for line in lines if not line.endswith(":")), lines[0])
-    return telling[:300]

@@ -8,8 +8,8 @@
             rank_00000.pt       each rank's own values (RNG states), when saved with them
             rank_00001.pt
             sharded/            FSDP models and their optimizers: torch.distributed.checkpoint,
-                                one file per rank written by that rank (strategy "fsdp")
-            COMPLETE            marker, written last; JSON metadata listing the files
+                                one file per rank written by that rank, and .metadata
+            COMPLETE            marker, written last: JSON listing every file with its digest
         .tmp-step_00000200-4242/   being written by process 4242; never read
 
 A step directory counts only when it holds the marker, and it only gets its final name
@@ -18,30 +18,56 @@ point leaves either the old set of checkpoints or the new one. Rank 0 writes eve
 the per-rank ones included (gathered from the other ranks first), so one rename commits
 them together -- except the shards of a sharded model, which each rank writes into rank
 0's temporary directory before rank 0 writes the marker and renames.
+
+The marker holds each file's size and SHA-256 (format 2), so that a file damaged or cut
+short after the checkpoint was written -- a disk error, a partial copy from remote storage,
+a hand edit -- is found before anything is loaded from it; each digest is read back while
+its file is fsynced (:func:`sync_and_digest`). This module is torch-free: the runtime
+writes and reads checkpoints with it, the job runner's remote sync
+(:mod:`disttrain.jobs.checkpoints`) uploads them marker last.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 STATE_FILE = "state.pt"
 MARKER = "COMPLETE"
 # torch.distributed.checkpoint's directory (every rank's shard plus .metadata), in
 # checkpoints of sharded models only.
 SHARDED_DIR = "sharded"
-FORMAT = 1
+# 2: the marker holds "digests" ({file: {"sha256", "bytes"}}); 1: file names only.
+FORMAT = 2
+# SHA-256: hashlib runs it on the CPU's SHA extensions where there are some, faster than
+# blake2b there (bench/checkpoint_digest.py measures both against the save itself).
+DIGEST = "sha256"
+_CHUNK = 1 << 20
 
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TEMP_DIR = re.compile(r"\.tmp-step_\d+-\d+")
 _TRASH_DIR = re.compile(r"\.trash-step_\d+-\d+")
+
+FileDigest = dict[str, Any]  # {"sha256": hex, "bytes": size}
+
+
+def is_step_dir(name: str) -> bool:
+    """Whether ``name`` is a checkpoint's directory name (complete when it holds the marker)."""
+    return _STEP_DIR.fullmatch(name) is not None
+
+
+def is_scratch(name: str) -> bool:
+    """Whether ``name`` is a checkpoint being written or being deleted: never read, never synced."""
+    return _TEMP_DIR.fullmatch(name) is not None or _TRASH_DIR.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -80,15 +106,43 @@ class CheckpointLayout:
     def leftovers(self) -> list[Path]:
         """Temporary directories left by writers that died before renaming."""
         try:
-            return [
-                p for p in self.root.iterdir()
-                if _TEMP_DIR.fullmatch(p.name) or _TRASH_DIR.fullmatch(p.name)
-            ]
+            return [p for p in self.root.iterdir() if is_scratch(p.name)]
         except FileNotFoundError:
             return []
 
 
-def _fsync_dir(path: Path) -> None:
+def hash_file(path: Path) -> FileDigest:
+    """The digest of the file at ``path``, read in chunks."""
+    digest = hashlib.new(DIGEST)
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return {DIGEST: digest.hexdigest(), "bytes": size}
+
+
+def check_file(directory: Path, name: str, expected: FileDigest) -> str | None:
+    """Why ``directory/name`` is not the file its digest describes, or None when it is."""
+    path = directory / name
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as err:
+        return f"{name} is unreadable: {err.strerror or err}"
+    if size != expected.get("bytes"):
+        return f"{name} has {size} bytes, {expected.get('bytes')} were written"
+    try:
+        actual = hash_file(path)
+    except OSError as err:
+        return f"{name} is unreadable: {err.strerror or err}"
+    if actual[DIGEST] != expected.get(DIGEST):
+        return f"{name} does not match its {DIGEST} digest (changed after it was written)"
+    return None
+
+
+def sync_dir(path: Path) -> None:
     # Makes the entries (new files, a rename) durable, not just the files' contents.
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -101,29 +155,63 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Create ``path`` with ``write(file)`` and fsync it before returning."""
+def write_durably(path: Path, write: Callable[[BinaryIO], None]) -> FileDigest:
+    """Create ``path`` with ``write(file)``, fsync it, and return its digest."""
     with open(path, "wb") as f:
         write(f)
         f.flush()
-        os.fsync(f.fileno())
+        return sync_and_digest(path, f.fileno())
 
 
-def commit(layout: CheckpointLayout, step: int, write_files: Callable[[Path], list[str]],
+def sync_and_digest(path: Path, fd: int | None = None) -> FileDigest:
+    """fsync the file at ``path`` (or open as ``fd``) and digest it, the two at once.
+
+    The digest reads the file back from the page cache on a thread of its own (hashlib
+    lets go of the GIL) while the fsync waits for the disk: with a core to spare it costs
+    no time, where hashing the bytes on their way to the file would add its own
+    (``bench/checkpoint_digest.py``).
+    """
+    found: list[Any] = []
+
+    def digest() -> None:
+        try:
+            found.append(hash_file(path))
+        except OSError as err:
+            found.append(err)
+
+    thread = threading.Thread(target=digest, name="disttrain-digest", daemon=True)
+    thread.start()
+    try:
+        if fd is not None:
+            os.fsync(fd)
+        else:
+            own = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(own)
+            finally:
+                os.close(own)
+    finally:
+        thread.join()
+    if isinstance(found[0], OSError):
+        raise found[0]
+    return found[0]
+
+
+def commit(layout: CheckpointLayout, step: int, write_files: Callable[[Path], dict[str, FileDigest]],
            meta: dict) -> Path:
     """Write a checkpoint for ``step`` into a temporary directory, then publish it.
 
-    ``write_files(directory)`` writes the payload and returns the file names; the marker
-    comes after them, and the rename last. A checkpoint already at this step (a resumed run
-    saving the same step again) is replaced.
+    ``write_files(directory)`` writes the payload and returns each file's digest; the
+    marker comes after them, and the rename last. A checkpoint already at this step (a
+    resumed run saving the same step again) is replaced.
     """
     temp = begin(layout, step)
     try:
-        files = write_files(temp)
+        digests = write_files(temp)
     except BaseException:
         discard(temp)
         raise
-    return publish(layout, step, temp, files, meta)
+    return publish(layout, step, temp, digests, meta)
 
 
 def begin(layout: CheckpointLayout, step: int) -> Path:
@@ -136,17 +224,24 @@ def begin(layout: CheckpointLayout, step: int) -> Path:
     return temp
 
 
-def discard(temp: Path) -> None:
+def discard(temp: Path | None) -> None:
     # A full disk is the usual cause of a failed write: give the space back now.
-    shutil.rmtree(temp, ignore_errors=True)
+    if temp is not None:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
-def publish(layout: CheckpointLayout, step: int, temp: Path, files: list[str], meta: dict) -> Path:
-    """Mark the checkpoint written in ``temp`` complete and give it its final name."""
+def publish(layout: CheckpointLayout, step: int, temp: Path, digests: dict[str, FileDigest],
+            meta: dict) -> Path:
+    """Mark the checkpoint written in ``temp`` complete and give it its final name.
+
+    ``digests``: every file of the checkpoint (paths relative to ``temp``) with its digest.
+    """
     try:
-        marker = json.dumps({"format": FORMAT, "step": step, "files": files, **meta}, indent=1)
+        files = sorted({name.split("/")[0] for name in digests})
+        marker = json.dumps({"format": FORMAT, "step": step, "files": files, **meta,
+                             "digests": dict(sorted(digests.items()))}, indent=1)
         write_durably(temp / MARKER, lambda f: f.write(marker.encode()))
-        _fsync_dir(temp)
+        sync_dir(temp)
     except BaseException:
         discard(temp)
         raise
@@ -159,7 +254,7 @@ def publish(layout: CheckpointLayout, step: int, temp: Path, files: list[str], m
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(temp, final)
-    _fsync_dir(layout.root)
+    sync_dir(layout.root)
     return final
 
 
@@ -168,12 +263,20 @@ def read_marker(path: Path) -> dict:
     meta = json.loads((path / MARKER).read_text())
     if not isinstance(meta, dict):
         raise ValueError("not a JSON object")
+    digests = meta.get("digests", {})
+    if not isinstance(digests, dict) or not all(isinstance(d, dict) for d in digests.values()):
+        raise ValueError("its digests are not a JSON object of objects")
     return meta
 
 
 def listed_files(path: Path) -> list[str]:
     """The file names the marker of the checkpoint in ``path`` lists."""
     return list(read_marker(path).get("files", []))
+
+
+def files_under(directory: Path) -> list[str]:
+    """Every file below ``directory``, as paths relative to it with ``/``, sorted."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
 
 
 def prune(layout: CheckpointLayout, keep_last: int | None) -> list[Path]:

@@ -1,0 +1,1 @@
+"""SDK v3's ``sagemaker.core.training``."""

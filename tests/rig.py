@@ -663,13 +663,18 @@ class Cluster:
                     pass
             time.sleep(0.02)
 
-    def power_off(self, node: "str | int | Node") -> None:
-        """The node vanishes without a word, like a machine losing power: its traffic is
-        dropped both ways (no FIN, no RST reaches anyone), then every process in it dies."""
+    def cut_off(self, node: "str | int | Node") -> None:
+        """The node's network drops, the node runs on: its traffic is dropped both ways (no FIN,
+        no RST reaches anyone); its processes, the ssh sessions into it included, never hear of it."""
         nd = self.node(node)
         for chain, side in (("INPUT", "-i"), ("OUTPUT", "-o")):
             _run(self.ns_exec(nd, ["iptables", "-w", "-I", chain, "1", side, nd.ifname, "-j", "DROP"]))
-        self.kill_all(nd, include_sshd=True, grace=0)
+
+    def power_off(self, node: "str | int | Node") -> None:
+        """The node vanishes without a word, like a machine losing power: its network is cut
+        off, then every process in it dies."""
+        self.cut_off(node)
+        self.kill_all(node, include_sshd=True, grace=0)
 
     def power_on(self, node: "str | int | Node") -> None:
         """A node powered off comes back: its traffic flows again and its sshd answers (the node's

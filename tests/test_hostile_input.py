@@ -132,7 +132,7 @@ def test_a_sigstopped_rank_is_reported_as_stopped(home):
         rank1.send_signal(signal.SIGSTOP)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 124, err
-        assert f"rank 1: stopped by a signal (SIGSTOP/SIGTSTP, pid {rank1.pid})" in err
+        assert f"it is stopped by a signal (SIGSTOP/SIGTSTP, pid {rank1.pid})" in err
         assert "did not answer" not in err
         assert_all_gone(workers)
     finally:

@@ -22,10 +22,11 @@ def test_a_hang_on_the_second_host_is_reported_at_the_launcher_with_every_hosts_
     err = result.stderr
     assert result.returncode == 124, err[-3000:]
     a, b = (node.ip for node in cluster.nodes)
-    assert f"where each rank on {a} is" in err and f"where each rank on {b} is" in err
-    assert "rank 0:" in err  # waiting in the all-reduce on host a
-    assert f"rank 1: hang_rank1.py:{SLEEP_LINE} in <module>" in err  # stuck in its own code on host b
-    assert "no rank on any of the 2 hosts made progress for 5 s" in err
+    assert f"rank 0 ({a}): in #" in err  # waiting in the all-reduce on host a
+    assert f"rank 1 ({b}): completed #" in err and f"at hang_rank1.py:{SLEEP_LINE} in <module>" in err
+    assert f"which rank 0 waits in: it is at hang_rank1.py:{SLEEP_LINE} in <module> (the script's own code)" in err
+    assert f"stacks on {a}: " in err and f"stacks on {b}: " in err
+    assert "no rank made progress for 5 s" in err and "stopped the job on all 2 hosts (exit 124)" in err
     assert_nothing_left(cluster)
 
 

@@ -61,6 +61,7 @@ def test_wheel_and_sdist_are_named_for_the_one_version_and_pass_twine(dist_dir: 
         names = zf.namelist()
         metadata = zf.read(f"disttrain-{__version__}.dist-info/METADATA").decode()
     assert "disttrain/py.typed" in names
+    assert "disttrain/_worker_site/sitecustomize.py" in names  # --hang-timeout's worker bootstrap
     assert f"Version: {__version__}" in metadata
     assert "Requires-Dist: torch" in metadata
     assert any(n.endswith("entry_points.txt") for n in names)

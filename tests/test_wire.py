@@ -13,20 +13,25 @@ from disttrain.config.launch import LaunchSpec
 from disttrain.plan.launch import NodeFacts, make_plan
 from disttrain.wire import (
     MESSAGES,
+    Alive,
     AttemptStarted,
     Beats,
+    Call,
     ConnectResults,
     ConnectTargets,
     DumpRequest,
     FitRequest,
+    HangReport,
     HostFacts,
     InstanceEnv,
     JobClient,
     LaunchStep,
     Listening,
+    NodeDone,
     Outcome,
     PlanMessage,
     ProbeFacts,
+    RankState,
     Regroup,
     RunClient,
     RunSpec,
@@ -34,6 +39,7 @@ from disttrain.wire import (
     SyncOffer,
     SyncWanted,
     WireError,
+    one_of,
 )
 
 SECRET = "s3cr3t\nwith a newline"
@@ -62,6 +68,16 @@ EXAMPLES = [
     Beats(host="10.0.0.2", ranks={0: (12, 0.25), 3: (11, 1.5)}),
     Regroup(lost=("10.0.0.3",)),
     AttemptStarted(host="10.0.0.2", attempt=2, nodes=2, world_size=4, ranks=(2, 3)),
+    Alive(),
+    NodeDone(host="algo-2", ranks=(2, 3)),
+    HangReport(host="10.0.0.2", ranks=(
+        RankState(rank=1, host="10.0.0.2", pid=42, where="train.py:12 in <module>", own_code=True,
+                  calls=(Call(group="0", desc="default_pg", seq=5, op="all_reduce", backend="gloo",
+                              input_sizes=((4,),), output_sizes=((4,),), input_dtypes=("Float",),
+                              output_dtypes=("Float",), done=True),),
+                  groups={"0": (0, 1), "1": (0, 1)}, stacks="/r/attempt_0/rank1.stacks", dump="/r/rank1.fr.json"),
+        RankState(rank=3, host="10.0.0.2", state="exited", exit_code=0),
+    )),
     Outcome(exit_code=1, failed=1, report="disttrain: rank 3 failed\n  exit code 1"),
     Outcome(exit_code=130, signal=2),
     LaunchStep(spec=SPEC, run_id="r", run_dir="/runs/r", cwd="/w", python="/p", paths=("train.py",), nodes=2),
@@ -94,6 +110,15 @@ def test_every_message_is_listed_once_and_documented():
     for kind, cls in MESSAGES.items():
         assert cls.kind == kind
         assert f"{kind} " in documented and cls.__name__ in documented, kind
+
+
+def test_a_line_that_may_be_one_of_several_kinds_is_told_apart_by_its_kind():
+    assert one_of(Alive().to_line(), Alive, DumpRequest) == Alive()
+    done = NodeDone(host="b", ranks=(1,))
+    assert one_of(done.to_line(), Alive, DumpRequest, NodeDone) == done  # its marker too
+    assert one_of(DumpRequest().to_line().encode(), Alive, DumpRequest) == DumpRequest()
+    with pytest.raises(WireError, match="expected a agent.alive or agent.dump message, got 'dump'"):
+        one_of("dump", Alive, DumpRequest)
 
 
 def test_the_envelope_names_kind_and_version():

@@ -26,7 +26,10 @@ probe.connect      ConnectTargets   launcher -> probe session (what to connect t
 probe.reached      ConnectResults   probe session -> launcher (what it reached)
 agent.plan         PlanMessage      launcher -> agent (stdin): the plan, values included
 agent.dump         DumpRequest      launcher -> agent (stdin): no progress anywhere, dump stacks
+agent.alive        Alive            launcher -> agent (stdin), every few seconds: still there
 agent.beats        Beats            agent -> launcher (stderr): the ranks' steps, each second
+agent.hang         HangReport       agent -> launcher (stderr): its ranks at a hang (recorders, stacks)
+agent.done         NodeDone         agent -> launcher (stderr) -> every other agent (stdin): its ranks exited 0
 agent.regroup      Regroup          launcher -> agent (stdin): hosts were lost, join the next round
 agent.attempt      AttemptStarted   agent -> launcher (stderr): a round's workers are starting
 launch.outcome     Outcome          how a launch ended (a Slurm step's, read by the submitter)
@@ -146,17 +149,21 @@ class Message(Record):
         return super().from_dict(data, where=where)
 
 
-def one_of(line: str | bytes, kinds: tuple[type[Message], ...]) -> Message:
-    """The message ``line`` carries, of one of ``kinds`` (unmarked ones, picked by the envelope's kind)."""
+def one_of(line: str | bytes, *types: type[Message]) -> Message:
+    """The message ``line`` carries when it may be any of ``types`` (told apart by their kind)."""
     text = (line.decode(errors="replace") if isinstance(line, bytes) else line).strip()
+    for cls in types:
+        if cls.marker and text.startswith(cls.marker.strip()):
+            return cls.from_line(text)
     try:
-        kind = json.loads(text).get("kind")
-    except (ValueError, AttributeError):
-        kind = None
-    chosen = next((m for m in kinds if m.kind == kind), None)
-    if chosen is None:
-        raise WireError(f"expected one of {', '.join(m.kind for m in kinds)}, got {text[:120]!r}")
-    return chosen.from_line(text)
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    kind = data.get("kind") if isinstance(data, Mapping) else None
+    for cls in types:
+        if cls.kind == kind:
+            return cls.from_dict(data)
+    raise WireError(f"expected a {' or '.join(t.kind for t in types)} message, got {text[:120]!r}")
 
 
 def _required(f: dataclasses.Field) -> bool:
@@ -326,6 +333,19 @@ class DumpRequest(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Alive(Message):
+    """The launcher is still there: sent to every agent every :data:`ALIVE_EVERY_S` seconds. An
+    agent that hears nothing (this, or any other line) for :data:`CUT_OFF_S` seconds is cut off
+    from its launcher -- a network dropped, where no EOF ever comes -- and stops on its own."""
+
+    kind: ClassVar[str] = "agent.alive"
+
+
+ALIVE_EVERY_S = 5.0
+CUT_OFF_S = 20.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Beats(Message):
     """Each second, on an agent's stderr: every live rank's steps and the age of its last
     progress (ages, not times: the hosts' clocks need not agree)."""
@@ -360,6 +380,61 @@ class AttemptStarted(Message):
     nodes: int  # nodes in this round
     world_size: int
     ranks: tuple[int, ...]  # this node's global ranks in this round
+class Call(Record):
+    """One collective (or send/recv) of one rank, as its Flight Recorder saw it."""
+
+    group: str  # the process group's name ("0": the default group)
+    desc: str  # its description ("default_pg", a user's group_desc, or "undefined")
+    seq: int  # its number within the group (collective_seq_id; p2p_seq_id for send/recv)
+    op: str  # "all_reduce", "send 0->1"...
+    backend: str  # "gloo", "nccl"
+    input_sizes: tuple[tuple[int, ...], ...] = ()
+    output_sizes: tuple[tuple[int, ...], ...] = ()
+    input_dtypes: tuple[str, ...] = ()
+    output_dtypes: tuple[str, ...] = ()
+    done: bool = False
+    p2p: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankState(Record):
+    """One rank at a hang: what its agent saw, what its recorder and its stack said."""
+
+    rank: int
+    host: str
+    state: str = "running"  # "running", "exited", "stopped" (SIGSTOP), "silent" (did not answer)
+    pid: int | None = None
+    exit_code: int | None = None
+    where: str = ""  # the main thread's innermost frame (and the script's own call site)
+    own_code: bool = False  # that frame is in the script's own code, not torch's or Python's
+    calls: tuple[Call, ...] = ()  # each group's frontier (disttrain.agent.verdict.calls_from_recorder)
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # group name -> its global ranks
+    stacks: str = ""  # where its full stacks were written, on its host
+    dump: str = ""  # where its recorder's dump was written, on its host
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangReport(Message):
+    """An agent's answer to :class:`DumpRequest`: its ranks as they were, for the launcher's verdict."""
+
+    kind: ClassVar[str] = "agent.hang"
+    marker: ClassVar[str] = "disttrain-hang "
+
+    host: str
+    ranks: tuple[RankState, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeDone(Message):
+    """A node's workers all exited 0 (its agent now waits for the others). The launcher passes it
+    on to every other agent: a rank that then fails because it lost its peer names these ranks,
+    not itself, as the cause -- on any number of hosts, as on one."""
+
+    kind: ClassVar[str] = "agent.done"
+    marker: ClassVar[str] = "disttrain-done "
+
+    host: str
+    ranks: tuple[int, ...]
 
 
 # --- a Slurm batch job: the step inside the allocation -----------------------------------------
@@ -462,6 +537,6 @@ class InstanceEnv(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.kind: m for m in (
-    ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Beats, Regroup, AttemptStarted, Outcome,
-    LaunchStep, StepEnded,
+    ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Alive, Beats, HangReport, NodeDone,
+    Regroup, AttemptStarted, Outcome, LaunchStep, StepEnded,
     RunClient, JobClient, RunSpec, FitRequest, SyncOffer, SyncWanted, InstanceEnv)}

@@ -27,6 +27,11 @@ ATTEMPT = "DISTTRAIN_ATTEMPT"
 # What disttrain.resume() says on rank 0 when it loads a checkpoint: the launcher reads the step
 # from it for an elastic job's membership line (the runtime and the launch side share no module).
 RESUMED_MARKER = "disttrain: resuming from step "
+# --hang-timeout: the folder of the ranks' worker-server sockets (disttrain/_worker_site reads it),
+# and the Flight Recorder's size (torch's own variable; ring entries per process).
+HANG_SOCKETS = "DISTTRAIN_HANG_SOCKETS"
+FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
+DEFAULT_FR_BUFFER_SIZE = 500  # the agent reads it whole every second: ~350 kB of JSON
 # ``disttrain run --grad-compression`` / ``--bucket-mb``: prepare()'s defaults (runtime.comm).
 GRAD_COMPRESSION = "DISTTRAIN_GRAD_COMPRESSION"
 BUCKET_MB = "DISTTRAIN_BUCKET_MB"
@@ -188,8 +193,10 @@ def launcher_env(
     if heartbeat_dir:
         env[HEARTBEAT_DIR] = heartbeat_dir
     if hang_timeout_s and PG_TIMEOUT not in inherited:
-        # A collective must outlast the watchdog, or it would fail first, without the stacks.
+        # A collective must outlast the watchdog, or it would fail first, without the verdict.
         env[PG_TIMEOUT] = str(max(DEFAULT_PG_TIMEOUT_S, hang_timeout_s + 60))
+    if hang_timeout_s and FR_BUFFER_SIZE not in inherited:
+        env[FR_BUFFER_SIZE] = str(DEFAULT_FR_BUFFER_SIZE)
     if tf_workers:
         env[TF_WORKERS] = ",".join(tf_workers)
         env[TF_FIRST_TASK] = str(tf_first_task)

@@ -10,9 +10,12 @@ the flags and calls :func:`agent_main`, which never returns.
    launcher SIGKILLed meanwhile is not missed (:func:`disttrain.agent.lifeline.follow_parent`);
 2. the probe round: the host's facts out, what to connect to in, what it reached out;
 3. the plan is read, then stdin is watched for the rest of the run: a line is a request (the
-   hang dump), EOF asks the node to stop (SIGTERM to itself, which torch's agent turns into
-   stopping its workers), and the stop has a deadline -- the workers' grace plus
-   :data:`STOP_MARGIN_S` -- after which the process exits whatever torch's shutdown is doing;
+   hang dump) or the launcher's keep-alive, EOF asks the node to stop (SIGTERM to itself, which
+   torch's agent turns into stopping its workers), and so does silence: no line for
+   :data:`~disttrain.wire.CUT_OFF_S` seconds means the launcher is cut off (a dropped network
+   sends no EOF), said in the node's log on this host. The stop has a deadline -- the workers'
+   grace plus :data:`STOP_MARGIN_S` -- after which the process exits whatever torch's
+   shutdown is doing;
 4. the node runs (:func:`disttrain.agent.node.run_node`, torch's elastic agent);
 5. the process ends with ``os._exit``: at interpreter exit Python would join torch's log-tailer
    threads, and a stop that cut torch's shutdown short leaves them tailing for ever.
@@ -28,14 +31,17 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from ..errors import DisttrainError, UsageError, error_line
 from ..wire import (
+    CUT_OFF_S,
+    Alive,
     ConnectResults,
     ConnectTargets,
     DumpRequest,
     Listening,
+    NodeDone,
     PlanMessage,
     ProbeFacts,
     Regroup,
@@ -43,7 +49,11 @@ from ..wire import (
     one_of,
 )
 from ..workerenv import login_env
+from .cgroup import kill_all_now
 from .lifeline import follow_parent
+
+if TYPE_CHECKING:
+    from .link import LauncherLink
 
 STOP_MARGIN_S = 10  # after the workers' stop grace, for the agent's own shutdown
 
@@ -66,7 +76,9 @@ class Lines:
 
 
 def end_process(code: int) -> NoReturn:
-    """Flush what was said, then exit at once (no interpreter shutdown: see the module's doc)."""
+    """Flush what was said, then exit at once (no interpreter shutdown: see the module's doc).
+    Whatever the workers left running in their cgroup dies first: no cleanup runs after this."""
+    kill_all_now()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -136,7 +148,8 @@ def serve(message: PlanMessage, lines: Lines, *, signalled_by: int | None = None
 
     ``signalled_by``: the parent whose death already sends this process SIGTERM.
     """
-    from .node import LauncherLink, run_node  # torch's elastic agent: not for every command
+    from .link import LauncherLink
+    from .node import run_node  # torch's elastic agent: not for every command
 
     plan = message.plan
     if message.cwd:
@@ -150,51 +163,97 @@ def serve(message: PlanMessage, lines: Lines, *, signalled_by: int | None = None
     os.environ.update(login_env(os.environ))  # an agent started without a login (srun --export)
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     link = LauncherLink()
-    watch_stdin(lines, lambda line: _request(line, lambda: link.dump(plan), link.regroups.request),
-                signalled_by=signalled_by, host=nodes[0].host, grace_s=plan.stop_grace_s)
+    log = node_log(plan.run_dir, message.node_rank)
+    watch_stdin(lines, lambda line: _request(line, link), signalled_by=signalled_by,
+                host=nodes[0].host, grace_s=plan.stop_grace_s, log=log)
     return run_node(plan, nodes[0], link=link)
 
 
-def _request(line: bytes, dump: Callable[[], None], regroup: Callable[[tuple[str, ...]], None]) -> None:
-    """A line from the launcher after the plan: the hang dump, or an elastic job's regroup."""
+def node_log(run_dir: str, node_rank: int) -> Path:
+    """The agent's own log on its host, for what it cannot tell a launcher it lost."""
+    return Path(run_dir) / f"node{node_rank}.log"
+
+
+def _request(line: bytes, link: LauncherLink) -> None:
+    """A line from the launcher after the plan: the keep-alive, the dump request, another node done,
+    an elastic job's regroup."""
     try:
-        message = one_of(line, (DumpRequest, Regroup))
+        request = one_of(line, Alive, DumpRequest, NodeDone, Regroup)
     except WireError as err:
         print(f"disttrain: warning: ignored a line from the launcher: {err}", file=sys.stderr, flush=True)
         return
-    if isinstance(message, Regroup):
-        regroup(message.lost)
-    else:
-        dump()
+    if isinstance(request, DumpRequest):
+        link.dump()
+    elif isinstance(request, NodeDone):
+        link.peer_done(request)
+    elif isinstance(request, Regroup):
+        link.regroups.request(request.lost)
 
 
 def watch_stdin(lines: Lines, on_line: Callable[[bytes], None], *, signalled_by: int | None, host: str,
-                grace_s: float) -> None:
-    """In a daemon thread: each line to ``on_line``; at EOF, stop this node, with a deadline.
+                grace_s: float, log: Path | None = None, cut_off_s: float = CUT_OFF_S) -> None:
+    """In daemon threads: each line to ``on_line``; at EOF, or after ``cut_off_s`` without a line,
+    stop this node, with a deadline.
 
     ssh/srun give the agent the launcher's pipe as stdin: EOF means the launcher is gone or
-    wants us to stop. Raw reads, not sys.stdin: a daemon thread blocked inside a buffered reader
-    aborts the interpreter at exit ("could not acquire lock ... at interpreter shutdown").
+    wants us to stop. A launcher cut off by the network sends nothing at all, not even EOF
+    (the TCP connection stays open for hours): it sends :class:`~disttrain.wire.Alive` every few
+    seconds, and its silence is the signal. Raw reads, not sys.stdin: a daemon thread blocked
+    inside a buffered reader aborts the interpreter at exit ("could not acquire lock ... at
+    interpreter shutdown").
     """
+    heard = [time.monotonic()]
+    stopping = threading.Lock()
+
+    def stop(kill_self: bool, why: str | None) -> None:
+        if not stopping.acquire(blocking=False):
+            return  # the other thread is stopping the node already
+        if why:
+            _note(why, log)
+        if kill_self:
+            os.kill(os.getpid(), signal.SIGTERM)
+        # Stopping is bounded whatever happens in torch's shutdown: its grace, then a margin.
+        time.sleep(grace_s + STOP_MARGIN_S)
+        _note(f"disttrain: the agent on {host} was still running {grace_s + STOP_MARGIN_S:.0f} s after it "
+              "was asked to stop; exiting (its workers die with it)", log)
+        kill_all_now()
+        os._exit(128 + signal.SIGTERM)
 
     def watch() -> None:
         while (line := lines.next()) is not None:
+            heard[0] = time.monotonic()
             on_line(line)
         # A launcher that died has had the kernel send us SIGTERM already (PR_SET_PDEATHSIG).
         # A second one, landing while torch's agent stops the workers, cuts that short and can
         # leave it waiting at exit for log tailers that were never stopped: one signal only.
-        if signalled_by is None or not parent_gone(signalled_by):
-            os.kill(os.getpid(), signal.SIGTERM)
-        # Stopping is bounded whatever happens in torch's shutdown: its grace, then a margin.
-        time.sleep(grace_s + STOP_MARGIN_S)
-        try:  # the launcher may be gone, and its pipe with it
-            print(f"disttrain: the agent on {host} was still running {grace_s + STOP_MARGIN_S:.0f} s after it "
-                  "was asked to stop; exiting (its workers die with it)", file=sys.stderr, flush=True)
-        except OSError:
-            pass
-        os._exit(128 + signal.SIGTERM)
+        stop(signalled_by is None or not parent_gone(signalled_by), None)
+
+    def listen() -> None:
+        while True:
+            time.sleep(1.0)
+            silent = time.monotonic() - heard[0]
+            if silent >= cut_off_s:
+                stop(True, f"disttrain: the agent on {host} heard nothing from its launcher for {silent:.0f} s "
+                           "(the connection to it is lost: a network dropped, or its host is down); stopping "
+                           "this node's workers")
+                return
 
     threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
+    threading.Thread(target=listen, name="launcher-silence", daemon=True).start()
+
+
+def _note(line: str, log: Path | None) -> None:
+    """Say it to the launcher (which may be gone, and its pipe with it) and in the node's log."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    if log is not None:
+        try:
+            with open(log, "a") as fh:
+                fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        except OSError:
+            pass
 
 
 def parent_gone(parent: int, wait_s: float = 0.2) -> bool:

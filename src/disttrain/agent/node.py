@@ -25,16 +25,17 @@ from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
 from ..wire import AttemptStarted
 from ..workerenv import HEARTBEAT_DIR, attempt_library_env
-from . import elastic_agent, lifeline
+from . import elastic_agent, flight, lifeline
 from .attempt_store import AttemptStores
-from .elastic_agent import Regroups
+from .cgroup import Container
 from .elastic_config import endpoint, launch_config
+from .link import LauncherLink
 from .oom import OomWatch
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
-from .report import RankFailure, format_failure, root_cause, shell_exit_code
+from .report import RankFailure, failure_lines, format_failure, lost_a_peer, root_cause, shell_exit_code
 from .runpath import run_path
-from .watchdog import HANG_EXIT, Watchdog
+from .watchdog import HANG_EXIT, Attempt, Watchdog
 
 NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's switch (dynamic_rendezvous.py)
 
@@ -109,11 +110,15 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _per_attempt(stores: AttemptStores):
+def _per_attempt(stores: AttemptStores, seen: Attempt, group: Container):
     """What each attempt's workers get once their world is known: a fresh store, and Lightning's
-    node count where it could not be planned (``--nnodes MIN:MAX``)."""
+    node count where it could not be planned (``--nnodes MIN:MAX``); the watchdog learns their ranks,
+    and what the previous attempt's workers left running is killed."""
     def hook(envs: dict[int, dict[str, str]], attempt: int) -> None:
+        if attempt:
+            group.kill()
         stores(envs, attempt)
+        seen(envs, attempt)
         for env in envs.values():
             env.update(attempt_library_env(env, os.environ))
     return hook
@@ -133,25 +138,6 @@ def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailur
     return failures
 
 
-class LauncherLink:
-    """An agent started by a launcher (``disttrain agent``): heartbeats and each elastic round's
-    world go up on stderr; the launcher's requests come down on stdin
-    (:class:`~disttrain.wire.DumpRequest`: no progress on any host; :class:`~disttrain.wire.Regroup`:
-    hosts of an elastic job were lost)."""
-
-    def __init__(self) -> None:
-        self.dog: Watchdog | None = None
-        self.regroups = Regroups()
-
-    def send(self, line: str) -> None:
-        sys.stderr.write(line + "\n")  # one write: torch's log tailers share the stream
-        sys.stderr.flush()
-
-    def dump(self, plan: LaunchPlan) -> None:
-        if self.dog is not None:
-            self.dog.dump_and_stop(plan.hang_timeout_s)
-
-
 def _elastic(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> contextlib.AbstractContextManager:
     """With ``--nnodes MIN:MAX``, torch's agent that regroups and numbers rounds (see elastic_agent)."""
     if not plan.elastic:
@@ -163,22 +149,52 @@ def _elastic(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> con
                                      world_size=group.workers[0].world_size,
                                      ranks=tuple(w.global_rank for w in group.workers)).to_line())
 
-    regroups = link.regroups if link is not None else Regroups()
+    regroups = link.regroups if link is not None else elastic_agent.Regroups()
     return elastic_agent.installed(regroups=regroups, on_attempt=on_attempt)
 
 
 @contextlib.contextmanager
-def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> Iterator[Watchdog | None]:
+def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None, attempt: Attempt,
+              sockets: str | None) -> Iterator[Watchdog | None]:
     if link is None and not plan.hang_timeout_s:
         yield None
         return
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if link is None else link.send
+    recorders = flight.Recorders(sockets, plan.backend, hang_timeout_s=plan.hang_timeout_s, say=say) \
+        if sockets else None
     # SIGTERM to ourselves: torch's agent then stops the workers as on any stop request.
     with Watchdog(node.env[HEARTBEAT_DIR], plan.hang_timeout_s, node.host,
-                  on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM),
-                  report_to_launcher=None if link is None else link.send, always=plan.elastic) as dog:
+                  on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM), attempt=attempt, recorders=recorders,
+                  backend=plan.backend, report_to_launcher=None if link is None else link.send) as dog:
         if link is not None:
             link.dog = dog
         yield dog
+
+
+@contextlib.contextmanager
+def _worker_group(plan: LaunchPlan, node: NodePlan) -> Iterator[Container]:
+    """The node's workers and all they start, stopped together at the end (see cgroup.py)."""
+    group = Container.create(f"disttrain-{plan.run_id}-node{node.node_rank}-{os.getpid()}",
+                             joinable=not plan.run_path)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+@contextlib.contextmanager
+def _recorder_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | None]:
+    """Under --hang-timeout: a folder for the ranks' worker servers, and the bootstrap that starts
+    them (disttrain/_worker_site) in the workers' environment; removed at the end."""
+    if not plan.hang_timeout_s or plan.framework != "pytorch":
+        yield None
+        return
+    folder = flight.socket_folder()
+    env.update(flight.worker_env(sockets=folder, inherited={**os.environ, **env}))
+    try:
+        yield folder
+    finally:
+        flight.remove_folder(folder)
 
 
 def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr,
@@ -205,16 +221,20 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
     stores = AttemptStores(plan, node)
-    with _handlers_kept(), _exported(env), _watchdog(plan, node, link) as dog, _elastic(plan, node, link) as agents, \
-            RendezvousWait(
-            awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
+    attempt = Attempt(plan.run_dir, plan.world_size)
+    with _handlers_kept(), _worker_group(plan, node) as group, _recorder_sockets(plan, env) as sockets, \
+            _exported(env), _watchdog(plan, node, link, attempt, sockets) as dog, \
+            _elastic(plan, node, link) as agents, \
+            RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
-        config.logs_specs.on_envs = _per_attempt(stores)
+        config.logs_specs.on_envs = _per_attempt(stores, attempt, group)
+        if link is not None and plan.nnodes > 1:
+            link.watch_success(node.host, lambda: attempt.ranks, config.role)
         try:
             if plan.run_path:  # a function entrypoint: started by multiprocessing (--start-method)
                 entry, args = run_path, list(plan.argv[2:])
             else:  # each worker dies with this agent, even when it is SIGKILLed (see lifeline.py)
-                entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable)
+                entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable, join=group.join_file)
             oom = OomWatch()  # the kernel's OOM kills from now on: a worker's SIGKILL may be one
             elastic_launch(config, entry)(*args)
             if agents:  # an elastic job: the rendezvous store's host stays until the others have left it
@@ -224,13 +244,16 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             failures = _failures(err, node.host, attempt=plan.max_restarts)
             first = root_cause(failures, plan.run_dir)
             failed = {f.rank for f in failures}
-            finished = tuple(w.rank for w in node.workers if w.rank not in failed)
+            finished = tuple((rank, node.host) for rank in attempt.ranks if rank not in failed)
+            if link is not None and plan.nnodes > 1:  # a rank of another node may have left first
+                finished += link.done_elsewhere(wait=not finished and lost_a_peer(failure_lines(first, plan.run_dir)))
             print(format_failure(first, failures, plan.run_dir, finished=finished, oom=oom),
                   file=report_to, flush=True)
             return first.exit_code
         except SignalException as err:
-            if dog is not None and dog.fired:
-                print(dog.fired, file=report_to, flush=True)
+            if dog is not None and dog.fired is not None:
+                if dog.fired:  # judged here; under a launcher, the launcher prints the verdict
+                    print(f"{dog.fired}\ndisttrain: stopped the job (exit {HANG_EXIT})", file=report_to, flush=True)
                 return HANG_EXIT
             print(
                 f"disttrain: got {err.sigval.name}, stopped all {node.nproc} workers on {node.host}",

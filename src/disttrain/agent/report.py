@@ -105,10 +105,19 @@ def lost_a_peer(lines: list[str]) -> bool:
     return any(marker in line for line in lines for marker in PEER_LOST)
 
 
+def failure_lines(first: RankFailure, run_dir: str) -> list[str]:
+    """The failed rank's last lines and what its error file says: where a lost peer shows."""
+    stderr = rank_log(run_dir, first.rank, "stderr", first.attempt)
+    stdout = rank_log(run_dir, first.rank, "stdout", first.attempt)
+    return [strip_torch_prefix(line, first.rank) for line in (tail(stderr) or tail(stdout))] + \
+        error_file_lines(run_dir, first)
+
+
 def format_failure(first: RankFailure, failures: list[RankFailure], run_dir: str, *,
-                   finished: tuple[int, ...] = (), oom: OomWatch | None = None) -> str:
-    """The root-cause block. ``finished``: ranks that exited 0 while others still ran; ``oom``:
-    started with the workers, to tell a SIGKILL of the kernel's OOM killer from any other."""
+                   finished: tuple[tuple[int, str], ...] = (), oom: OomWatch | None = None) -> str:
+    """The root-cause block. ``finished``: (rank, host) of the ranks that exited 0 while others
+    still ran, on this node or another; ``oom``: started with the workers, to tell a SIGKILL of
+    the kernel's OOM killer from any other."""
     stderr = rank_log(run_dir, first.rank, "stderr", first.attempt)
     stdout = rank_log(run_dir, first.rank, "stdout", first.attempt)
     last = [strip_torch_prefix(line, first.rank) for line in (tail(stderr) or tail(stdout))]
@@ -121,9 +130,12 @@ def format_failure(first: RankFailure, failures: list[RankFailure], run_dir: str
     stopped = sorted(f.rank for f in failures if f.rank != first.rank and f.stopped_by_agent)
     lines = []
     if finished and lost_a_peer(last + from_file):
-        gone = ", ".join(map(str, finished))
+        hosts: dict[str, list[int]] = {}
+        for rank, host in sorted(finished):
+            hosts.setdefault(host, []).append(rank)
+        gone = "; ".join(f"{'ranks' if len(r) > 1 else 'rank'} {', '.join(map(str, r))} on {h}" for h, r in hosts.items())
         lines.append(
-            f"disttrain: rank {gone} on {first.host} exited with code 0 while the other ranks were still "
+            f"disttrain: {gone} exited with code 0 while the other ranks were still "
             f"running, and the job broke: rank {first.rank} then {how} because it lost its peer. Every rank "
             "must make the same collective calls (the same number of steps, or disttrain.prepare's uneven-"
             "input join)")

@@ -1,20 +1,20 @@
 """The hang watchdog of one node: no progress for ``--hang-timeout`` seconds ends the job.
 
-Ranks using the runtime touch a heartbeat file as they go (:mod:`disttrain.runtime.heartbeat`).
-When none of this node's live ranks moved for the timeout, the watchdog asks each for its
-Python stacks (SIGUSR1 → faulthandler; ``py-spy dump`` when installed, which also sees
-native frames), names where each rank is, and stops the node's workers. A rank that has
-not beaten yet (still loading data, compiling) does not arm the watchdog.
+A rank makes progress when it completes a collective (its Flight Recorder, read through
+its worker server: :mod:`.flight`) or, with the runtime, when its prepared loader yields a
+batch (a heartbeat file: :mod:`disttrain.runtime.heartbeat`). A rank that has done neither
+yet (importing, loading data, compiling) does not arm the watchdog.
+
+Alone (one node, no launcher above it), the watchdog judges: when none of the node's ranks
+moved for the timeout it collects every rank's recorder and stack (:mod:`.hang`), prints the
+verdict (:mod:`.verdict`) and stops the workers. Under a launcher it only reports: the ranks'
+progress each second (:class:`~disttrain.wire.Beats`), and when the launcher, which sees every
+host, asks (:meth:`Watchdog.dump_and_stop`), its ranks' states (:class:`~disttrain.wire.HangReport`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import psutil
 
-from ..wire import Beats
+from ..wire import Beats, HangReport
+from .flight import Recorders
+from .hang import Worker, collect
+from .verdict import verdict
 
 HANG_EXIT = 124  # as timeout(1): the job ran out of time, nothing crashed
 POLL_S = 1.0
-DUMP_WAIT_S = 3.0
-
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Beat:
     rank: int
     pid: int
     stacks: Path
-    mtime: float
+    mtime: float  # the rank's last progress (this host's clock)
     steps: int = 0
 
 
@@ -56,116 +56,42 @@ def live_beats(folder: Path) -> list[Beat]:
     return beats
 
 
-def stalled_for(beats: list[Beat], now: float) -> float:
-    """Seconds since the most recent progress of any rank (0 when none beat yet)."""
-    return now - max(b.mtime for b in beats) if beats else 0.0
+def merged(beats: list[Beat], recorded: dict[int, tuple[int, object, float]], stacks_of) -> list[Beat]:
+    """One beat per rank from its heartbeat file and its recorder: the later progress of the two;
+    the loader's steps where the runtime counts them, else the collectives completed."""
+    out = {b.rank: b for b in beats}
+    for rank, (pid, progress, since) in recorded.items():
+        beat = out.get(rank)
+        if beat is None:
+            out[rank] = Beat(rank, pid, stacks_of(rank), since, progress.completed)
+        elif since > beat.mtime:
+            out[rank] = Beat(rank, beat.pid, beat.stacks, since, beat.steps)
+    return [out[rank] for rank in sorted(out)]
 
 
-def where(stack_text: str) -> str:
-    """``file:line in func`` of the innermost frame of the main thread, plus the innermost
-    frame outside torch and the standard library when that differs (the user's call site)."""
-    main = _main_thread(stack_text)
-    frames = [m for m in (_FRAME.match(line) for line in main) if m]
-    if not frames:
-        return "no Python stack (the process did not answer)"
-    top = frames[0]
-    text = f"{Path(top['file']).name}:{top['line']} in {top['func']}"
-    own = next((f for f in frames if not _is_library(f["file"])), None)
-    if own is not None and own is not top:
-        text += f", called from {Path(own['file']).name}:{own['line']} in {own['func']}"
-    return text
-
-
-def _main_thread(text: str) -> list[str]:
-    # faulthandler prints "Current thread"/"Thread 0x..." blocks; the main thread's is
-    # the one with <module> at the bottom; py-spy prints 'Thread N (idle): "MainThread"'.
-    blocks, block = [], []
-    for line in text.splitlines():
-        if line.startswith(("Thread ", "Current thread", "Process ")) and block:
-            blocks.append(block)
-            block = []
-        block.append(line)
-    blocks.append(block)
-    for b in blocks:
-        if any("MainThread" in line for line in b[:1]) or any("in <module>" in line for line in b):
-            return b
-    return blocks[0]
-
-
-def _is_library(path: str) -> bool:
-    return "site-packages" in path or "/lib/python" in path or "/disttrain/" in path
-
-
-def dump_stacks(beats: list[Beat]) -> dict[int, str]:
-    """Every live rank's stacks, by rank."""
-    pyspy = shutil.which("py-spy")
-    out: dict[int, str] = {}
-    if pyspy:
-        for b in beats:
-            try:
-                res = subprocess.run([pyspy, "dump", "--pid", str(b.pid)], capture_output=True,
-                                     text=True, timeout=DUMP_WAIT_S * 3)
-                if res.returncode == 0 and res.stdout.strip():
-                    b.stacks.write_text(res.stdout)
-                    out[b.rank] = res.stdout
-            except (OSError, subprocess.SubprocessError):
-                pass
-    rest = [b for b in beats if b.rank not in out]
-    sizes = {}
-    for b in rest:
-        sizes[b.rank] = _size(b.stacks)
+def worker_children() -> dict[int, int]:
+    """rank -> pid of this agent's workers still running: its children with a ``RANK`` (the
+    lifeline wrapper execs the worker in its own place, so each worker is a child)."""
+    out = {}
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return out
+    for child in children:
         try:
-            os.kill(b.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + DUMP_WAIT_S
-    while rest and time.monotonic() < deadline:
-        time.sleep(0.1)
-        rest = [b for b in rest if _size(b.stacks) <= sizes[b.rank]]
-    for b in beats:
-        if b.rank not in out:
-            try:
-                out[b.rank] = b.stacks.read_text()
-            except OSError:
-                out[b.rank] = ""
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and rank.isdigit():
+            out[int(rank)] = child.pid
     return out
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def report(host: str, timeout_s: float, stacks: dict[int, str], beats: list[Beat], *, anywhere: bool = False) -> str:
-    lines = [f"disttrain: no progress on {'any host' if anywhere else host} for {timeout_s:.0f} s (--hang-timeout); "
-             f"where each rank on {host} is (innermost call first):"]
-    paths = {b.rank: b.stacks for b in beats}
-    pids = {b.rank: b.pid for b in beats}
-    for rank in sorted(stacks):
-        if rank in pids and _is_stopped(pids[rank]):  # it cannot answer: say why, not "did not answer"
-            lines.append(f"  rank {rank}: stopped by a signal (SIGSTOP/SIGTSTP, pid {pids[rank]}); "
-                         "it runs on only after SIGCONT   <- the culprit")
-            continue
-        # The others wait inside torch for it: the rank stopped in its own code is the culprit.
-        mark = "   <- stopped in the script's own code" if _in_own_code(stacks[rank]) else ""
-        lines.append(f"  rank {rank}: {where(stacks[rank])}{mark}")
-    if paths:
-        lines.append(f"  full stacks: {paths[min(paths)].parent}/rank<N>.stacks")
-    return "\n".join(lines)
-
-
-def _is_stopped(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-    except psutil.Error:
-        return False
-
-
-def _in_own_code(stack_text: str) -> bool:
-    frames = [m for m in (_FRAME.match(line) for line in _main_thread(stack_text)) if m]
-    return bool(frames) and not _is_library(frames[0]["file"])
+def stalled_for(beats: list[Beat], now: float) -> float:
+    """Seconds since the most recent progress of any rank (0 when none beat yet)."""
+    return now - max(b.mtime for b in beats) if beats else 0.0
 
 
 def beats_line(host: str, beats: list[Beat], now: float) -> str:
@@ -173,23 +99,41 @@ def beats_line(host: str, beats: list[Beat], now: float) -> str:
     return Beats(host=host, ranks={b.rank: (b.steps, round(now - b.mtime, 2)) for b in beats}).to_line()
 
 
-class Watchdog:
-    """Polls the node's heartbeat folder in a daemon thread; ``fired`` holds the report.
+class Attempt:
+    """The workers of the current attempt, as torch's agent starts them (its ``on_envs`` hook)."""
 
-    ``report_to_launcher``: the node is one of several; instead of judging alone, it sends
-    its heartbeats to the launcher (:func:`beats_line` on stderr) and dumps its ranks' stacks
-    when the launcher, which sees every host, asks (:meth:`dump_and_stop`).
+    def __init__(self, run_dir: str, world_size: int) -> None:
+        self.run_dir, self.number, self.world_size = Path(run_dir), 0, world_size
+        self.ranks: tuple[int, ...] = ()
+
+    def __call__(self, envs: dict[int, dict[str, str]], attempt: int) -> None:
+        self.number = attempt
+        self.ranks = tuple(sorted(int(env["RANK"]) for env in envs.values()))
+        self.world_size = int(next(iter(envs.values())).get("WORLD_SIZE", self.world_size)) if envs else self.world_size
+
+    def stacks(self, rank: int) -> Path:
+        return self.run_dir / f"attempt_{self.number}" / f"rank{rank}.stacks"
+
+
+class Watchdog:
+    """Polls the node's ranks in a daemon thread; ``fired`` holds the verdict once it fired.
+
+    ``report_to_launcher``: the node is one of several; instead of judging alone, it sends its
+    ranks' progress to the launcher each second, and their states when the launcher asks.
     """
 
-    def __init__(self, folder: str, timeout_s: float, host: str, on_hang, *,
-                 report_to_launcher=None, always: bool = False) -> None:
+    def __init__(self, folder: str, timeout_s: float, host: str, on_hang, *, attempt: Attempt,
+                 recorders: Recorders | None = None, backend: str = "gloo", report_to_launcher=None) -> None:
         self.folder = Path(folder)
         self.timeout_s = timeout_s
         self.host = host
+        self.attempt = attempt
+        self.recorders = recorders
+        self.backend = backend
         self.fired: str | None = None
         self._on_hang = on_hang
         self._report = report_to_launcher
-        self._always = always  # beat even without ranks: an elastic job's launcher hears the agent is alive
+        self._lock = threading.Lock()  # the poll thread and a launcher's request both read the ranks
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disttrain-hang-watchdog", daemon=True)
 
@@ -200,23 +144,47 @@ class Watchdog:
     def __exit__(self, *exc) -> None:
         self._stop.set()
 
-    def dump_and_stop(self, timeout_s: float) -> None:
-        """The launcher saw no progress anywhere: this node's part of the report, then stop."""
-        if self.fired is not None:
-            return
-        beats = live_beats(self.folder)
-        self.fired = report(self.host, timeout_s, dump_stacks(beats), beats, anywhere=True)
+    def beats(self, now: float | None = None) -> list[Beat]:
+        recorded = self.recorders.poll(now) if self.recorders is not None else {}
+        return merged(live_beats(self.folder), recorded, self.attempt.stacks)
+
+    def workers(self) -> list[Worker]:
+        """Every rank of the attempt, with what is known of it (pid, socket, heartbeat)."""
+        served = self.recorders.sockets() if self.recorders is not None else {}
+        beats = {b.rank: b for b in live_beats(self.folder)}
+        children = worker_children()
+        ranks = sorted(set(self.attempt.ranks) | set(served) | set(beats))
+        out = []
+        for rank in ranks:
+            pid, sock = served.get(rank, (None, None))
+            beat = beats.get(rank)
+            pid = children.get(rank, pid if pid is not None else beat.pid if beat is not None else None)
+            out.append(Worker(rank=rank, pid=pid, socket=sock,
+                              stacks=beat.stacks if beat is not None else self.attempt.stacks(rank)))
+        return out
+
+    def dump_and_stop(self) -> None:
+        """The launcher saw no progress anywhere: send this node's ranks' states, then stop."""
+        with self._lock:
+            if self.fired is not None:
+                return
+            states = collect(self.workers(), host=self.host, backend=self.backend)
+            self._report(HangReport(host=self.host, ranks=tuple(states)).to_line())
+            self.fired = ""  # the launcher prints the verdict
         self._on_hang()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
-            beats = live_beats(self.folder)
-            if self._report is not None:
-                if beats or self._always:
-                    self._report(beats_line(self.host, beats, time.time()))
-                continue
-            if stalled_for(beats, time.time()) < self.timeout_s:
-                continue
-            self.fired = report(self.host, self.timeout_s, dump_stacks(beats), beats)
+            with self._lock:
+                if self.fired is not None:
+                    return
+                beats = self.beats()
+                if self._report is not None:
+                    self._report(beats_line(self.host, beats, time.time()))  # also when empty: still here
+                    continue
+                if stalled_for(beats, time.time()) < self.timeout_s:
+                    continue
+                states = collect(self.workers(), host=self.host, backend=self.backend)
+                self.fired = verdict(states, world_size=self.attempt.world_size, timeout_s=self.timeout_s)
             self._on_hang()
             return

@@ -18,6 +18,7 @@ from ..wire import Beats, WireError
 STRAGGLER_FACTOR = 1.3  # a rank this much slower than the median step time is named
 WINDOW_S = 20.0  # step rates are measured over this much recent time
 MIN_WINDOW_S = 6.0  # and judged only once this much is seen
+SILENT_S = 3.0  # an agent beats every second: a host this long without a word is cut off or stuck
 
 
 class Diagnostics:
@@ -29,6 +30,7 @@ class Diagnostics:
         self.history: dict[int, deque[tuple[float, int]]] = {}  # rank -> (time, steps)
         self.first: dict[int, tuple[float, int]] = {}
         self.named: set[int] = set()  # stragglers already reported: once each, not every step
+        self.heard: dict[str, float] = {}  # host -> when its agent last sent its beats (launcher clock)
         self.hung = False
 
     def reset(self) -> None:
@@ -48,6 +50,7 @@ class Diagnostics:
         except WireError:  # not ours after all (another version's): shown to the user as it came
             return False
         now = time.monotonic()
+        self.heard[beats.host] = now
         for rank, (steps, age) in beats.ranks.items():
             self.hosts[rank] = beats.host
             progress = now - age
@@ -75,7 +78,16 @@ class Diagnostics:
                 rates[rank] = (s1 - s0) / (t1 - t0)
         return rates
 
+    def silent_hosts(self, now: float | None = None) -> list[str]:
+        """Hosts whose agent said nothing for :data:`SILENT_S` (the network to them dropped?)."""
+        now = time.monotonic() if now is None else now
+        return sorted(host for host, heard in self.heard.items() if now - heard > SILENT_S)
+
     def _stragglers(self) -> None:
+        # A host that fell silent freezes its ranks' rates at their last value while the others,
+        # waiting for it in a collective, slow to nothing: no rate says anything then.
+        if self.silent_hosts():
+            return
         rates = self._rates()
         if len(rates) < 2:
             return

@@ -28,26 +28,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from ..agent.verdict import verdict
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from ..wire import DumpRequest, Outcome, PlanMessage, Regroup
+from ..wire import ALIVE_EVERY_S, Alive, DumpRequest, HangReport, NodeDone, Outcome, PlanMessage, Regroup, WireError
 from .diagnostics import Diagnostics
 from .elastic import Membership
 
 AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
+# A C++ stack dump, as torch's c10 errors and warnings print them: kept in the logs, not shown.
+_CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from .*\(most recent call first\):$|<omitting python frames>$)")
+# torch's own C++ log lines (glog style: "[W1124 03:33:59.078 TCPStore.cpp:138] ...") from an agent's
+# internals -- a store that lost its server once another node failed: disttrain says what happened.
+_C10_LOG = re.compile(r"^\[[WEIF]\d{4} [\d:.]+ (\d+ )?\S+:\d+\] ")
 
 
 class Relay:
     """Copies one stream of one agent to the terminal, to per-rank log files and to an
-    optional transcript; keeps the agent's own lines (its root-cause block)."""
+    optional transcript; keeps the agent's own lines (its root-cause block) and writes them to
+    ``node<k>.log``. C++ stack dumps go to the logs only."""
 
     def __init__(self, run_dir: Path, lock: threading.Lock, transcript: TextIO | None = None,
                  on_agent_line=None, on_rank_line=None) -> None:
         self._run_dir = run_dir
         self._lock = lock
         self._transcript = transcript
-        self._files: dict[int, TextIO] = {}
+        self._files: dict[str, TextIO] = {}
         self._on_agent_line = on_agent_line
         self._on_rank_line = on_rank_line
         # Per agent: its own (unprefixed) stderr lines; the root-cause block is at the end.
@@ -55,6 +62,7 @@ class Relay:
         self.drained: dict[int, threading.Thread] = {}  # per agent: the thread reading its stderr
 
     def pump(self, stream, out: TextIO, agent: int | None = None) -> None:
+        in_dump = False
         for line in iter(stream.readline, ""):
             match = _PREFIX.match(line)
             if not match and agent is not None and self._on_agent_line is not None:
@@ -62,20 +70,30 @@ class Relay:
                     continue
             if match and self._on_rank_line is not None:
                 self._on_rank_line(line[match.end():])
+            text = line[match.end():] if match else line
+            if _CPP_FRAME.match(text) or (not match and agent is not None and _C10_LOG.match(text)):
+                in_dump = True
+            elif text.strip():
+                in_dump = False
             with self._lock:
-                out.write(line)
-                out.flush()
-                if self._transcript is not None:
-                    self._transcript.write(line)
-                    self._transcript.flush()
+                if not in_dump:
+                    out.write(line)
+                    out.flush()
+                    if self._transcript is not None:
+                        self._transcript.write(line)
+                        self._transcript.flush()
                 if match:
-                    rank = int(match["rank"])
-                    if rank not in self._files:
-                        self._files[rank] = open(self._run_dir / f"rank{rank}.log", "a")
-                    self._files[rank].write(line[match.end():])
-                    self._files[rank].flush()
+                    self._write(f"rank{match['rank']}.log", text)
                 elif agent is not None:
-                    self.agent_lines.setdefault(agent, deque(maxlen=AGENT_LINES_KEPT)).append(line.rstrip("\n"))
+                    self._write(f"node{agent}.log", text)
+                    if not in_dump:
+                        self.agent_lines.setdefault(agent, deque(maxlen=AGENT_LINES_KEPT)).append(line.rstrip("\n"))
+
+    def _write(self, name: str, text: str) -> None:
+        if name not in self._files:
+            self._files[name] = open(self._run_dir / name, "a")
+        self._files[name].write(text)
+        self._files[name].flush()
 
     def report(self, agent: int) -> str:
         """The agent's own message about the failure: from its first ``disttrain:`` line on."""
@@ -95,6 +113,43 @@ def start(argv: Sequence[str], *, cwd: str | None = None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+class Stdins:
+    """The agents' stdin pipes, written from the main thread (the plan, the dump request, the stop)
+    and from the keep-alive thread: one lock, so that lines never interleave."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def send(self, proc: subprocess.Popen, line: str) -> None:
+        with self._lock:
+            try:
+                proc.stdin.write(line + "\n")
+                proc.stdin.flush()
+            except (OSError, ValueError):
+                pass  # it ended already; its exit code and stderr tell why
+
+    def close(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            if proc.poll() is None and proc.stdin:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+
+    def keep_alive(self, procs: Sequence[subprocess.Popen], done: threading.Event) -> threading.Thread:
+        """Tell every agent, every few seconds, that its launcher is there (an agent that hears
+        nothing for :data:`~disttrain.wire.CUT_OFF_S` stops on its own: see disttrain.agent.entry)."""
+        def beat() -> None:
+            while not done.wait(ALIVE_EVERY_S):
+                for proc in procs:
+                    if proc.poll() is None:
+                        self.send(proc, Alive().to_line())
+
+        thread = threading.Thread(target=beat, name="agents-alive", daemon=True)
+        thread.start()
+        return thread
+
+
 def run_agents(
     plan: LaunchPlan,
     started: Sequence[subprocess.Popen],
@@ -105,7 +160,8 @@ def run_agents(
 ) -> Outcome:
     """Hand each node's agent (``started[i]`` runs node ``i``, waiting for its plan) its plan on
     stdin, relay their output, stop every node at the first failure or on SIGINT/SIGTERM, and
-    say how it ended.
+    say how it ended. No progress on any host for --hang-timeout: every agent reports its ranks
+    and the verdict is printed here, in one block.
 
     ``membership`` (an elastic range): a node whose host is lost does not stop the others, which
     regroup, unless fewer than the minimum are left; hosts that answer again are relayed too.
@@ -120,18 +176,35 @@ def run_agents(
                 out.flush()
 
     diag = Diagnostics(hang_timeout_s=plan.hang_timeout_s, say=say)
+    hangs: list[HangReport] = []
 
-    def on_agent_line(agent: int, line: str) -> bool:
+    def consume(agent: int, line: str) -> bool:
+        """An agent's message for the launcher, not shown: its heartbeats, its ranks at a hang,
+        its workers done (passed on to the other agents), an elastic round's world."""
         if membership is not None and membership.agent_line(agent, line):
             diag.reset()  # a new round: its ranks and their step counts start again
             return True
+        try:
+            if HangReport.matches(line):
+                hangs.append(HangReport.from_line(line))
+                return True
+            if NodeDone.matches(line):
+                done = NodeDone.from_line(line)
+                for index, proc in enumerate(procs):
+                    if index != agent and proc.poll() is None:
+                        stdins.send(proc, done.to_line())
+                return True
+        except WireError:
+            return False
         return diag.consume(line)
 
-    relay = Relay(Path(plan.run_dir), lock, transcript, on_agent_line,
+    relay = Relay(Path(plan.run_dir), lock, transcript, consume,
                   membership.rank_line if membership is not None else None)
+    stdins = Stdins()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     interrupted: list[int] = []
+    done = threading.Event()
 
     def on_signal(signum, _frame) -> None:
         interrupted.append(signum)
@@ -149,22 +222,20 @@ def run_agents(
     ended: _Ended | None = None
     try:
         for index, proc in enumerate(started):
-            try:
-                proc.stdin.write(PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan,
-                                             cwd=agent_cwd).to_line() + "\n")
-                proc.stdin.flush()
-            except OSError:  # it died at once; its exit code and stderr tell why
-                pass
+            stdins.send(proc, PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan, cwd=agent_cwd).to_line())
             relay_agent(proc)
+        stdins.keep_alive(procs, done)
         if membership is not None:
             membership.start(say)
-        ended = _watch(procs, interrupted, diag, membership, relay, relay_agent)
+        ended = _watch(procs, interrupted, diag, membership, relay, relay_agent, stdins)
         if membership is not None:
             membership.close()
         if diag.hung:
             _collect_hang_reports(procs, grace_s=plan.stop_grace_s + 15)
-        stop(procs, grace_s=plan.stop_grace_s + 5)
+        done.set()
+        stop(procs, grace_s=plan.stop_grace_s + 5, stdins=stdins)
     finally:
+        done.set()
         if membership is not None:
             membership.close()
         for sig, handler in previous.items():
@@ -173,13 +244,14 @@ def run_agents(
             pump.join(timeout=5)
         relay.close()
     summary = diag.summary()
-    if summary:
+    if summary and not diag.hung and ended is None and not interrupted:
         say(summary)
     if diag.hung:
-        blocks = [relay.report(i) for i in range(len(procs))]
-        say(f"disttrain: no rank on any of the {len(procs)} hosts made progress for {plan.hang_timeout_s} s "
-            "(--hang-timeout): every host's stacks are above; stopped the job (exit 124)")
-        return Outcome(exit_code=HANG_EXIT, failed=None, report="\n".join(filter(None, blocks)))
+        states = [state for report in hangs for state in report.ranks]
+        text = verdict(states, world_size=plan.world_size, timeout_s=plan.hang_timeout_s)
+        say(text)
+        say(f"disttrain: stopped the job on all {len(procs)} hosts (exit {HANG_EXIT})")
+        return Outcome(exit_code=HANG_EXIT, failed=None, report=text)
     if interrupted:
         return Outcome(exit_code=128 + interrupted[0], signal=interrupted[0])
     if ended is None:
@@ -199,15 +271,16 @@ class _Ended:
 
 
 def _watch(procs: list[subprocess.Popen], interrupted: list[int], diag: Diagnostics,
-           membership: Membership | None, relay: Relay, relay_agent) -> _Ended | None:
-    """Until every agent ended well (None), one failed, the hang watchdog fired or a signal came;
-    with ``membership``, a lost host's agent is no failure while enough hosts are left."""
+           membership: Membership | None, relay: Relay, relay_agent, stdins: Stdins) -> _Ended | None:
+    """Until every agent ended well (None), one failed, no rank moved for --hang-timeout (None,
+    ``diag.hung``: every agent is asked for its ranks) or a signal came; with ``membership``, a
+    lost host's agent is no failure while enough hosts are left."""
     done: set[int] = set()
     while not interrupted:
-        if diag.stalled():  # no rank anywhere moved: every agent dumps its ranks' stacks, then stops
+        if diag.stalled():  # no rank anywhere moved: every agent reports its ranks, then stops
             diag.hung = True
             for proc in procs:
-                _send(proc, DumpRequest().to_line() + "\n")
+                stdins.send(proc, DumpRequest().to_line())
             return None
         for index, proc in enumerate(procs):
             if index in done:
@@ -230,7 +303,7 @@ def _watch(procs: list[subprocess.Popen], interrupted: list[int], diag: Diagnost
             if why is None:  # a node failed: the job cannot go on
                 return _Ended(index, code)
             for other in membership.leave(index, why):
-                _send(procs[other], Regroup(lost=(membership.host_of(index),)).to_line() + "\n")
+                stdins.send(procs[other], Regroup(lost=(membership.host_of(index),)).to_line())
             report = membership.below_min()
             if report:
                 return _Ended(index, code, report)
@@ -253,16 +326,8 @@ def _last_line(relay: Relay, index: int) -> str:
     return lines[-1] if lines else ""
 
 
-def _send(proc: subprocess.Popen, text: str) -> None:
-    try:
-        proc.stdin.write(text)
-        proc.stdin.flush()
-    except (OSError, ValueError):
-        pass  # it ended already
-
-
 def _collect_hang_reports(procs: list[subprocess.Popen], *, grace_s: float) -> None:
-    """Every agent prints its part of the hang report and stops its workers: wait for all."""
+    """Every agent reports its ranks and stops its workers: wait for all."""
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:
@@ -271,14 +336,11 @@ def _collect_hang_reports(procs: list[subprocess.Popen], *, grace_s: float) -> N
             pass
 
 
-def stop(procs: list[subprocess.Popen], *, grace_s: float) -> None:
+def stop(procs: list[subprocess.Popen], *, grace_s: float, stdins: Stdins | None = None) -> None:
     """Close every agent's stdin (it stops its workers), then kill what outlives the grace."""
+    stdins = stdins or Stdins()
     for proc in procs:
-        if proc.poll() is None and proc.stdin:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
+        stdins.close(proc)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:

@@ -1,0 +1,177 @@
+"""What every worker of a ``--hang-timeout`` run loads before the user's code, for any script.
+
+``disttrain run --hang-timeout S`` puts this file's folder first on the workers' ``PYTHONPATH``
+(it holds nothing else), so that Python's ``site`` imports it at start-up, and a plain torchrun
+script (its own ``init_process_group``, no ``import disttrain``) is covered as well as one that
+uses the runtime. It keeps ``python script.py`` as it is -- ``sys.argv``, ``__main__``,
+``sys.path[0]``, spawned DataLoader workers -- and runs the ``sitecustomize`` it shadows, if any.
+
+Nothing happens until the process imports torch (``torch.distributed.distributed_c10d``, which
+``import torch`` loads): a post-import hook then, in the first process of the rank to get there
+(the worker itself, not its DataLoader workers or helpers; it claims ``rank<R>.pid``),
+
+* starts torch's own worker server (``_WorkerServer``, the one ``worker_main()`` starts) on
+  ``$DISTTRAIN_HANG_SOCKETS/rank<R>.sock``: it answers from a C++ thread, so the agent gets the
+  rank's Flight Recorder and Python stacks while its main thread is blocked in a collective;
+* serves ``disttrain_groups`` there: every process group's name and global ranks (gloo's
+  recorder dump has no membership). It is Python, so the agent asks it only at a hang: a Python
+  handler takes the GIL from the server's C++ thread, and during the interpreter's exit that
+  aborts the process;
+* sets torch's default process-group timeout to ``$DISTTRAIN_PG_TIMEOUT`` seconds, above the hang
+  timeout, so that a collective's own timeout never beats the verdict (a script's explicit
+  ``timeout=`` is its own choice and stays).
+
+The Flight Recorder itself is torch's: ``TORCH_FR_BUFFER_SIZE``, set in the worker environment.
+Only the standard library at start-up, as this runs in every Python process of the job.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+SOCKETS = "DISTTRAIN_HANG_SOCKETS"
+PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
+HOOKED = "torch.distributed.distributed_c10d"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_server = None  # kept for the life of the process (see _serve)
+
+
+def _chain() -> None:
+    """Run the ``sitecustomize`` this one shadows (a distribution's, a virtualenv's), as Python would have."""
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+class _AfterImport:
+    """A meta-path finder that runs ``then(module)`` once ``name`` has been imported; torch is not
+    touched before the script imports it."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; the finders after it find the module
+        for finder in sys.meta_path:
+            spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run, then = spec.loader.exec_module, self.then
+
+        def exec_module(module):
+            run(module)
+            try:
+                then(module)
+            except Exception as err:  # never break the script's import of torch
+                print(f"disttrain: note: no hang diagnostics in this worker: {type(err).__name__}: {err}",
+                      file=sys.stderr)
+
+        spec.loader.exec_module = exec_module  # this module's own loader object: nothing else changes
+        return spec
+
+
+def _claim(folder: str, rank: str) -> bool:
+    """Whether this process is the rank's worker: the first of its processes to import torch.
+
+    A claim whose process is gone (a helper that imported torch and exited first) is taken over.
+    """
+    pid_file = os.path.join(folder, f"rank{rank}.pid")
+    for _ in range(2):
+        try:
+            fd = os.open(pid_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            try:
+                with open(pid_file) as fh:
+                    owner = int(fh.read().strip() or 0)
+                os.kill(owner, 0)
+                return False
+            except (OSError, ValueError):  # its process is gone (or it is unreadable): take it over
+                try:
+                    os.unlink(pid_file)
+                except OSError:
+                    return False
+                continue
+        except OSError:
+            return False
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    return False
+
+
+def _quietly(call):
+    """torch's worker server logs its start at WARNING on stderr: keep that off the user's terminal."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        return call()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def _groups(_request, response) -> None:
+    """``disttrain_groups``: ``{name: {"ranks": [global ranks], "desc": ...}}`` of every live group."""
+    import json
+
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    groups = {name: {"ranks": sorted(world.pg_group_ranks.get(pg, {})), "desc": getattr(pg, "group_desc", "")}
+              for pg, name in list(world.pg_names.items())}
+    response.set_content(json.dumps(groups), "application/json")
+    response.set_status(200)
+
+
+def _serve(c10d) -> None:
+    global _server
+    folder, rank = os.environ.get(SOCKETS), os.environ.get("RANK")
+    if not folder or rank is None:
+        return
+    timeout = os.environ.get(PG_TIMEOUT)
+    if not _claim(folder, rank):
+        return
+    if timeout:
+        from datetime import timedelta
+
+        c10d.default_pg_timeout = timedelta(seconds=float(timeout))
+        if getattr(c10d, "default_pg_nccl_timeout", None) is not None:
+            c10d.default_pg_nccl_timeout = timedelta(seconds=float(timeout))
+    from torch._C._distributed_c10d import _register_handler, _WorkerServer
+
+    _register_handler("disttrain_groups", _groups)
+    sock = os.path.join(folder, f"rank{rank}.sock")
+    try:
+        os.unlink(sock)  # a previous attempt's
+    except OSError:
+        pass
+    _server = _quietly(lambda: _WorkerServer(sock))
+    # Never destroyed: at exit its destructor would log three lines on the user's terminal, and a
+    # shutdown from an atexit handler can deadlock on the GIL. The process's end closes it.
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_server))
+
+
+def _install() -> None:
+    if os.environ.get(SOCKETS) and HOOKED not in sys.modules:
+        sys.meta_path.insert(0, _AfterImport(HOOKED, _serve))
+
+
+try:
+    _chain()
+finally:
+    _install()

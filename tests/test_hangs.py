@@ -1,0 +1,202 @@
+"""No silent hang for any script (issue 24), with real processes and plain torchrun scripts (no
+``import disttrain``): a verdict from every rank's Flight Recorder and stack, on one host and
+across two (real sshd in network namespaces); a host cut off mid-run stops on its own; and
+nothing a worker starts, in any session, outlives the job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_multinode import ROOT, assert_nothing_left, launch_argv, run_on_node0
+
+from conftest import SCRIPTS, assert_all_gone, cli_env, descendants
+from rig import cluster_fixture
+from slurm_rig import slurm_fixture
+
+PLAIN = SCRIPTS / "plain_hang.py"
+HANG_S = 10
+
+
+def hang_line(case: str) -> int:
+    return next(i for i, line in enumerate(PLAIN.read_text().splitlines(), 1) if f"# HANG: {case}" in line)
+
+
+def run_hang(case: str, nproc: int = 2) -> tuple[int, str, Path]:
+    """``disttrain run --hang-timeout`` of plain_hang.py CASE: it must end with exit 124 within
+    HANG_S + 30 s of the hang (once every rank is at the branch), leaving nothing behind."""
+    assert "import disttrain" not in PLAIN.read_text()  # a plain script
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "disttrain", "run", "-n", str(nproc), "--hang-timeout", str(HANG_S), str(PLAIN), case],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    try:
+        for _ in range(nproc):
+            assert "at the branch" in launcher.stdout.readline()
+        workers = descendants(launcher.pid)
+        _, err = launcher.communicate(timeout=HANG_S + 30)
+        assert_all_gone(workers)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    return launcher.returncode, err, Path(err.split("logs: ")[1].split()[0])
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_mismatch_ends_in_a_verdict_naming_both_ranks_and_ops(home):
+    code, err, run_dir = run_hang("op")
+    assert code == 124, err
+    assert ("cause: a mismatch in collective #6 of the default group: rank 0 called all_reduce [4] Float; "
+            "rank 1 called all_gather [4] Float -> [2, 4]") in err
+    assert f"called from plain_hang.py:{hang_line('op')} in <module>" in err  # rank 1's line
+    assert f"called from plain_hang.py:{hang_line('others')} in <module>" in err  # rank 0's
+    assert err.rstrip().endswith("disttrain: stopped the job (exit 124)")
+    for rank in (0, 1):  # kept next to the logs
+        recorder = json.loads((run_dir / "attempt_0" / f"rank{rank}.fr.json").read_text())
+        assert recorder["entries"][-1]["profiling_name"] == ("gloo:all_gather" if rank else "gloo:all_reduce")
+        assert "plain_hang.py" in (run_dir / "attempt_0" / f"rank{rank}.stacks").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_deadlocked_in_its_own_code_is_named_with_its_line(home):
+    code, err, _ = run_hang("lock")
+    assert code == 124, err
+    assert (f"cause: rank 1 never entered collective #6 of the default group (all_reduce [4] Float), which rank 0 "
+            f"waits in: it is at plain_hang.py:{hang_line('lock')} in <module> (the script's own code)") in err
+
+
+@pytest.mark.timeout(120)
+def test_the_bootstrap_keeps_what_python_script_promises(home, tmp_path):
+    """argv, __main__, sys.path[0], spawned DataLoader workers, the user's own sitecustomize; the
+    groups' default timeout above --hang-timeout (disttrain's 300 s floor); the rank claims its socket."""
+    site = tmp_path / "usersite"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
+    script = SCRIPTS / "plain_semantics.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "disttrain", "run", "-n", "2", "--hang-timeout", "30", str(script), "a b", "--x=1"],
+        capture_output=True, text=True, timeout=100, env=cli_env(PYTHONPATH=f"{site}:{cli_env().get('PYTHONPATH', '')}"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = sorted((json.loads(line.split("] ", 1)[1]) for line in result.stdout.splitlines() if '"argv"' in line),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [0, 1]
+    for r in reports:
+        assert r["argv"] == [str(script), "a b", "--x=1"] and r["name"] == "__main__" and r["file"] == str(script)
+        assert r["path0"] == str(SCRIPTS)
+        assert r["batches"] == [[0.0, 1.0], [4.0, 9.0]] and r["sum"] == 2.0
+        assert r["user_site"] == "yes"
+        assert r["pg_timeout_s"] == 300.0
+        assert r["claimed_by_me"]
+
+
+@pytest.mark.timeout(120)
+def test_a_daemonised_grandchild_is_gone_after_the_job(home, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "disttrain", "run", "-n", "2", str(SCRIPTS / "daemon_child.py"),
+                             str(tmp_path)], capture_output=True, text=True, timeout=100, env=cli_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_pids_gone([int(p) for rank in (0, 1) for p in (tmp_path / f"rank{rank}.pids").read_text().split()])
+
+
+def assert_pids_gone(pids: list[int], timeout: float = 10) -> None:
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    assert_all_gone(procs, timeout=timeout)
+
+
+# ---- two hosts: network namespaces, real sshd (tests/rig.py)
+
+cluster = cluster_fixture(2)
+
+
+def agents_and_workers(cluster, node: str) -> list[int]:
+    """disttrain's processes in ``node`` (its agent and its ranks), not the ssh sessions into it."""
+    found = []
+    for pid in cluster.processes_in(node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"python" in argv[0]:
+            found.append(pid)
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_a_mismatch_across_two_hosts_is_judged_at_the_launcher(cluster):
+    result = run_on_node0(cluster, "--hang-timeout", str(HANG_S), str(PLAIN), "op", timeout=200)
+    err = result.stderr
+    assert result.returncode == 124, err[-3000:]
+    a, b = (node.ip for node in cluster.nodes)
+    assert ("cause: a mismatch in collective #6 of the default group: rank 0 called all_reduce [4] Float; "
+            "rank 1 called all_gather [4] Float -> [2, 4]") in err
+    assert f"  rank 0 ({a}): in #6 all_reduce" in err and f"  rank 1 ({b}): in #6 all_gather" in err
+    assert f"stacks on {a}: " in err and f"flight recorder dumps on {b}: " in err
+    assert "stopped the job on all 2 hosts (exit 124)" in err
+    assert "disttrain-hang" not in err + result.stdout  # the agents' reports are for the launcher only
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(240)
+def test_a_host_cut_off_mid_run_stops_on_its_own_and_no_straggler_is_blamed(cluster, tmp_path):
+    launcher = cluster.popen_in("node0", launch_argv(cluster, str(SCRIPTS / "steady_ddp.py"), "600"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+    steps = 0
+    while steps < 15:  # 150 steady steps, over 15 s: the launcher has every rank's rate (a 6 to 20 s window)
+        line = launcher.stdout.readline()
+        assert line, launcher.stderr.read()
+        steps += "rank 0 step" in line
+    assert agents_and_workers(cluster, "node1")
+    cluster.cut_off("node1")
+    deadline = time.monotonic() + 60
+    while agents_and_workers(cluster, "node1") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not agents_and_workers(cluster, "node1"), "node1's agent or rank outlived the cut-off by 60 s"
+    code = launcher.wait(timeout=90)
+    err = launcher.stderr.read()
+    assert code == 255, err[-3000:]  # the launcher lost its ssh connection to node1
+    assert "straggler" not in err, err[-3000:]  # rank 0, waiting for rank 1, is not slow
+    (log,) = tmp_path.glob("runs/*/node1.log")  # the node's own log, on its host (a shared disk here)
+    assert "heard nothing from its launcher for 2" in log.read_text()
+    # node1's sshd session is still waiting on its dead connection (sshd's own keep-alive is off):
+    # not disttrain's; everything of disttrain's is gone on both hosts.
+    assert not cluster.processes_in("node0")
+    assert not agents_and_workers(cluster, "node1")
+
+
+@pytest.mark.timeout(240)
+def test_a_daemon_left_by_a_remote_rank_is_gone_after_the_job(cluster, tmp_path):
+    """Inside ``ip netns exec`` no cgroup is mounted: the agent's subreaper catches the daemon."""
+    result = run_on_node0(cluster, str(SCRIPTS / "daemon_child.py"), str(tmp_path), timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pids = [int(p) for rank in (0, 1) for p in (tmp_path / f"rank{rank}.pids").read_text().split()]
+    assert_pids_gone(pids)
+    assert_nothing_left(cluster)
+
+
+# ---- two Slurm nodes (tests/slurm_rig.py): the verdict comes back through the batch job
+
+slurm_hang = slurm_fixture(2, name="slurm_hang")
+
+
+@pytest.mark.timeout(300)
+def test_a_mismatch_on_two_slurm_nodes_is_judged_in_one_block(slurm_hang, tmp_path):
+    slurm = slurm_hang
+    result = slurm.run_in("node0", [sys.executable, "-m", "disttrain", "run", "--launcher", "slurm", "--nodes", "2",
+                                    "-n", "1", "--hang-timeout", str(HANG_S), str(PLAIN), "op"],
+                          timeout=240, cwd=ROOT, env=slurm.env(DISTTRAIN_HOME=str(tmp_path)))
+    err = result.stderr
+    assert result.returncode == 124, err[-3000:]
+    assert ("cause: a mismatch in collective #6 of the default group: rank 0 called all_reduce [4] Float; "
+            "rank 1 called all_gather [4] Float -> [2, 4]") in err, err
+    assert "  rank 0 (node0): in #6 all_reduce" in err and "  rank 1 (node1): in #6 all_gather" in err, err
+    slurm.assert_nothing_left()

@@ -380,6 +380,9 @@ class AttemptStarted(Message):
     nodes: int  # nodes in this round
     world_size: int
     ranks: tuple[int, ...]  # this node's global ranks in this round
+
+
+@dataclass(frozen=True, kw_only=True)
 class Call(Record):
     """One collective (or send/recv) of one rank, as its Flight Recorder saw it."""
 

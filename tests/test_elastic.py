@@ -318,8 +318,10 @@ def test_a_plain_torchrun_script_restarts_the_same_way(cluster3, tmp_path):
     cluster3.power_off("node2")
     code, err = finish(proc, timeout=300)
     assert code == 0, err[-4000:]
-    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
-    assert f"{cluster3.nodes[2].ip} left" in line and "-> 2 hosts, world size 2, no disttrain.resume() step said" in line
+    lines = [ln for ln in err.splitlines() if ln.startswith("disttrain: membership:")]
+    assert lines, err[-4000:]
+    assert f"{cluster3.nodes[2].ip} left" in lines[0], lines
+    assert "-> 2 hosts, world size 2, no disttrain.resume() step said" in lines[0], lines
     assert (out / "done").read_text() == "2\n"
     rows = [tuple(map(int, ln.split())) for ln in (out / "rank0.log").read_text().splitlines()]
     worlds = [world for _, world, _, _ in rows]

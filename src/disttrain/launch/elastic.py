@@ -142,6 +142,10 @@ class Membership:
         if self._thread is not None:
             self._thread.join(timeout=1)
         with self._lock:
+            if self.finished and self._round is not None and not self._round_said:
+                # The job ran to its end on this round before a step was reported (a script
+                # without disttrain reports none, and FIRST_STEP_WAIT_S had not passed): say it.
+                self._said_round(self._trained[0] if self._trained else None, self._round[1])
             for change, at, formed, _ in self._pending:  # no round trained after them: recorded, not said
                 self._settle(change, at, formed, None, say=False)
             self._pending = []

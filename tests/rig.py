@@ -676,6 +676,15 @@ class Cluster:
         self.cut_off(node)
         self.kill_all(node, include_sshd=True, grace=0)
 
+    def power_on(self, node: "str | int | Node") -> None:
+        """A node powered off comes back: its traffic flows again and its sshd answers (the node's
+        other processes stay dead, as after a reboot)."""
+        nd = self.node(node)
+        for chain, side in (("INPUT", "-i"), ("OUTPUT", "-o")):
+            _run(self.ns_exec(nd, ["iptables", "-w", "-D", chain, side, nd.ifname, "-j", "DROP"]), check=False)
+        (self.workdir / f"sshd_{nd.name}.pid").unlink(missing_ok=True)  # the dead sshd's
+        self._start_sshd(nd)
+
     # ---- a real network's limits (tc in the node's namespace; gone with it)
 
     def shape(self, rate: str | None, *, delay_ms: float = 0, burst: str | None = None,

@@ -60,11 +60,11 @@ def skip_reason() -> str | None:
 
 
 class SlurmCluster:
-    """``n`` Slurm nodes (1: loopback only; 2: a veth pair) and their daemons."""
+    """``n`` Slurm nodes (1: loopback only; 2: a veth pair; 3 or more: a bridge) and their daemons."""
 
     def __init__(self, n: int = 2) -> None:
-        if n not in (1, 2):
-            raise ValueError("n must be 1 (loopback) or 2 (two namespaces)")
+        if n < 1:
+            raise ValueError("n must be 1 (loopback) or more (namespaces)")
         self.n = n
         self.rig = Cluster(n)
         self.hostname = os.uname().nodename.split(".")[0]

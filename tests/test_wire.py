@@ -14,6 +14,7 @@ from disttrain.plan.launch import NodeFacts, make_plan
 from disttrain.wire import (
     MESSAGES,
     Alive,
+    AttemptStarted,
     Beats,
     Call,
     ConnectResults,
@@ -31,6 +32,7 @@ from disttrain.wire import (
     PlanMessage,
     ProbeFacts,
     RankState,
+    Regroup,
     RunClient,
     RunSpec,
     StepEnded,
@@ -64,6 +66,8 @@ EXAMPLES = [
     PlanMessage(node_rank=0, plan=_plan()),
     DumpRequest(),
     Beats(host="10.0.0.2", ranks={0: (12, 0.25), 3: (11, 1.5)}),
+    Regroup(lost=("10.0.0.3",)),
+    AttemptStarted(host="10.0.0.2", attempt=2, nodes=2, world_size=4, ranks=(2, 3)),
     Alive(),
     NodeDone(host="algo-2", ranks=(2, 3)),
     HangReport(host="10.0.0.2", ranks=(

@@ -30,6 +30,8 @@ agent.alive        Alive            launcher -> agent (stdin), every few seconds
 agent.beats        Beats            agent -> launcher (stderr): the ranks' steps, each second
 agent.hang         HangReport       agent -> launcher (stderr): its ranks at a hang (recorders, stacks)
 agent.done         NodeDone         agent -> launcher (stderr) -> every other agent (stdin): its ranks exited 0
+agent.regroup      Regroup          launcher -> agent (stdin): hosts were lost, join the next round
+agent.attempt      AttemptStarted   agent -> launcher (stderr): a round's workers are starting
 launch.outcome     Outcome          how a launch ended (a Slurm step's, read by the submitter)
 slurm.step         LaunchStep       submitter -> the batch job's step (its environment)
 slurm.ended        StepEnded        the batch job's step -> the submitter (a file)
@@ -356,6 +358,31 @@ class Beats(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Regroup(Message):
+    """An elastic job (``--nnodes MIN:MAX``) lost hosts: stop this node's workers at once (no step
+    can finish without the lost peers) and join the rendezvous' next round with the others."""
+
+    kind: ClassVar[str] = "agent.regroup"
+
+    lost: tuple[str, ...]  # the hosts, for the agent's own line
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptStarted(Message):
+    """An elastic node's agent, after each rendezvous round, as its workers start: the launcher
+    learns each round's world (which the rendezvous, not the launcher, decided)."""
+
+    kind: ClassVar[str] = "agent.attempt"
+    marker: ClassVar[str] = "disttrain-attempt "
+
+    host: str
+    attempt: int  # the job-wide attempt (one per round, the same on every node)
+    nodes: int  # nodes in this round
+    world_size: int
+    ranks: tuple[int, ...]  # this node's global ranks in this round
+
+
+@dataclass(frozen=True, kw_only=True)
 class Call(Record):
     """One collective (or send/recv) of one rank, as its Flight Recorder saw it."""
 
@@ -514,5 +541,5 @@ class InstanceEnv(Message):
 
 MESSAGES: dict[str, type[Message]] = {m.kind: m for m in (
     ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Alive, Beats, HangReport, NodeDone,
-    Outcome, LaunchStep, StepEnded,
+    Regroup, AttemptStarted, Outcome, LaunchStep, StepEnded,
     RunClient, JobClient, RunSpec, FitRequest, SyncOffer, SyncWanted, InstanceEnv)}

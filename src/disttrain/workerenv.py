@@ -20,6 +20,13 @@ CHECKPOINT_EVERY = "DISTTRAIN_CHECKPOINT_EVERY"
 PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
 CONNECT_TIMEOUT = "DISTTRAIN_CONNECT_TIMEOUT"
 HEARTBEAT_DIR = "DISTTRAIN_HEARTBEAT_DIR"
+# The worker group's attempt in the whole job: one per rendezvous round, the same number on every
+# node. torch's TORCHELASTIC_RESTART_COUNT counts failures only, so with --nnodes MIN:MAX two
+# rounds (a host lost, a host joining) can share it; logs, stores and stacks are named by this.
+ATTEMPT = "DISTTRAIN_ATTEMPT"
+# What disttrain.resume() says on rank 0 when it loads a checkpoint: the launcher reads the step
+# from it for an elastic job's membership line (the runtime and the launch side share no module).
+RESUMED_MARKER = "disttrain: resuming from step "
 # --hang-timeout: the folder of the ranks' worker-server sockets (disttrain/_worker_site reads it),
 # and the Flight Recorder's size (torch's own variable; ring entries per process).
 HANG_SOCKETS = "DISTTRAIN_HANG_SOCKETS"
@@ -229,6 +236,7 @@ class WorkerEnv:
     master_addr: str | None = None
     master_port: int | None = None
     restart_count: int = 0
+    attempt: int = 0  # ATTEMPT when the launcher numbers rounds, else the restart count
     # torch's agent hosts the store the workers rendezvous through (it sets
     # TORCHELASTIC_USE_AGENT_STORE), so keys outlive a restart.
     agent_store: bool = False
@@ -263,6 +271,7 @@ class WorkerEnv:
             master_addr=environ.get("MASTER_ADDR") if "WORLD_SIZE" in environ else None,
             master_port=int(port) if port else None,
             restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+            attempt=_int(environ, ATTEMPT, _int(environ, "TORCHELASTIC_RESTART_COUNT", 0)),
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             backend=environ.get(BACKEND) or None,
             run_dir=environ.get(RUN_DIR) or None,

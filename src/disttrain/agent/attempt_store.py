@@ -11,12 +11,15 @@ agent store, under a key of the run and the attempt. The store ends with the att
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 from torch.distributed import TCPStore
 
 from ..net import free_port
 from ..plan.launch import LaunchPlan, NodePlan
+
+FAREWELL_S = 10.0  # the rendezvous store's host waits at most this long for the others to leave it
 
 
 class AttemptStores:
@@ -50,3 +53,20 @@ class AttemptStores:
             self._agent_store = TCPStore(self.plan.master_addr, self.plan.master_port, is_master=False,
                                          timeout=timedelta(seconds=self.plan.rdzv_timeout_s))
         return self._agent_store
+
+    def farewell(self, nodes: int, *, hosts_store: bool, timeout_s: float = FAREWELL_S) -> None:
+        """The end of an elastic job, once torch's agent returned: the node hosting the rendezvous
+        store waits (at most ``timeout_s``) for the other ``nodes - 1`` of the last round to say they
+        left, which they do once torch closed their part of the rendezvous in that store -- gone
+        sooner, it makes each of them print c10d's stack trace of a store that went away."""
+        key = f"/disttrain/{self.plan.rendezvous_id}/left"
+        try:
+            store = self._store()
+            if not hosts_store:
+                store.add(key, 1)
+                return
+            deadline = time.monotonic() + timeout_s
+            while store.add(key, 0) < nodes - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except (RuntimeError, OSError):  # a store already gone: nothing left to wait for
+            pass

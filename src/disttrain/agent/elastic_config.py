@@ -18,6 +18,14 @@ def endpoint(plan: LaunchPlan) -> str:
     return f"{host}:{plan.master_port}"
 
 
+# An elastic job that disttrain placed (--hosts, Slurm, a job's instances): a lost node leaves the
+# c10d rendezvous when its heartbeat is keep_alive_interval x keep_alive_max_attempt old (torch:
+# 5 s x 3), and a round with its minimum waits last_call_timeout for more nodes (torch: 30 s); both
+# are part of the time from a lost host to training again. The nodes start together (or are told
+# together to regroup), so a short last call loses no one; --rdzv-conf still wins.
+ELASTIC_RDZV_CONF = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 1}
+
+
 def rdzv_configs(plan: LaunchPlan, node: NodePlan, *, hosts_store: Callable[[str], bool | None] = net.hosts_c10d_store
                  ) -> dict:
     """The rendezvous settings: disttrain's, then ``--rdzv-conf`` over them (the user's word wins),
@@ -32,6 +40,8 @@ def rdzv_configs(plan: LaunchPlan, node: NodePlan, *, hosts_store: Callable[[str
         is_host = hosts_store(plan.master_addr) if plan.by_hand else node.node_rank == 0
         if is_host is not None:
             conf["is_host"] = is_host
+        if plan.elastic and not plan.by_hand:
+            conf.update(ELASTIC_RDZV_CONF)
     return {**conf, **plan.rdzv_conf}
 
 

@@ -44,6 +44,7 @@ from ..wire import (
     NodeDone,
     PlanMessage,
     ProbeFacts,
+    Regroup,
     WireError,
     one_of,
 )
@@ -174,9 +175,10 @@ def node_log(run_dir: str, node_rank: int) -> Path:
 
 
 def _request(line: bytes, link: LauncherLink) -> None:
-    """A line from the launcher after the plan: the keep-alive, the dump request, another node done."""
+    """A line from the launcher after the plan: the keep-alive, the dump request, another node done,
+    an elastic job's regroup."""
     try:
-        request = one_of(line, Alive, DumpRequest, NodeDone)
+        request = one_of(line, Alive, DumpRequest, NodeDone, Regroup)
     except WireError as err:
         print(f"disttrain: warning: ignored a line from the launcher: {err}", file=sys.stderr, flush=True)
         return
@@ -184,6 +186,8 @@ def _request(line: bytes, link: LauncherLink) -> None:
         link.dump()
     elif isinstance(request, NodeDone):
         link.peer_done(request)
+    elif isinstance(request, Regroup):
+        link.regroups.request(request.lost)
 
 
 def watch_stdin(lines: Lines, on_line: Callable[[bytes], None], *, signalled_by: int | None, host: str,

@@ -2,8 +2,9 @@
 
 Up, on stderr (torch's log tailers share the stream: one write per line): the ranks' progress
 each second and their states at a hang (the watchdog's), and :class:`~disttrain.wire.NodeDone`
-when this node's workers all exited 0. Down, on stdin (read by :mod:`.entry`): the dump request
-(no progress on any host), the keep-alive, and the other nodes' ``NodeDone``.
+when this node's workers all exited 0, and each elastic round's world (``AttemptStarted``). Down,
+on stdin (read by :mod:`.entry`): the dump request (no progress on any host), the keep-alive, the
+other nodes' ``NodeDone``, and an elastic job's ``Regroup`` (hosts were lost).
 
 Why ``NodeDone`` travels: a rank that exits 0 early on one host makes its peers on another
 fail with "Connection closed by peer"; only with the news that it left can their agent name it,
@@ -17,6 +18,7 @@ import threading
 from collections.abc import Callable
 
 from ..wire import NodeDone
+from .elastic_agent import Regroups
 from .watchdog import Watchdog
 
 PEER_NEWS_WAIT_S = 2.0  # how long a failure that lost a peer waits for the news of a peer done
@@ -27,6 +29,7 @@ class LauncherLink:
         self.dog: Watchdog | None = None
         self._done: dict[int, str] = {}  # rank -> host: ranks of other nodes that exited 0
         self._news = threading.Event()
+        self.regroups = Regroups()  # an elastic job's: the launcher's news of hosts lost
 
     def send(self, line: str) -> None:
         sys.stderr.write(line + "\n")

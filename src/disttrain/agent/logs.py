@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Logs
 
 from ..config.launch import AgentOptions
 from ..config.torchrun import std_of
+from ..workerenv import ATTEMPT
 
 _STREAMS = (("stdout", Std.OUT), ("stderr", Std.ERR))
 
@@ -74,6 +75,9 @@ class RankLogs(LogsSpecs):
         self.on_start: Callable[[], None] | None = None
         # Called with each attempt's worker environments, which it may change (a fresh store).
         self.on_envs: Callable[[dict[int, dict[str, str]], int], None] | None = None
+        # The job-wide number of the attempt about to start, when the agent numbers rendezvous
+        # rounds (an elastic job: see disttrain.agent.elastic_agent); None: torch's restart count.
+        self.attempt: int | None = None
 
     @staticmethod
     def _torchrun_layout(options: AgentOptions) -> LogsSpecs | None:
@@ -108,14 +112,17 @@ class RankLogs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         if self.on_start is not None:
             self.on_start()
+        attempt = self.attempt
+        if attempt is None:
+            attempt = int(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0")) if envs else 0
+        for env in envs.values():
+            env[ATTEMPT] = str(attempt)
         if self.on_envs is not None and envs:
-            self.on_envs(envs, int(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0")))
+            self.on_envs(envs, attempt)
         theirs = self._layout.reify(envs) if self._layout is not None and envs else None
         dest = LogsDest()
-        attempt = 0
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
-            attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
             for stream, bit in _STREAMS:
                 path = rank_log(self._run_dir, rank, stream, attempt)
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,9 @@ from torch.distributed.launcher.api import elastic_launch
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import prepare_node
+from ..wire import AttemptStarted
 from ..workerenv import HEARTBEAT_DIR, attempt_library_env
-from . import flight, lifeline
+from . import elastic_agent, flight, lifeline
 from .attempt_store import AttemptStores
 from .cgroup import Container
 from .elastic_config import endpoint, launch_config
@@ -35,6 +36,8 @@ from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, failure_lines, format_failure, lost_a_peer, root_cause, shell_exit_code
 from .runpath import run_path
 from .watchdog import HANG_EXIT, Attempt, Watchdog
+
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's switch (dynamic_rendezvous.py)
 
 
 @contextlib.contextmanager
@@ -135,6 +138,21 @@ def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailur
     return failures
 
 
+def _elastic(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> contextlib.AbstractContextManager:
+    """With ``--nnodes MIN:MAX``, torch's agent that regroups and numbers rounds (see elastic_agent)."""
+    if not plan.elastic:
+        return contextlib.nullcontext([])
+
+    def on_attempt(attempt: int, group) -> None:
+        if link is not None:
+            link.send(AttemptStarted(host=node.host, attempt=attempt, nodes=group.group_world_size,
+                                     world_size=group.workers[0].world_size,
+                                     ranks=tuple(w.global_rank for w in group.workers)).to_line())
+
+    regroups = link.regroups if link is not None else elastic_agent.Regroups()
+    return elastic_agent.installed(regroups=regroups, on_attempt=on_attempt)
+
+
 @contextlib.contextmanager
 def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None, attempt: Attempt,
               sockets: str | None) -> Iterator[Watchdog | None]:
@@ -191,18 +209,25 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
     env = plan.worker_env(node)
+    if plan.elastic:
+        # torch's agents share their rendezvous store with the workers (the workers here get a store
+        # of each attempt's own: attempt_store.py), and a node that joins a later round then waits
+        # for MASTER_ADDR, which the round's node 0 set only in its first round: a grown job hangs.
+        env.setdefault(NO_SHARED_STORE, "1")
     # A job instance's workers see its folder at /opt/ml; the tool is checked here, on their machine.
     opt_ml = (instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.host, say=say)
               if node.opt_ml else [])
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
                                 report_to=report_to))
+    stores = AttemptStores(plan, node)
     attempt = Attempt(plan.run_dir, plan.world_size)
     with _handlers_kept(), _worker_group(plan, node) as group, _recorder_sockets(plan, env) as sockets, \
             _exported(env), _watchdog(plan, node, link, attempt, sockets) as dog, \
+            _elastic(plan, node, link) as agents, \
             RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
-        config.logs_specs.on_envs = _per_attempt(AttemptStores(plan, node), attempt, group)
+        config.logs_specs.on_envs = _per_attempt(stores, attempt, group)
         if link is not None and plan.nnodes > 1:
             link.watch_success(node.host, lambda: attempt.ranks, config.role)
         try:
@@ -212,6 +237,9 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                 entry, *args = lifeline.wrap([*opt_ml, *plan.argv], python=sys.executable, join=group.join_file)
             oom = OomWatch()  # the kernel's OOM kills from now on: a worker's SIGKILL may be one
             elastic_launch(config, entry)(*args)
+            if agents:  # an elastic job: the rendezvous store's host stays until the others have left it
+                stores.farewell(agents[-1].get_worker_group().group_world_size,
+                                hosts_store=bool(config.rdzv_configs.get("is_host")))
         except ChildFailedError as err:
             failures = _failures(err, node.host, attempt=plan.max_restarts)
             first = root_cause(failures, plan.run_dir)

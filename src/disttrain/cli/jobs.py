@@ -119,6 +119,12 @@ def handle_show(args: argparse.Namespace) -> int:
     fields += [(f"metric {name}", f"{points[-1][1]:g} (last of {len(points)})") for name, points in sorted(series.items())]
     start = record.events[0][1] if record.events else record.created
     fields.append(("history", ", ".join(f"{state} +{t - start:.1f}s" for state, t in record.events)))
+    for change in record.membership or ():  # an elastic job: who left or joined, the world after
+        if change["change"] != "start":
+            fields.append(("membership", f"+{change['time'] - start:.1f}s {change['host']} {change['change']} "
+                                         f"({change['why']}): {len(change['hosts'])} instance(s), world size "
+                                         f"{change['world_size']}, resumed from step {change['resumed_from']}, "
+                                         f"{change['seconds']} s"))
     for key, value in fields:
         print(f"{key + ':':<18}{value}")
     if record.failure:

@@ -122,12 +122,17 @@ def launcher_from_args(args: argparse.Namespace) -> Launcher:
         return LocalLauncher()
     if alloc is not None and alloc.in_step:
         return LocalLauncher(cpus=step_cpus(alloc))
-    if args.nnodes != 1 or args.node_rank != 0:
+    elastic = getattr(args, "min_nnodes", None) is not None and args.min_nnodes < args.nnodes
+    if (args.nnodes != 1 and not elastic) or args.node_rank != 0:
         raise UsageError("--nnodes/--node-rank are for nodes started by hand; on Slurm disttrain starts every "
-                         "node itself: --nodes N")
+                         "node itself: --nodes N (or an elastic range, --nnodes MIN:MAX)")
+    if elastic and args.nodes is not None and args.nodes != args.nnodes:
+        raise UsageError(f"--nodes {args.nodes} and --nnodes {args.min_nnodes}:{args.nnodes}: an elastic job asks "
+                         f"Slurm for {args.min_nnodes} to {args.nnodes} nodes; give the range only")
     if alloc is not None:
-        return SlurmAllocationLauncher(alloc, nodes=args.nodes)
+        return SlurmAllocationLauncher(alloc, nodes=None if elastic else args.nodes)
+    nodes = args.nnodes if elastic else 1 if args.nodes is None else args.nodes
     options = SlurmOptions(
-        nodes=1 if args.nodes is None else args.nodes, partition=args.partition, time=args.time,
+        nodes=nodes, partition=args.partition, time=args.time,
         gpus_per_node=args.gpus_per_node, requeue=args.requeue, sbatch_args=tuple(args.sbatch_arg))
     return SlurmBatchLauncher(options, no_wait=args.no_wait, pending_timeout_s=args.pending_timeout)

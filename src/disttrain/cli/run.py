@@ -28,6 +28,7 @@ from ..config.launch import (
 from ..errors import UsageError
 from ..home import run_folder
 from ..launch import Context, Launcher, RunFolderEvents
+from ..launch.slurm_env import SlurmAllocation
 from ..runtime import comm
 from ..wire import RunSpec
 from ..workerenv import ACCELERATE_USE_CPU, cpu_library_warning
@@ -172,7 +173,7 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
     rdzv = torchrun.resolve_rendezvous(
         backend=values["rdzv_backend"], endpoint=values["rdzv_endpoint"], master_addr=values["master_addr"],
         master_port=values["master_port"], nnodes=(low, high), node_rank=values["node_rank"],
-        standalone=values["standalone"])
+        standalone=values["standalone"], placed=hosts or _slurm_places(args, environ))
     notes += rdzv.notes
     if values["standalone"]:
         values["rdzv_id"] = None
@@ -182,6 +183,16 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
     args.rdzv_backend, args.master_addr, args.master_port = rdzv.backend, rdzv.master_addr, rdzv.master_port
     args.stop_grace_s = _stop_grace(args, values, environ)
     return notes
+
+
+def _slurm_places(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
+    """Slurm's launcher places every node (sbatch, or the nodes of the allocation we run in)."""
+    if getattr(args, "launcher", None) == "slurm":
+        return True
+    if getattr(args, "launcher", None) is not None:
+        return False
+    alloc = SlurmAllocation.from_environ(environ)
+    return alloc is not None and not alloc.in_step
 
 
 def agent_options(values: dict, log_dir: str | None) -> AgentOptions:

@@ -233,9 +233,11 @@ class LaunchSpec:
             raise UsageError(
                 f"--node-rank must be in 0..{self.nnodes - 1} for --nnodes {self.nnodes}, got {self.node_rank}"
             )
-        if self.nnodes > 1 and not self.master_addr:
+        # Nodes started by hand must be told where node 0 is; an elastic range over --hosts (or
+        # Slurm, a job's instances) is placed by the launcher, which finds the master itself.
+        if self.nnodes > 1 and not self.elastic and not self.master_addr:
             raise UsageError("--nnodes > 1 needs --master-addr (the address of node rank 0)")
-        if self.nnodes > 1 and self.master_port is None:
+        if self.nnodes > 1 and not self.elastic and self.master_port is None:
             raise UsageError("--nnodes > 1 needs --master-port (the same on every node)")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")

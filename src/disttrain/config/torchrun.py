@@ -278,10 +278,12 @@ def _default_port(backend: str) -> int:
 
 def resolve_rendezvous(*, backend: str | None, endpoint: str | None, master_addr: str | None,
                        master_port: int | None, nnodes: tuple[int, int], node_rank: int,
-                       standalone: bool) -> Rendezvous:
+                       standalone: bool, placed: bool = False) -> Rendezvous:
     """torchrun's rules: ``--standalone`` is one node on a local port and overrides the ``--rdzv-*``
     values; ``--rdzv-endpoint`` wins over ``--master-addr/--master-port``; ``--node-rank`` is for
-    the static rendezvous only. disttrain adds: ``MIN:MAX`` picks c10d unless a backend is given."""
+    the static rendezvous only. disttrain adds: ``MIN:MAX`` picks c10d unless a backend is given;
+    ``placed``: a launcher places every node (``--hosts``) and finds the master itself, so no
+    address is assumed when none is given."""
     low, high = nnodes
     notes: list[str] = []
     if standalone:
@@ -301,7 +303,7 @@ def resolve_rendezvous(*, backend: str | None, endpoint: str | None, master_addr
         if ignored:
             notes.append(f"{' and '.join(ignored)} ignored: --rdzv-endpoint {endpoint} names the rendezvous")
         return Rendezvous(backend=chosen, master_addr=host, master_port=port, notes=tuple(notes))
-    if high == 1:
+    if high == 1 or placed:
         return Rendezvous(backend=chosen, master_addr=master_addr, master_port=master_port, notes=tuple(notes))
     port = master_port if master_port is not None else _default_port(chosen)
     if not master_addr:

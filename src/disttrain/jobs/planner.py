@@ -53,12 +53,16 @@ class JobPlanner:
         multi_worker_mirrored_strategy (parameter_server's is the container's, see :meth:`__call__`).
         """
         program, where = self.spec.program, self.spec.placement
+        elastic = where.min_instance_count is not None and where.min_instance_count < where.instance_count
         if self.v3:  # SDK v3's arguments, or its command run through bash
             entry, is_module, args = sagemaker_v3.worker_command(program.entry_point, program.command,
                                                                  program.hyperparameters)
         else:
             entry, is_module, args = program.entry_point, False, tuple(hyperparameter_args(program.hyperparameters))
         return LaunchSpec(
+            # An elastic job (min_instance_count): --nnodes MIN:MAX on the c10d rendezvous.
+            **({"nnodes": where.instance_count, "min_nnodes": where.min_instance_count, "rdzv_backend": "c10d"}
+               if elastic else {}),
             entry=entry,
             is_module=is_module,
             script_args=args,
@@ -82,23 +86,27 @@ class JobPlanner:
                        paths=(str(self.cwd / self.spec.program.entry_point), str(self.layout.root)),
                        environ=dict(self.environ), container=self)
 
-    def instances(self, nodes: Sequence[NodeFacts]) -> tuple[Instance, ...]:
-        """Instance K (the plan's node K) as SageMaker's contract describes it, from its node's facts."""
+    def instances(self, nodes: Sequence[NodeFacts], node_ranks: Sequence[int] | None = None) -> tuple[Instance, ...]:
+        """Instance K (the plan's node K; of an elastic job that started without some, ``node_ranks[k]``)
+        as SageMaker's contract describes it, from its node's facts. ``hosts`` lists every instance."""
         spec, hosts = self.spec, self.layout.hosts
+        ranks = node_ranks if node_ranks is not None else range(len(nodes))
         return tuple(
-            Instance(job_name=self.name, host=host, hosts=hosts, instance_type=spec.placement.instance_type,
+            Instance(job_name=self.name, host=hosts[rank], hosts=hosts, instance_type=spec.placement.instance_type,
                      ifname=node.socket_ifname or "lo", num_gpus=node.cuda_devices, num_cpus=node.cpus,
                      entry_point=spec.program.entry_point, module_dir=str(self.cwd),
                      hyperparameters=spec.program.hyperparameters,
                      framework_params=spec.distribution.framework_params, channels=tuple(spec.container.inputs))
-            for host, node in zip(hosts, nodes))
+            for rank, node in zip(ranks, nodes))
 
-    def __call__(self, nodes: tuple[NodeFacts, ...], *, master_addr: str, master_port: int) -> ContainerSetup:
+    def __call__(self, nodes: tuple[NodeFacts, ...], *, master_addr: str, master_port: int,
+                 node_ranks: Sequence[int] | None = None) -> ContainerSetup:
         """What the container adds to each instance (the plan's :class:`ContainerPlanner`); pure."""
         spec, dist = self.spec, self.spec.distribution
         addresses = [node.address or master_addr for node in nodes]
         setups = []
-        for k, (inst, host) in enumerate(zip(self.instances(nodes), self.layout.hosts)):
+        for k, inst in enumerate(self.instances(nodes, node_ranks)):
+            host = inst.host
             paths = self.layout.instance(host)
             if self.v3:
                 env = self._v3_vars(inst, addresses, master_port)
@@ -127,13 +135,15 @@ class JobPlanner:
                                           source_dir=str(self.cwd), entry_script=program.entry_point,
                                           distributed=distributed)
 
-    def write_config(self, nodes: Sequence[NodeFacts], *, master_addr: str, master_port: int) -> None:
+    def write_config(self, nodes: Sequence[NodeFacts], node_ranks: Sequence[int] | None = None, *,
+                     master_addr: str, master_port: int) -> None:
         """Each instance's ``input/config/*.json`` (and SDK v3's ``sm_training.env``), from the values
         its variables were made of; and, where it gets a private /opt/ml, the host names it resolves
         (``algo-K``: agent/optml.py puts them in its own /etc/hosts)."""
         addresses = [node.address or master_addr for node in nodes]
-        names = "".join(f"{address} {host}\n" for address, host in zip(addresses, self.layout.hosts))
-        for inst in self.instances(nodes):
+        instances = self.instances(nodes, node_ranks)
+        names = "".join(f"{address} {inst.host}\n" for address, inst in zip(addresses, instances))
+        for inst in instances:
             paths = self.layout.instance(inst.host)
             if self.v3:
                 sagemaker_v3.write_files(inst, paths, self._v3_vars(inst, addresses, master_port))

@@ -22,6 +22,7 @@ from typing import TextIO
 from ..errors import DisttrainError
 from ..home import disttrain_home
 from ..launch import Events, Facts, Launcher, Outcome
+from ..launch.elastic import load_record
 from ..plan.launch import LaunchPlan
 from ..private import private_opener, write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
@@ -107,6 +108,10 @@ class JobStepEvents(Events):
     """A job's sink where its instances start: each instance's config files, the plan kept, the banner.
     (What the container adds to the plan is the planner's input, ``planner.context()``.)"""
 
+    def joining(self, plan: LaunchPlan, facts: Facts) -> None:
+        """An instance of an elastic job joins: its config files too, before its agent gets its plan."""
+        _joining(self, plan, facts)
+
     def __init__(self, planner: JobPlanner | None = None) -> None:
         self.planner = planner
 
@@ -125,14 +130,25 @@ class JobStepEvents(Events):
 
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
         planner = self.planner
-        planner.write_config(facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,),
+        planner.write_config(facts.nodes if isinstance(facts.nodes, tuple) else (facts.nodes,), facts.node_ranks,
                              master_addr=plan.master_addr, master_port=plan.master_port)
         write_private(planner.layout.logs / "plan.json", plan.to_json())
-        where = ", ".join(f"{i} on {w}" if i != w else i for i, w in zip(planner.layout.hosts, facts.where))
+        where = ", ".join(f"{i} on {w}" if i != w else i for i, w in zip(_instances(planner.layout, facts), facts.where))
         how = {"mpi": "mpirun", "none": "once per instance"}.get(planner.spec.distribution.kind, plan.backend)
         self.say(f"disttrain: {plan.world_size} worker(s) ({how}) on {where}"
                  f"{f' ({note})' if note else ''}, rendezvous {plan.master_addr}:{plan.master_port}; "
                  f"logs: {planner.layout.logs}")
+
+
+def _joining(events: JobStepEvents, plan: LaunchPlan, facts: Facts) -> None:
+    events.planner.write_config(facts.nodes, facts.node_ranks, master_addr=plan.master_addr,
+                                master_port=plan.master_port)
+
+
+def _instances(layout: JobLayout, facts: Facts) -> list[str]:
+    """The instances the nodes of ``facts`` are (an elastic job may start without some)."""
+    ranks = facts.node_ranks if facts.node_ranks is not None else range(len(facts.where))
+    return [layout.hosts[rank] for rank in ranks]
 
 
 def _started() -> float:
@@ -197,7 +213,7 @@ class JobRun(JobStepEvents):
     # -- the launch's events: the record follows the launch --------------------------------
 
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
-        hosts = [{"instance": i, "host": w} for i, w in zip(self.layout.hosts, facts.where)]
+        hosts = [{"instance": i, "host": w} for i, w in zip(_instances(self.layout, facts), facts.where)]
         self.store.transition(self.id, JobState.RUNNING, hosts=hosts)
         super().starting(plan, facts, note)
 
@@ -235,6 +251,9 @@ class JobRun(JobStepEvents):
         return self._end(JobState.COMPLETED, 0, metrics=metrics, artifacts=artifacts)
 
     def _end(self, state: JobState, exit_code: int, *, failure: str | None = None, **fields) -> JobRecord:
+        changes = load_record(self.layout.logs)  # an elastic job's membership changes, if any
+        if changes:
+            fields["membership"] = changes
         if state is JobState.FAILED and failure:
             for inst in self.layout.instances:
                 if inst.output.is_dir():

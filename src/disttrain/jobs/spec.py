@@ -34,7 +34,7 @@ from ..config.text import MAX_PATH, check_path, check_pattern, check_text, check
 from ..errors import UsageError
 from ..launch.slurm import SlurmOptions
 from ..private import mask_secrets
-from .distribution import NONE, Distribution, parse_distribution
+from .distribution import NONE, TF_KINDS, Distribution, parse_distribution
 
 FRAMEWORKS = ("pytorch", "tensorflow")
 # Which SageMaker container contract the script sees: the training toolkit's (SDK v1/v2 estimators)
@@ -140,6 +140,9 @@ class Placement:
 
     launcher: str = "local"
     instance_count: int = 1
+    # An elastic job: it starts with at least this many instances and goes on while this many are
+    # left (--nnodes MIN:MAX, MAX being instance_count); None: every instance, a lost one ends the job.
+    min_instance_count: int | None = None
     processes_per_instance: int | str = "auto"
     instance_type: str = "local"  # local, local_gpu or ml.*: all run on the placement above
     hosts: tuple[str, ...] = ()  # launcher: ssh; one instance per host, the first is the master
@@ -152,6 +155,11 @@ class Placement:
     def __post_init__(self) -> None:
         _choice("launcher", self.launcher, LAUNCHERS)
         _positive("instance_count", self.instance_count)
+        if self.min_instance_count is not None:
+            _positive("min_instance_count", self.min_instance_count)
+            if self.min_instance_count > self.instance_count:
+                raise UsageError(f"min_instance_count {self.min_instance_count} is more than instance_count "
+                                 f"{self.instance_count}")
         if self.processes_per_instance != "auto":
             _positive("processes_per_instance", self.processes_per_instance, also="or 'auto'")
         check_text("instance_type", self.instance_type)
@@ -287,6 +295,12 @@ class JobSpec:
         if self.program.distribution.kind == "mpi" and self.placement.launcher != "local":
             raise UsageError(f"distribution mpi runs the instances of launcher local only (this job: "
                              f"{self.placement.launcher}); use torch_distributed, or run mpirun yourself")
+        where = self.placement
+        if where.min_instance_count is not None and where.min_instance_count < where.instance_count and (
+                self.program.distribution.kind in ("mpi", *TF_KINDS) or self.program.framework != "pytorch"):
+            raise UsageError(f"min_instance_count (an elastic job) runs PyTorch on torch's elastic agent; "
+                             f"distribution {self.program.distribution.kind} (framework {self.program.framework}) "
+                             "needs every instance: leave out min_instance_count")
 
     @property
     def distribution(self) -> Distribution:
@@ -369,6 +383,14 @@ def _normalised(fields: dict[str, Any], base: Path) -> dict[str, Any]:
             fields[key] = _sequence(key, fields[key])
     if fields.get("launcher") == "ssh" and "instance_count" not in fields and fields.get("hosts"):
         fields["instance_count"] = len(fields.get("hosts", ()))  # one instance per host
+    count = fields.get("instance_count")
+    if isinstance(count, str) and ":" in count:  # "2:3", torchrun's MIN:MAX (quoted: YAML reads 2:3 as 123)
+        low, _, high = count.partition(":")
+        if not (low.strip().isdigit() and high.strip().isdigit()):
+            raise UsageError(f"instance_count must be a positive integer or MIN:MAX like '2:3', got {count!r}")
+        if "min_instance_count" in fields:
+            raise UsageError(f"instance_count {count!r} gives the minimum: leave out min_instance_count")
+        fields["min_instance_count"], fields["instance_count"] = int(low), int(high)
     fields["source_dir"] = _local_absolute(fields.get("source_dir", "."), base, "source_dir")
     if isinstance(fields.get("inputs"), Mapping):
         for channel in fields["inputs"]:

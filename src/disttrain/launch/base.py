@@ -76,6 +76,9 @@ class Facts:
     master_port: int
     where: tuple[str, ...]  # per node: the machine it runs on (for records and messages)
     forwarded_env: Mapping[str, str] = field(default_factory=dict)  # what a remote launcher carries
+    # Per node: its place in the launcher's list of hosts, when not every host starts (an elastic
+    # range whose other hosts were unreachable); None: node K is the K-th host.
+    node_ranks: tuple[int, ...] | None = None
 
 
 class Events:
@@ -92,6 +95,9 @@ class Events:
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
         """Just before the agents start."""
         self.say(banner(plan, note))
+
+    def joining(self, plan: LaunchPlan, facts: Facts) -> None:
+        """A host of an elastic job joins (``facts``: every node placed so far, the new one last)."""
 
     def submitted(self, job_id: str, run_dir: str) -> None:
         """A batch launcher handed the job to its scheduler, which named it ``job_id``."""
@@ -117,8 +123,9 @@ def banner(plan: LaunchPlan, note: str = "") -> str:
     where = ", ".join(node.host for node in plan.nodes)
     kind = "TensorFlow" if plan.framework == "tensorflow" else plan.backend
     count = f"{plan.world_size} worker{'s' if plan.world_size != 1 else ''}"
-    if plan.min_nodes and plan.min_nodes < plan.nnodes:  # --nnodes MIN:MAX: the rendezvous decides
-        count = f"{plan.world_size * plan.min_nodes // plan.nnodes} to {plan.world_size} workers"
+    if plan.elastic:  # --nnodes MIN:MAX: each rendezvous round decides
+        per_node = plan.nodes[0].nproc
+        count = f"{per_node * plan.min_nodes} to {per_node * plan.nnodes} workers"
     return (f"disttrain: {count} ({kind}) on {where}"
             f"{f' ({note})' if note else ''}, rendezvous {plan.master_addr}:{plan.master_port}; logs: {plan.run_dir}")
 
@@ -172,13 +179,14 @@ class AgentLauncher(Launcher):
 
     def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
         """spec + facts → the plan of the whole job, one node per NodeFacts; pure."""
-        spec = replace(spec, nnodes=len(facts.nodes), node_rank=0, master_addr=facts.master_addr,
-                       master_port=facts.master_port)
-        container = (ctx.container(facts.nodes, master_addr=facts.master_addr, master_port=facts.master_port)
-                     if ctx.container is not None else None)
+        # An elastic range keeps its maximum (hosts may join later); a fixed count is the nodes placed.
+        spec = replace(spec, nnodes=spec.nnodes if spec.elastic else len(facts.nodes), node_rank=0,
+                       master_addr=facts.master_addr, master_port=facts.master_port)
+        container = (ctx.container(facts.nodes, master_addr=facts.master_addr, master_port=facts.master_port,
+                                   node_ranks=facts.node_ranks) if ctx.container is not None else None)
         return make_plan(spec, facts.nodes, python=ctx.python, master_port=facts.master_port, run_id=ctx.run_id,
                          run_dir=ctx.run_dir, inherited_env={**ctx.environ, **facts.forwarded_env},
-                         forwarded_env=facts.forwarded_env, container=container)
+                         forwarded_env=facts.forwarded_env, container=container, node_ranks=facts.node_ranks)
 
     @abstractmethod
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:

@@ -33,6 +33,14 @@ class Diagnostics:
         self.heard: dict[str, float] = {}  # host -> when its agent last sent its beats (launcher clock)
         self.hung = False
 
+    def reset(self) -> None:
+        """A new round of an elastic job: other ranks, whose step counts start again."""
+        self.last_progress = None
+        self.hosts.clear()
+        self.history.clear()
+        self.first.clear()
+        self.named.clear()
+
     def consume(self, line: str) -> bool:
         """True when ``line`` was an agent's heartbeat summary (not shown to the user)."""
         if not Beats.matches(line):

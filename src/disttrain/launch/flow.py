@@ -24,14 +24,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from ..agent.verdict import verdict
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from ..wire import ALIVE_EVERY_S, Alive, DumpRequest, HangReport, NodeDone, Outcome, PlanMessage, WireError
+from ..wire import ALIVE_EVERY_S, Alive, DumpRequest, HangReport, NodeDone, Outcome, PlanMessage, Regroup, WireError
 from .diagnostics import Diagnostics
+from .elastic import Membership
 
 AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
@@ -48,14 +50,16 @@ class Relay:
     ``node<k>.log``. C++ stack dumps go to the logs only."""
 
     def __init__(self, run_dir: Path, lock: threading.Lock, transcript: TextIO | None = None,
-                 on_agent_line=None) -> None:
+                 on_agent_line=None, on_rank_line=None) -> None:
         self._run_dir = run_dir
         self._lock = lock
         self._transcript = transcript
         self._files: dict[str, TextIO] = {}
         self._on_agent_line = on_agent_line
+        self._on_rank_line = on_rank_line
         # Per agent: its own (unprefixed) stderr lines; the root-cause block is at the end.
         self.agent_lines: dict[int, deque[str]] = {}
+        self.drained: dict[int, threading.Thread] = {}  # per agent: the thread reading its stderr
 
     def pump(self, stream, out: TextIO, agent: int | None = None) -> None:
         in_dump = False
@@ -64,6 +68,8 @@ class Relay:
             if not match and agent is not None and self._on_agent_line is not None:
                 if self._on_agent_line(agent, line):  # the launcher consumed it (a heartbeat)
                     continue
+            if match and self._on_rank_line is not None:
+                self._on_rank_line(line[match.end():])
             text = line[match.end():] if match else line
             if _CPP_FRAME.match(text) or (not match and agent is not None and _C10_LOG.match(text)):
                 in_dump = True
@@ -150,11 +156,16 @@ def run_agents(
     *,
     agent_cwd: str | None = None,
     transcript: TextIO | None = None,
+    membership: Membership | None = None,
 ) -> Outcome:
     """Hand each node's agent (``started[i]`` runs node ``i``, waiting for its plan) its plan on
     stdin, relay their output, stop every node at the first failure or on SIGINT/SIGTERM, and
     say how it ended. No progress on any host for --hang-timeout: every agent reports its ranks
-    and the verdict is printed here, in one block."""
+    and the verdict is printed here, in one block.
+
+    ``membership`` (an elastic range): a node whose host is lost does not stop the others, which
+    regroup, unless fewer than the minimum are left; hosts that answer again are relayed too.
+    """
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
@@ -169,7 +180,10 @@ def run_agents(
 
     def consume(agent: int, line: str) -> bool:
         """An agent's message for the launcher, not shown: its heartbeats, its ranks at a hang,
-        its workers done (passed on to the other agents)."""
+        its workers done (passed on to the other agents), an elastic round's world."""
+        if membership is not None and membership.agent_line(agent, line):
+            diag.reset()  # a new round: its ranks and their step counts start again
+            return True
         try:
             if HangReport.matches(line):
                 hangs.append(HangReport.from_line(line))
@@ -184,7 +198,8 @@ def run_agents(
             return False
         return diag.consume(line)
 
-    relay = Relay(Path(plan.run_dir), lock, transcript, consume)
+    relay = Relay(Path(plan.run_dir), lock, transcript, consume,
+                  membership.rank_line if membership is not None else None)
     stdins = Stdins()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -194,30 +209,42 @@ def run_agents(
     def on_signal(signum, _frame) -> None:
         interrupted.append(signum)
 
+    def relay_agent(proc: subprocess.Popen) -> None:
+        index = len(procs)
+        procs.append(proc)
+        for stream, out, agent in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, index)):
+            pump = threading.Thread(target=relay.pump, args=(stream, out, agent), daemon=True)
+            pump.start()
+            pumps.append(pump)
+        relay.drained[index] = pumps[-1]  # its own lines, read to the end once it exited
+
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    ended: _Ended | None = None
     try:
         for index, proc in enumerate(started):
-            procs.append(proc)
             stdins.send(proc, PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan, cwd=agent_cwd).to_line())
-            for stream, out, agent in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, index)):
-                pump = threading.Thread(target=relay.pump, args=(stream, out, agent), daemon=True)
-                pump.start()
-                pumps.append(pump)
+            relay_agent(proc)
         stdins.keep_alive(procs, done)
-        first_failure = _wait_for_first_failure(procs, interrupted, diag, stdins)
+        if membership is not None:
+            membership.start(say)
+        ended = _watch(procs, interrupted, diag, membership, relay, relay_agent, stdins)
+        if membership is not None:
+            membership.close()
         if diag.hung:
             _collect_hang_reports(procs, grace_s=plan.stop_grace_s + 15)
         done.set()
         stop(procs, grace_s=plan.stop_grace_s + 5, stdins=stdins)
     finally:
         done.set()
+        if membership is not None:
+            membership.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for pump in pumps:
             pump.join(timeout=5)
         relay.close()
     summary = diag.summary()
-    if summary and not diag.hung and first_failure is None and not interrupted:
+    if summary and not diag.hung and ended is None and not interrupted:
         say(summary)
     if diag.hung:
         states = [state for report in hangs for state in report.ranks]
@@ -227,28 +254,76 @@ def run_agents(
         return Outcome(exit_code=HANG_EXIT, failed=None, report=text)
     if interrupted:
         return Outcome(exit_code=128 + interrupted[0], signal=interrupted[0])
-    if first_failure is None:
+    if ended is None:
         return Outcome(exit_code=0)
-    index, code = first_failure
-    return Outcome(exit_code=code, failed=index, report=relay.report(index))
+    if ended.report:  # fewer hosts than the elastic minimum: the membership's own block
+        say(ended.report)
+    return Outcome(exit_code=ended.code, failed=ended.index, report=ended.report or relay.report(ended.index))
 
 
-def _wait_for_first_failure(procs: list[subprocess.Popen], interrupted: list[int],
-                            diag: Diagnostics, stdins: Stdins) -> tuple[int, int] | None:
+@dataclass(frozen=True)
+class _Ended:
+    """How the watch ended: agent ``index`` failed with ``code`` (``report``: the launcher's own words)."""
+
+    index: int
+    code: int
+    report: str = ""
+
+
+def _watch(procs: list[subprocess.Popen], interrupted: list[int], diag: Diagnostics,
+           membership: Membership | None, relay: Relay, relay_agent, stdins: Stdins) -> _Ended | None:
+    """Until every agent ended well (None), one failed, no rank moved for --hang-timeout (None,
+    ``diag.hung``: every agent is asked for its ranks) or a signal came; with ``membership``, a
+    lost host's agent is no failure while enough hosts are left."""
+    done: set[int] = set()
     while not interrupted:
         if diag.stalled():  # no rank anywhere moved: every agent reports its ranks, then stops
             diag.hung = True
             for proc in procs:
                 stdins.send(proc, DumpRequest().to_line())
             return None
-        codes = [p.poll() for p in procs]
-        for index, code in enumerate(codes):
-            if code:  # a node failed: the job cannot go on
-                return index, code
-        if all(code == 0 for code in codes):
+        for index, proc in enumerate(procs):
+            if index in done:
+                continue
+            code = proc.poll()
+            why = None
+            if code is None and membership is not None and membership.silent(index):
+                why = f"its agent said nothing for {membership.silent_s:.0f} s"
+                proc.kill()
+                code = proc.wait()
+            if code is None:
+                continue
+            done.add(index)
+            if code == 0:
+                if membership is not None:
+                    membership.ended(index)
+                continue
+            if membership is not None:
+                why = why or membership.why_lost(index, code, _last_line(relay, index))
+            if why is None:  # a node failed: the job cannot go on
+                return _Ended(index, code)
+            for other in membership.leave(index, why):
+                stdins.send(procs[other], Regroup(lost=(membership.host_of(index),)).to_line())
+            report = membership.below_min()
+            if report:
+                return _Ended(index, code, report)
+        if membership is not None:
+            membership.poll()
+            for proc in membership.joined():
+                relay_agent(proc)
+        if len(done) == len(procs):
             return None
         time.sleep(0.1)
     return None
+
+
+def _last_line(relay: Relay, index: int) -> str:
+    """Agent ``index``'s last own line (it exited: its stream is read to the end first)."""
+    pump = relay.drained.get(index)
+    if pump is not None:
+        pump.join(timeout=2)
+    lines = relay.agent_lines.get(index)
+    return lines[-1] if lines else ""
 
 
 def _collect_hang_reports(procs: list[subprocess.Popen], *, grace_s: float) -> None:

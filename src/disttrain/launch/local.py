@@ -16,7 +16,7 @@ import importlib.util
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -141,9 +141,9 @@ def own_gpus(plan: LaunchPlan, per_instance: int) -> LaunchPlan:
     if not per_instance or len(plan.nodes) < 2:
         return plan
     return replace(plan, nodes=tuple(
-        replace(node, env={"CUDA_VISIBLE_DEVICES": ",".join(str(k * per_instance + g) for g in range(per_instance)),
-                           **node.env})
-        for k, node in enumerate(plan.nodes)))
+        replace(node, env={"CUDA_VISIBLE_DEVICES": ",".join(str(node.node_rank * per_instance + g)
+                                                            for g in range(per_instance)), **node.env})
+        for node in plan.nodes))
 
 
 class InstancesLauncher(SessionLauncher):
@@ -179,8 +179,10 @@ class InstancesLauncher(SessionLauncher):
     def where(self, facts: Sequence[HostFacts]) -> tuple[str, ...]:
         return tuple(f.hostname for f in facts)
 
-    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Sequence[HostFacts]) -> tuple[NodeFacts, ...]:
-        return instance_nodes(self.instances, cpus=facts[0].cpus, gpus=facts[0].cuda_devices)
+    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
+        first = next(iter(facts.values()))  # one machine: every instance says the same
+        every = instance_nodes(self.instances, cpus=first.cpus, gpus=first.cuda_devices)
+        return tuple(every[i] for i in facts)
 
     def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
         return own_gpus(super().place(spec, facts, ctx), facts.nodes[0].cuda_devices)

@@ -18,20 +18,25 @@ the node.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import ClassVar, TypeVar
 
 from ..config.hosts import Host
 from ..config.launch import LaunchSpec
-from ..errors import DisttrainError
+from ..errors import DisttrainError, UsageError
 from ..plan.launch import LaunchPlan, NodeFacts
 from ..preflight.checks import (
     CONNECT_ROUND_S,
     CheckResult,
     check_facts,
+    fact_checks,
+    first_failure,
     listen_ports,
     raise_on_failure,
     reach_results,
@@ -39,9 +44,20 @@ from ..preflight.checks import (
     targets_for,
 )
 from ..ssh import ssh_argv
-from ..wire import ConnectResults, ConnectTargets, HostFacts, Listening, Message, Outcome, ProbeFacts, WireError
+from ..wire import (
+    ConnectResults,
+    ConnectTargets,
+    HostFacts,
+    Listening,
+    Message,
+    Outcome,
+    PlanMessage,
+    ProbeFacts,
+    WireError,
+)
 from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import AgentLauncher, Context, Events, Facts
+from .elastic import Membership, starting_hosts
 from .flow import run_agents, start, stop
 
 PROBE_TIMEOUT_S = 30
@@ -77,7 +93,12 @@ class SshTransport(Transport):
         return ssh_argv(self.host, command, options=self.options, env=self.env)
 
     def own_failure(self, code: int, last: str) -> str | None:
-        return f"ssh failed: {last}" if code == 255 else None
+        if code != 255:
+            return None
+        # ssh's own last words, unless it had none (LogLevel=ERROR hides "Timeout, server not
+        # responding"): then the last line is the agent's or a worker's, which would mislead.
+        ours = last.strip() and not last.lstrip().startswith(("[", "disttrain"))
+        return f"ssh failed: {last.strip() if ours else 'the connection was lost (exit 255)'}"
 
 
 class SrunTransport(Transport):
@@ -238,6 +259,18 @@ def skip_reach(sessions: Sequence[ProbeSession]) -> None:
             raise answer
 
 
+@dataclass(kw_only=True)
+class _ElasticStart:
+    """What joining a host of an elastic range later needs: the spec, the context, the facts of the
+    nodes placed so far (grown by each join), every host's transport, what the master said."""
+
+    spec: LaunchSpec
+    ctx: Context
+    facts: Facts
+    transports: list[Transport]
+    master_facts: HostFacts
+
+
 class SessionLauncher(AgentLauncher):
     """An agent launcher whose nodes' probe sessions become their agents: the job's instances on
     this machine, ssh hosts, the nodes of a Slurm allocation.
@@ -253,6 +286,7 @@ class SessionLauncher(AgentLauncher):
 
     def __init__(self) -> None:
         self._sessions: list[ProbeSession] = []
+        self._elastic: _ElasticStart | None = None
 
     @abstractmethod
     def rendezvous(self, spec: LaunchSpec, ctx: Context) -> tuple[str, int]:
@@ -263,8 +297,9 @@ class SessionLauncher(AgentLauncher):
         """How each node is reached, in node order (the first is the master)."""
 
     @abstractmethod
-    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Sequence[HostFacts]) -> tuple[NodeFacts, ...]:
-        """What the planner needs of each node, from what the node said."""
+    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
+        """What the planner needs of each node, from what it said: ``facts`` by the node's place in
+        :meth:`transports` (all of them, but for the hosts of an elastic range that wait)."""
 
     def where(self, facts: Sequence[HostFacts]) -> tuple[str, ...]:
         """The machine each node runs on (for records and messages)."""
@@ -284,23 +319,83 @@ class SessionLauncher(AgentLauncher):
     def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
         master, port = self.rendezvous(spec, ctx)
         reach = ctx.preflight and self.reach_checks
-        self._sessions = open_sessions(self.transports(ctx), python=self.session_python(ctx), master=master,
+        transports = self.transports(ctx)
+        if spec.elastic and spec.min_nnodes > len(transports):
+            raise UsageError(f"--nnodes {spec.min_nnodes}:{spec.nnodes} needs at least {spec.min_nnodes} hosts, "
+                             f"and {len(transports)} were given")
+        self._sessions = open_sessions(transports, python=self.session_python(ctx), master=master,
                                        port=port, cwd=ctx.cwd, paths=self.probe_paths(ctx), reach=reach)
         answers = ask_facts(self._sessions, self.probe_timeout_s)
         hosts = [Host(name=session.name) for session in self._sessions]
         facts = [a if isinstance(a, Exception) else a.facts for a in answers]
+        starting = list(range(len(transports)))
+        if spec.elastic:  # the hosts that answer start (at least MIN); the others are tried again later
+            starting, waiting = starting_hosts(hosts, facts, master_port=port, min_nodes=spec.min_nnodes,
+                                               max_nodes=min(spec.nnodes, len(transports)))
+            for i, why in waiting.items():
+                print(f"disttrain: note: {hosts[i].name} does not start ({why}); it is tried again while the job "
+                      "runs", file=sys.stderr, flush=True)
+            close_all([self._sessions[i] for i in waiting])
+            self._sessions = [self._sessions[i] for i in starting]
+            hosts, facts, answers = ([items[i] for i in starting] for items in (hosts, facts, answers))
         check_facts(hosts, facts, master_port=port)
         if reach:
             raise_on_failure(reach_round(self._sessions, hosts, facts, [a.listen for a in answers]))
         else:
             skip_reach(self._sessions)
-        return Facts(nodes=self.node_facts(spec, ctx, facts), master_addr=master, master_port=port,
-                     where=self.where(facts), forwarded_env=self.forwarded(spec, ctx))
+        found = Facts(nodes=self.node_facts(spec, ctx, dict(zip(starting, facts))), master_addr=master,
+                      master_port=port, where=self.where(facts), forwarded_env=self.forwarded(spec, ctx),
+                      node_ranks=tuple(starting) if spec.elastic else None)
+        if spec.elastic:
+            self._elastic = _ElasticStart(spec=spec, ctx=ctx, facts=found, transports=transports,
+                                          master_facts=facts[0])
+        return found
 
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
         """Every session becomes its node's agent (the plan tells it where to work)."""
         sessions, self._sessions = self._sessions, []
-        return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript)
+        membership = None
+        if self._elastic is not None:
+            start = self._elastic
+            membership = Membership(
+                hosts=[t.name for t in start.transports], running=start.facts.node_ranks, run_dir=plan.run_dir,
+                min_nodes=plan.min_nodes, max_nodes=min(plan.nnodes, len(start.transports)),
+                join=lambda index: self._join(start, index, events),
+                own_failure=lambda index, code, last: start.transports[index].own_failure(code, last))
+        return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript,
+                          membership=membership)
+
+    def _join(self, start: _ElasticStart, index: int, events: Events) -> subprocess.Popen:
+        """Host ``index`` of an elastic range, tried again: its probe session answers the preflight
+        (its facts beside the master's; the rendezvous port reached) and becomes its agent, with the
+        plan of the job's nodes so far and itself. A DisttrainError when it does not answer yet."""
+        spec, ctx, facts = start.spec, start.ctx, start.facts
+        transport = start.transports[index]
+        (session,) = open_sessions([transport], python=self.session_python(ctx), master=facts.master_addr,
+                                   port=facts.master_port, cwd=ctx.cwd, paths=self.probe_paths(ctx), reach=False)
+        try:
+            said = session.read(ProbeFacts, self.probe_timeout_s, "the probe").facts
+            hosts = [Host(name=start.transports[0].name), Host(name=transport.name)]
+            failure = first_failure(fact_checks(hosts, [start.master_facts, said], master_port=facts.master_port))
+            if failure is not None and failure.host == transport.name:
+                raise DisttrainError(f"{transport.name}: {failure.detail}")
+            rendezvous = f"{facts.master_addr}:{facts.master_port}"
+            session.send(ConnectTargets(targets=(rendezvous,)))
+            reached = session.read(ConnectResults, CONNECT_ROUND_S, "the rendezvous port").results.get(rendezvous)
+            if reached != "ok":
+                raise DisttrainError(f"{transport.name}: the rendezvous {rendezvous}: {reached}")
+            (node,) = self.node_facts(spec, ctx, {index: said})
+            # A host that comes back takes its old place (its node rank, its heartbeat folder).
+            kept = [(rank, n) for rank, n in zip(facts.node_ranks or (), facts.nodes) if rank != index]
+            grown = replace(facts, nodes=(*(n for _, n in kept), node), node_ranks=(*(r for r, _ in kept), index))
+            plan = self.place(spec, grown, ctx)
+            events.joining(plan, grown)
+            session.send(PlanMessage(node_rank=index, plan=plan, cwd=ctx.cwd))
+            start.facts = grown
+            return session.proc
+        except BaseException:
+            close_all([session])
+            raise
 
     def close(self) -> None:
         """End the sessions that never became agents."""

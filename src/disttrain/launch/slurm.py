@@ -133,10 +133,15 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
     """
     paths = SlurmPaths(Path(run_dir))
     name = re.sub(r"[^\w.-]", "_", options.job_name or Path(spec.entry).stem or "disttrain")
+    # An elastic range (--nnodes MIN:MAX): Slurm may start the job on MIN to MAX nodes, and keeps
+    # it running when one of them fails (--no-kill): the step goes on with the others.
+    nodes = f"{spec.min_nnodes}-{options.nodes}" if spec.elastic else str(options.nodes)
     directives = [
         f"--job-name={name}",
-        f"--nodes={options.nodes}",
-        "--ntasks-per-node=1",  # the task is a node's agent; it starts the workers
+        f"--nodes={nodes}",
+        # the task is a node's agent; it starts the workers. (With a range, one task per node would
+        # make sbatch count MIN tasks, which caps the nodes at MIN: the range gets all it can.)
+        *(["--no-kill"] if spec.elastic else ["--ntasks-per-node=1"]),
         "--exclusive",  # -n auto and OMP_NUM_THREADS count the node's cores: the job takes them all
         f"--chdir={cwd}",
         f"--output={paths.stdout}",
@@ -203,7 +208,7 @@ class JobStatus:
             return self.exit_code
         if self.signal:
             return 128 + self.signal
-        return 0 if self.state == "COMPLETED" else 1
+        return 0 if self.state in ("COMPLETED", "COMPLETING") else 1
 
 
 def parse_status(text: str) -> JobStatus | None:
@@ -329,7 +334,9 @@ class SlurmJob:
                                          f"the job may still run (`squeue -j {self.job_id}`)") from None
                 time.sleep(POLL_S)
                 continue
-            if status is None or status.ended:
+            if status is None or status.ended or status.state == "COMPLETING":
+                # COMPLETING: the batch script ended (its exit code is known) and Slurm cleans up the
+                # nodes -- for as long as SlurmdTimeout when one of them is gone (an elastic job's).
                 return status
             if status.restarts > restarts:
                 restarts = status.restarts

@@ -20,7 +20,7 @@ how it ended written back for the submitter (:class:`~disttrain.wire.StepEnded`)
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
 from ..config.launch import LaunchSpec
@@ -100,20 +100,20 @@ class SlurmAllocationLauncher(SessionLauncher):
         cpus = self.alloc.cpus_per_node or (None,) * len(self.names)
         return [SrunTransport(name, cpus=cpus[i], environ=ctx.environ) for i, name in enumerate(self.names)]
 
-    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Sequence[HostFacts]) -> tuple[NodeFacts, ...]:
+    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
         multi = len(self.names) > 1
-        cpus = self.alloc.cpus_per_node[: len(self.names)] or tuple(f.cpus for f in facts)
+        cpus = self.alloc.cpus_per_node
         gpus = self.alloc.gpus_per_node
         return tuple(
             NodeFacts(
-                hostname=name,
-                cpus=cpu,
+                hostname=self.names[i],
+                cpus=cpus[i] if i < len(cpus) else f.cpus,
                 cuda_devices=gpus if gpus is not None else f.cuda_devices,
                 # One node talks over loopback; several over the route each found to the master.
                 socket_ifname=f.ifname if multi else None,
                 address=f.address if multi else None,
             )
-            for name, cpu, f in zip(self.names, cpus, facts)
+            for i, f in facts.items()
         )
 
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
@@ -145,7 +145,8 @@ def run_step(environ: MutableMapping[str, str],
     events, container = client_for(step.client)
     ctx = Context(run_id=step.run_id, run_dir=run_dir, cwd=step.cwd, python=step.python, paths=step.paths,
                   environ=dict(environ), container=container)
-    launcher = SlurmAllocationLauncher(alloc, nodes=step.nodes)
+    # An elastic range uses every node Slurm gave (MIN to MAX of them); a fixed count its first N.
+    launcher = SlurmAllocationLauncher(alloc, nodes=None if step.spec.elastic else step.nodes)
     outcome = launcher.run(step.spec, ctx, events)
     record_end(step.run_dir, StepEnded(outcome=outcome, where=launcher.names))
     return outcome.exit_code

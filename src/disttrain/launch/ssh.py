@@ -37,6 +37,10 @@ from .probe import (
 )
 from .sync import sync_all
 
+# An elastic range goes on without a host that stops answering: ssh says so (exit 255) after 3 s
+# of unanswered keep-alives instead of the kernel's TCP timeout (minutes), and a host that is down
+# at the start (or when tried again) fails its connect in 5 s. The user's -o come first and win.
+ELASTIC_OPTIONS = ("ConnectTimeout=5", "ServerAliveInterval=1", "ServerAliveCountMax=3")
 CONTROL_PERSIST_S = 5  # an idle control master outlives its last session this long (a SIGKILLed launcher's too): bridges the steps of one run, no more
 
 
@@ -76,6 +80,7 @@ class SshLauncher(SessionLauncher):
         self.user_options = tuple(options)
         self.sync = sync  # copy the working directory to every host before the probe looks for the script
         self._control_dir: str | None = None
+        self.elastic = False  # --nnodes MIN:MAX: a lost host is noticed within seconds (ELASTIC_OPTIONS)
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -83,9 +88,10 @@ class SshLauncher(SessionLauncher):
             self._control_dir = tempfile.mkdtemp(prefix="disttrain-ssh-")  # 0700: only we reach the sockets
         # The user's own -o come first (ssh keeps the first value): theirs win, ControlMaster=no included.
         return (*self.user_options, "ControlMaster=auto", f"ControlPath={self._control_dir}/%C",
-                f"ControlPersist={CONTROL_PERSIST_S}")
+                f"ControlPersist={CONTROL_PERSIST_S}", *(ELASTIC_OPTIONS if self.elastic else ()))
 
     def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+        self.elastic = spec.elastic
         if self.sync:
             sync_all(self.hosts, ctx.cwd, python=ctx.python, options=self.options, env=bootstrap_env(ctx.environ))
         return super().facts(spec, ctx)
@@ -98,14 +104,15 @@ class SshLauncher(SessionLauncher):
         env = bootstrap_env(ctx.environ)
         return [SshTransport(host, options=self.options, env=env) for host in self.hosts]
 
-    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Sequence[HostFacts]) -> tuple[NodeFacts, ...]:
-        return tuple(NodeFacts(hostname=h.name, cpus=f.cpus, cuda_devices=f.cuda_devices, socket_ifname=f.ifname,
-                               address=f.address, slots=h.slots) for h, f in zip(self.hosts, facts))
+    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
+        return tuple(NodeFacts(hostname=self.hosts[i].name, cpus=f.cpus, cuda_devices=f.cuda_devices,
+                               socket_ifname=f.ifname, address=f.address, slots=self.hosts[i].slots)
+                     for i, f in facts.items())
 
     def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
         """A lost ssh connection (255) is named in the report."""
         outcome = super().launch(plan, events, ctx)
-        if outcome.failed is not None and outcome.exit_code == 255:
+        if outcome.failed is not None and outcome.exit_code == 255 and not plan.elastic:  # (elastic: said already)
             lost = (f"disttrain: lost the ssh connection to {self.hosts[outcome.failed].name} "
                     f"(node {outcome.failed}); the other hosts were stopped")
             events.say(lost)

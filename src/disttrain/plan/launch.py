@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,11 +89,15 @@ class LaunchPlan:
     rdzv_conf: dict[str, str] = dataclasses.field(default_factory=dict)
     run_path: bool = False
     agent: AgentOptions = dataclasses.field(default_factory=AgentOptions)
+    # This plan is one node's part of a job whose other nodes were started by hand (torchrun-style),
+    # as opposed to a plan made for every node by one launcher -- which, with ``--nnodes MIN:MAX``,
+    # may start fewer nodes than ``nnodes`` and add others later.
+    by_hand: bool = False
 
     @property
-    def by_hand(self) -> bool:
-        """This plan is one node's part of a job whose other nodes were started by hand."""
-        return len(self.nodes) != self.nnodes
+    def elastic(self) -> bool:
+        """``--nnodes MIN:MAX``: each rendezvous round decides how many nodes train."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
 
     @property
     def rendezvous_id(self) -> str:
@@ -124,10 +128,12 @@ class LaunchPlan:
 
 class ContainerPlanner(Protocol):
     """A job's half of planning (see :mod:`disttrain.plan.container`): the nodes' facts, one per
-    instance in order, and the rendezvous endpoint → what its container adds. Pure, so that
+    instance in order (``node_ranks``: which instances, when not all of them), and the rendezvous
+    endpoint → what its container adds. Pure, so that
     ``--dry-run`` calls it too."""
 
-    def __call__(self, nodes: tuple[NodeFacts, ...], *, master_addr: str, master_port: int) -> ContainerSetup:
+    def __call__(self, nodes: tuple[NodeFacts, ...], *, master_addr: str, master_port: int,
+                 node_ranks: Sequence[int] | None = None) -> ContainerSetup:
         ...
 
 
@@ -180,6 +186,7 @@ def make_plan(
     inherited_env: Mapping[str, str],
     forwarded_env: Mapping[str, str] | None = None,
     container: ContainerSetup | None = None,
+    node_ranks: Sequence[int] | None = None,
 ) -> LaunchPlan:
     """Plan a launch.
 
@@ -188,7 +195,9 @@ def make_plan(
     first being the master. ``forwarded_env``: the launching shell's variables that a
     remote launcher carries to the hosts (local workers inherit them instead). ``container``:
     what a job's container adds to each node (its variables, its /opt/ml, the workers'
-    interpreter and wrapper); the plan returned is then the job's whole plan.
+    interpreter and wrapper); the plan returned is then the job's whole plan. ``node_ranks``: the
+    nodes' ranks when they are not 0..N-1 in order -- an elastic job's nodes keep their host's
+    place in the list whichever of them run (the c10d rendezvous numbers them itself).
     """
     if isinstance(facts, NodeFacts):
         # torchrun-style: this node's part only; every node runs the same -n.
@@ -200,8 +209,12 @@ def make_plan(
         # node's first rank is the sum of the counts before it, as torch's agent assigns.
         counts = [_nproc(spec, f) for f in facts]
         firsts = [sum(counts[:i]) for i in range(len(counts))]
-        placed = tuple(zip(range(len(facts)), facts, counts, firsts))
-        nnodes, world_size = len(facts), sum(counts)
+        ranks = tuple(node_ranks) if node_ranks is not None else tuple(range(len(facts)))
+        if len(ranks) != len(facts) or len(set(ranks)) != len(ranks):
+            raise ValueError(f"node_ranks {ranks} for {len(facts)} node(s)")
+        placed = tuple(zip(ranks, facts, counts, firsts))
+        # An elastic range keeps its maximum: hosts that were not reachable at the start join later.
+        nnodes, world_size = (spec.nnodes if spec.elastic else len(facts)), sum(counts)
     if spec.ranks is not None:
         missing = [r for r in spec.ranks if r >= world_size]
         if missing:
@@ -296,6 +309,7 @@ def make_plan(
         rdzv_conf=dict(spec.rdzv_conf),
         run_path=spec.run_path,
         agent=spec.agent,
+        by_hand=isinstance(facts, NodeFacts) and spec.nnodes != 1,
     )
 
 

@@ -71,7 +71,7 @@ def _attempt_store(env: WorkerEnv, timeout: timedelta) -> dist.Store | None:
         return None
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
                           timeout=timeout)
-    return dist.PrefixStore(f"/disttrain/attempt_{env.restart_count}", store)
+    return dist.PrefixStore(f"/disttrain/attempt_{env.attempt}", store)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,7 +41,7 @@ def start(env: WorkerEnv) -> None:
     global _file, _stacks, _info
     if not (env.heartbeat_dir and env.run_dir) or _file is not None:
         return
-    stacks = stacks_path(env.run_dir, env.rank, env.restart_count)
+    stacks = stacks_path(env.run_dir, env.rank, env.attempt)
     stacks.parent.mkdir(parents=True, exist_ok=True)
     _stacks = open(stacks, "w")  # kept open: faulthandler writes to its descriptor from a signal
     faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)

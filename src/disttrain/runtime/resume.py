@@ -43,7 +43,7 @@ from torch.utils.data import (
 )
 
 from ..errors import DisttrainError, UsageError
-from ..workerenv import CHECKPOINT_DIR
+from ..workerenv import CHECKPOINT_DIR, RESUMED_MARKER
 from . import checkpoint, comm, loop, preemption, rng
 from .context import Context, context, current_runtime
 from .data import with_sampler
@@ -244,7 +244,7 @@ class TrainingState:
         if self._ctx.is_main:
             where = "at its end" if self._point.epoch_done else \
                 f"after {self._point.epoch_step} of its steps"
-            print(f"disttrain: resuming from step {self.step} in {self.directory} "
+            print(f"{RESUMED_MARKER}{self.step} in {self.directory} "
                   f"(epoch {self.epoch}, {where})", file=sys.stderr, flush=True)
             if self._point.world_size != self._ctx.world_size:
                 warnings.warn(_world_size_warning(self._point, self._ctx.world_size),

@@ -54,7 +54,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     runner_host TEXT,
     runner_pid INTEGER,
     runner_started REAL,
-    slurm_job_id TEXT
+    slurm_job_id TEXT,
+    membership TEXT
 );
 CREATE TABLE IF NOT EXISTS events (
     job_id INTEGER NOT NULL REFERENCES jobs(id),
@@ -71,12 +72,12 @@ CREATE TABLE IF NOT EXISTS metrics (
 CREATE INDEX IF NOT EXISTS metrics_job ON metrics(job_id, name);
 """
 # Columns added since the first release: a store written by an older disttrain gains them.
-_ADDED = {"slurm_job_id": "TEXT"}
+_ADDED = {"slurm_job_id": "TEXT", "membership": "TEXT"}
 
 # Columns a transition or update may set, and whether they hold JSON.
-_JSON = {"spec", "hosts", "artifacts", "metrics"}
+_JSON = {"spec", "hosts", "artifacts", "metrics", "membership"}
 _SETTABLE = {"exit_code", "hosts", "log_dir", "artifacts", "metrics", "failure",
-             "runner_host", "runner_pid", "runner_started", "slurm_job_id"}
+             "runner_host", "runner_pid", "runner_started", "slurm_job_id", "membership"}
 
 
 class TransitionError(DisttrainError):
@@ -103,6 +104,7 @@ class JobRecord:
     runner_pid: int | None
     runner_started: float | None
     slurm_job_id: str | None = None  # launcher: slurm, once submitted
+    membership: list | None = None  # an elastic job: every change (disttrain.launch.elastic.Change)
     events: tuple[tuple[str, float], ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:

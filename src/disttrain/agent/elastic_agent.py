@@ -1,0 +1,145 @@
+"""torch's elastic agent for a node of an elastic job (``--nnodes MIN:MAX``), told by the launcher
+when a host of the job is gone.
+
+torch's ``LocalElasticAgent`` already restarts its workers for a new rendezvous round when a node
+waits to join (scale-up: "membership changes do not count as retries"), and its c10d rendezvous
+forms each round from the nodes alive. What it cannot see is a node that vanished: the survivors'
+workers then wait inside a collective for a peer that will never answer (a host that lost power
+sends no reset), or fail and use up ``--max-restarts``. The launcher sees it (the ssh connection
+dropped, the agent killed) and sends :class:`~disttrain.wire.Regroup`; this agent then
+
+- stops its workers at once (SIGKILL: no step can finish without the lost peer, and a worker
+  stuck in a collective would only wait out the stop grace), and joins the next round, as torch
+  does for a node that joins -- a membership change, not a failure;
+- when its workers failed on their own first (a peer's connection reset), waits
+  :data:`SETTLE_S` for the launcher to name a lost host before counting the failure;
+- numbers every round for the whole job (:func:`job_attempt`), the same on every node, since
+  torch's restart count does not move on membership changes, and says each round's world to
+  the launcher (:class:`~disttrain.wire.AttemptStarted`).
+
+torch builds its agent inside ``launch_agent``; :func:`installed` has it build this one for the
+duration of one launch in this process (the node's agent process, which disttrain owns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+from torch.distributed import PrefixStore, Store
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from .logs import RankLogs
+
+SETTLE_S = 5.0  # a failure of the workers waits this long for the launcher to name a lost host
+KILL_WAIT_S = 5  # for workers SIGKILLed on a regroup to be gone
+
+
+class Regroups:
+    """The launcher's regroup requests, from the thread that reads stdin to the agent's loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lost: list[str] = []
+        self._event = threading.Event()
+
+    def request(self, hosts: tuple[str, ...]) -> None:
+        with self._lock:
+            self._lost.extend(h for h in hosts if h not in self._lost)
+            self._event.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+    def pending(self) -> bool:
+        return self._event.is_set()
+
+    def take(self) -> list[str]:
+        with self._lock:
+            lost, self._lost = self._lost, []
+            self._event.clear()
+            return lost
+
+
+def job_attempt(store: Store, group_rank: int) -> int:
+    """The job-wide number of the round ``store`` belongs to: 0, 1, 2... on every node alike.
+
+    ``store`` is the round's own (torch's rendezvous prefixes it with the round); the counter
+    lives in the store under it, which every round shares. Group rank 0 counts, the others read.
+    """
+    if group_rank == 0:
+        base = store.underlying_store if isinstance(store, PrefixStore) else store
+        attempt = base.add("disttrain/attempts", 1) - 1
+        store.set("disttrain/attempt", str(attempt))
+        return attempt
+    return int(store.get("disttrain/attempt"))
+
+
+class ElasticNodeAgent(LocalElasticAgent):
+    """``LocalElasticAgent`` that regroups when the launcher says hosts were lost (see the module)."""
+
+    def __init__(self, *, regroups: Regroups, on_attempt: Callable[[int, WorkerGroup], None],
+                 settle_s: float = SETTLE_S, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._regroups = regroups
+        self._on_attempt = on_attempt
+        self._settle_s = settle_s
+        self._peer_lost = False
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.SUCCEEDED:
+            return result  # done: a regroup asked meanwhile has nothing left to restart
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and not self._regroups.pending():
+            # A peer's death may end our workers (a connection reset) before the launcher has
+            # named the host: wait for that word before counting a failure against --max-restarts.
+            self._regroups.wait(self._settle_s)
+        if not self._regroups.pending():
+            return result
+        self._regroups.take()  # the launcher says which hosts left, once for all
+        self._peer_lost = True
+        try:
+            self._restart_workers(worker_group)  # stop (below), rendezvous, start: what torch does to grow
+        finally:
+            self._peer_lost = False
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        if self._peer_lost:
+            self._shutdown(death_sig=signal.SIGKILL, timeout=KILL_WAIT_S)
+        else:  # torch's stop (SIGTERM, then the grace): a round that grows lets disttrain.resume() save
+            super()._stop_workers(worker_group)
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        attempt = job_attempt(worker_group.store, worker_group.group_rank)
+        if isinstance(self._logs_specs, RankLogs):
+            self._logs_specs.attempt = attempt
+        self._on_attempt(attempt, worker_group)
+
+
+@contextlib.contextmanager
+def installed(**agent_args) -> Iterator[list[ElasticNodeAgent]]:
+    """torch's ``launch_agent`` builds an :class:`ElasticNodeAgent` (with ``agent_args``) instead of
+    its ``LocalElasticAgent``, until the block ends; the list yielded holds the agent built, and
+    with it the rendezvous store this node may host, alive after ``elastic_launch`` returns (for
+    :meth:`~disttrain.agent.attempt_store.AttemptStores.farewell`). torch offers no other way to
+    choose the agent of ``elastic_launch``; the name is checked by the tests, so a torch that
+    renames it fails there."""
+    from torch.distributed.launcher import api
+
+    built: list[ElasticNodeAgent] = []
+
+    def build(**kwargs) -> ElasticNodeAgent:
+        built.append(ElasticNodeAgent(**agent_args, **kwargs))
+        return built[-1]
+
+    original = api.LocalElasticAgent
+    api.LocalElasticAgent = build
+    try:
+        yield built
+    finally:
+        api.LocalElasticAgent = original

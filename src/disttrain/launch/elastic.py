@@ -1,0 +1,422 @@
+"""An elastic job's hosts, at the launcher (``--nnodes MIN:MAX``): who is a member, who was lost,
+who comes back, and the record of every change.
+
+torch's c10d rendezvous decides each round's world from the nodes that join it; the launcher
+decides who is a member, because it alone sees a host vanish:
+
+- **lost**: the host's agent ended without its workers failing -- the connection to it dropped
+  (ssh's 255: no answer to its keep-alives), the agent was killed (a signal), or the agent said
+  nothing for :data:`SILENT_S` (it sends a line each second). The other agents are told to
+  regroup (:class:`~disttrain.wire.Regroup`); below MIN the job stops, naming the hosts lost. An
+  agent that ends with a failure of its workers is a failure of the job, as without a range.
+- **back**: every host of the list not running (unreachable at the start, or lost) is tried
+  again every :data:`RETRY_S` in the background, up to MAX running; one that answers the
+  preflight gets its plan and joins the next round (torch's agents make room for it).
+
+Each change is one line when the next round trains again -- which host left or joined, the
+new world size, the step the workers resumed from (``disttrain.resume()``'s own line), the
+seconds it took -- and an entry of ``membership.json`` in the run folder (:class:`Change`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..atomic import write_atomic
+from ..config.hosts import Host
+from ..errors import DisttrainError, UsageError
+from ..preflight.checks import check_facts, fact_checks, first_failure
+from ..wire import AttemptStarted, Beats, HostFacts, WireError
+from ..workerenv import RESUMED_MARKER
+
+RECORD = "membership.json"  # in the run folder: every change, as a JSON list of Change
+SILENT_S = 5.0  # an agent that said nothing this long is lost (it beats each second)
+RETRY_S = 3.0  # a host not running is tried again this often: its first RETRY_AT_FIRST tries,
+RETRY_AT_FIRST = 5  # then twice as long after each try that failed,
+RETRY_MAX_S = 30.0  # up to this
+RESUME_LINE_WAIT_S = 3.0  # after a round's first step, for rank 0's "resuming from step N" line
+FIRST_STEP_WAIT_S = 60.0  # a round whose ranks report no steps is said once its workers started, after this
+# An agent that ends with these was stopped from outside: a host going away, not its workers failing.
+_STOPPED_BY = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Change:
+    """One change of the job's membership, as ``membership.json`` keeps it."""
+
+    time: float  # seconds since the epoch, when it happened (the host lost, the host joined)
+    change: str  # "start", "left", "joined"
+    host: str | None
+    why: str
+    hosts: tuple[str, ...]  # the members after the change
+    attempt: int | None = None  # the round that trained next
+    world_size: int | None = None  # its world size
+    resumed_from: int | None = None  # the step its workers resumed from (disttrain.resume()), if said
+    seconds: float | None = None  # from the change to the round's first step (or its workers' start)
+    noticed: float | None = None  # a host lost: seconds from its last word to the launcher's verdict
+    regrouped: float | None = None  # seconds from the change to the next round's workers starting
+
+
+def stopped_by_signal(code: int) -> str | None:
+    """The signal's name when an agent's exit code says one ended it (a shell's 128+N, or -N)."""
+    number = -code if code < 0 else code - 128 if code > 128 else None
+    if number is None:
+        return None
+    try:
+        sig = signal.Signals(number)
+    except ValueError:
+        return None
+    return sig.name if sig in _STOPPED_BY else None
+
+
+class Membership:
+    """The members of one elastic launch (see the module). ``hosts``: every host of the range, in
+    order; ``running``: the hosts started, in agent order (agent ``k`` of the flow runs
+    ``hosts[running[k]]``). ``join(index)``: start host ``index``'s agent with its plan (a
+    DisttrainError when it does not answer), None: no host is tried again."""
+
+    def __init__(self, *, hosts: Sequence[str], running: Sequence[int], min_nodes: int, max_nodes: int,
+                 run_dir: str, join: Callable[[int], subprocess.Popen] | None = None,
+                 own_failure: Callable[[int, int, str], str | None] | None = None,
+                 retry_s: float = RETRY_S, silent_s: float = SILENT_S) -> None:
+        self.hosts = tuple(hosts)
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.say: Callable[[str], None] = print
+        self._record_path = Path(run_dir) / RECORD
+        self._join = join
+        self._own_failure = own_failure or (lambda _index, _code, _last: None)
+        self._retry_s, self.silent_s = retry_s, silent_s
+        self._lock = threading.Lock()
+        self.agents: list[int] = list(running)  # agent slot -> host index
+        self.members: set[int] = set(range(len(self.agents)))  # agent slots still members
+        self.lost: dict[int, str] = {}  # host index -> why, for the hosts lost and not back
+        self._seen: dict[int, float] = {slot: time.monotonic() for slot in range(len(self.agents))}
+        self._joined: queue.Queue[tuple[int, subprocess.Popen]] = queue.Queue()
+        self._joining: set[int] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.changes: list[Change] = []
+        # The changes waiting for their round to train: [change, monotonic time it happened, the
+        # time the next round formed or None, the time the launcher knew of it]. A change belongs to
+        # the first round that forms after the launcher knew of it.
+        self._pending: list[list] = []
+        self._round: tuple[int, float, AttemptStarted] | None = None  # attempt, its start, what it said
+        self._round_said = False
+        self._resumed: int | None = None
+        self._trained: tuple[float, float] | None = None  # the round's first step, when it was seen
+        self._last_attempt = -1
+        self._attempted: set[int] = set()  # agent slots that joined a round
+        self.finished = False  # an agent ended well: the job is done, nobody joins any more
+        start = Change(time=time.time(), change="start", host=None, why="the job started",
+                       hosts=self.member_hosts())
+        self._pending.append([start, time.monotonic(), None, time.monotonic()])
+
+    # -- who runs --------------------------------------------------------------------------
+
+    def member_hosts(self) -> tuple[str, ...]:
+        return tuple(self.hosts[self.agents[slot]] for slot in sorted(self.members))
+
+    def host_of(self, slot: int) -> str:
+        return self.hosts[self.agents[slot]]
+
+    def start(self, say: Callable[[str], None]) -> None:
+        """Begin trying the hosts that are not running (none when there is no ``join``); ``say``
+        shows a line to the user."""
+        self.say = say
+        self._write()
+        if self._join is not None and len(self.hosts) > 1:  # a host not running now, or lost later
+            self._thread = threading.Thread(target=self._rejoin, name="disttrain-rejoin", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+        with self._lock:
+            if self.finished and self._round is not None and not self._round_said:
+                # The job ran to its end on this round before a step was reported (a script
+                # without disttrain reports none, and FIRST_STEP_WAIT_S had not passed): say it.
+                self._said_round(self._trained[0] if self._trained else None, self._round[1])
+            for change, at, formed, _ in self._pending:  # no round trained after them: recorded, not said
+                self._settle(change, at, formed, None, say=False)
+            self._pending = []
+        self._write()
+
+    # -- what the agents say ----------------------------------------------------------------
+
+    def agent_line(self, slot: int, line: str) -> bool:
+        """An agent's own line (not a worker's): True when it was this module's to consume."""
+        now = time.monotonic()
+        self._seen[slot] = now
+        if Beats.matches(line):
+            self._beats(line, now)
+            return False  # the diagnostics read them too
+        if not AttemptStarted.matches(line):
+            return False
+        try:
+            started = AttemptStarted.from_line(line)
+        except WireError:
+            return False
+        with self._lock:
+            self._attempted.add(slot)
+            if started.attempt > self._last_attempt:
+                if self._round is not None and not self._round_said and self._trained is not None:
+                    self._said_round(self._trained[0], self._round[1])  # it trained: its changes are its
+                self._last_attempt = started.attempt
+                self._round = (started.attempt, now, started)
+                self._round_said = False
+                self._resumed = None
+                self._trained = None
+                for entry in self._pending:
+                    if entry[2] is None and entry[3] <= now:
+                        entry[2] = now
+        return True
+
+    def rank_line(self, text: str) -> None:
+        """A worker's line (prefix removed): rank 0 says the step it resumed from."""
+        if text.startswith(RESUMED_MARKER):
+            try:
+                step = int(text[len(RESUMED_MARKER):].split()[0])
+            except (ValueError, IndexError):
+                return
+            with self._lock:
+                self._resumed = step
+
+    def _beats(self, line: str, now: float) -> None:
+        try:
+            beats = Beats.from_line(line)
+        except WireError:
+            return
+        with self._lock:
+            if self._round is None or self._round_said:
+                return
+            _, started, _ = self._round
+            # A rank whose last progress came after the round's workers started: it trains again.
+            first = min((now - age for steps, age in beats.ranks.values() if steps > 0 and now - age >= started),
+                        default=None)
+            if first is not None and self._trained is None:
+                self._trained = (first, now)
+
+    def poll(self) -> None:
+        """Called by the flow's loop: a round that trains is said once rank 0's resume line came (it
+        may travel behind the heartbeat that showed the step) or :data:`RESUME_LINE_WAIT_S` after;
+        a round whose script reports no steps, after :data:`FIRST_STEP_WAIT_S`."""
+        with self._lock:
+            if self._round is None or self._round_said:
+                return
+            _, started, _ = self._round
+            now = time.monotonic()
+            if self._trained is not None:
+                trained_at, seen = self._trained
+                if self._resumed is not None or now - seen >= RESUME_LINE_WAIT_S:
+                    self._said_round(trained_at, started)
+            elif now - started >= FIRST_STEP_WAIT_S:
+                self._said_round(None, started)
+
+    def _said_round(self, trained_at: float | None, started: float) -> None:
+        """The current round trains (or, ``trained_at`` None, its workers started long ago): settle
+        the changes it follows (not those that came after its start: the next round answers them)."""
+        self._round_said = True
+        settled = [entry for entry in self._pending if entry[3] <= started]
+        for change, at, formed, _ in settled:
+            self._settle(change, at, formed, trained_at if trained_at is not None else started,
+                         steps=trained_at is not None)
+        self._pending = [entry for entry in self._pending if entry[3] > started]
+        if settled:
+            self._write()
+
+    def _settle(self, change: Change, at: float, formed: float | None, when: float | None, *,
+                steps: bool = True, say: bool = True) -> None:
+        attempt = world = None
+        if self._round is not None and formed is not None:
+            attempt, _, said = self._round
+            world = said.world_size
+        seconds = None if when is None else round(max(0.0, when - at), 2)
+        done = dataclasses.replace(change, attempt=attempt, world_size=world, resumed_from=self._resumed,
+                                   seconds=seconds, regrouped=None if formed is None else round(formed - at, 2))
+        self.changes.append(done)
+        if say and change.change != "start":
+            self.say(membership_line(done, steps=steps))
+
+    # -- hosts that end ---------------------------------------------------------------------
+
+    def silent(self, slot: int) -> bool:
+        """Whether agent ``slot``, still running, has said nothing for too long."""
+        return slot in self.members and time.monotonic() - self._seen.get(slot, time.monotonic()) > self.silent_s
+
+    def why_lost(self, slot: int, code: int, last: str) -> str | None:
+        """Why agent ``slot``, which ended with ``code`` (and ``last`` as its last own line), means its
+        host was lost; None: its workers failed (or it finished), which ends the job as usual."""
+        own = self._own_failure(self.agents[slot], code, last)
+        if own:
+            return own
+        sig = stopped_by_signal(code)
+        if sig:
+            return f"its agent was killed by {sig}"
+        if slot not in self._attempted:  # it never got as far as a round: the host, not the training
+            return f"its agent ended (exit {code}) before joining a round: {last.strip() or 'no message'}"
+        return None
+
+    def leave(self, slot: int, why: str) -> list[int]:
+        """Agent ``slot``'s host is lost: the slots that must regroup (the other members).
+
+        The change dates from the host's last word (its agent speaks each second): when it went
+        silent, not when the launcher gave up on it."""
+        with self._lock:
+            self.members.discard(slot)
+            host = self.agents[slot]
+            self.lost[host] = why
+            now = time.monotonic()
+            last_word = min(self._seen.get(slot, now), now)
+            change = Change(time=time.time() - (now - last_word), change="left", host=self.hosts[host], why=why,
+                            hosts=self.member_hosts(), noticed=round(now - last_word, 2))
+            self._pending.append([change, last_word, None, now])
+            left = len(self.members)
+        if left >= self.min_nodes:
+            self.say(f"disttrain: lost {self.hosts[host]} ({why}): the other {left} host(s) regroup "
+                     f"(--nnodes {self.min_nodes}:{self.max_nodes})")
+        self._write()
+        return sorted(self.members)
+
+    def ended(self, slot: int) -> None:
+        """Agent ``slot`` finished (exit 0): the job is done; no host joins any more."""
+        with self._lock:
+            self.members.discard(slot)
+            self.finished = True
+        self._stop.set()
+
+    def below_min(self) -> str | None:
+        """The job's end, when fewer than MIN hosts are left: the block naming the hosts lost."""
+        if self.finished or len(self.members) >= self.min_nodes or not self.lost:
+            return None
+        lost = "; ".join(f"{self.hosts[i]}: {why}" for i, why in self.lost.items())
+        return (f"disttrain: {len(self.members)} host(s) left, below the minimum of --nnodes "
+                f"{self.min_nodes}:{self.max_nodes}: stopped the job\n"
+                f"  hosts lost: {lost}\n"
+                f"  still running: {', '.join(self.member_hosts()) or 'none'}")
+
+    # -- hosts that come back ---------------------------------------------------------------
+
+    def joined(self) -> list[subprocess.Popen]:
+        """Agents started since the last call, in slot order (the flow relays them as its next agents)."""
+        out = []
+        while True:
+            try:
+                host, proc = self._joined.get_nowait()
+            except queue.Empty:
+                return out
+            if self.finished:  # too late: the others are done
+                _dismiss(proc)
+                continue
+            with self._lock:
+                slot = len(self.agents)
+                self.agents.append(host)
+                self.members.add(slot)
+                self._seen[slot] = time.monotonic()
+                self._joining.discard(host)
+                why = self.lost.pop(host, None)
+                change = Change(time=time.time(), change="joined", host=self.hosts[host],
+                                why="it answered again" if why else "it answered the preflight",
+                                hosts=self.member_hosts())
+                self._pending.append([change, time.monotonic(), None, time.monotonic()])
+            self.say(f"disttrain: {self.hosts[host]} answered: it joins the next rendezvous round")
+            self._write()
+            out.append(proc)
+
+    def _rejoin(self) -> None:
+        """Try the hosts not running, in order, while there is room; a host that keeps failing (or
+        keeps being lost once it joined) is tried less often, up to every :data:`RETRY_MAX_S`."""
+        tries: dict[int, int] = {}
+        next_try: dict[int, float] = {}
+        while not self._stop.wait(self._retry_s):
+            with self._lock:
+                running = {self.agents[s] for s in self.members} | self._joining
+                room = self.max_nodes - len(running)
+                waiting = [i for i in range(len(self.hosts)) if i not in running
+                           and next_try.get(i, 0.0) <= time.monotonic()]
+            for host in waiting[:max(0, room)]:
+                if self._stop.is_set():
+                    return
+                tries[host] = tries.get(host, 0) + 1
+                backoff = 2 ** max(0, tries[host] - RETRY_AT_FIRST)
+                next_try[host] = time.monotonic() + min(RETRY_MAX_S, self._retry_s * backoff)
+                try:
+                    proc = self._join(host)
+                except DisttrainError:
+                    continue  # not yet: tried again later
+                with self._lock:
+                    self._joining.add(host)
+                self._joined.put((host, proc))
+
+    # -- the record -------------------------------------------------------------------------
+
+    def _write(self) -> None:
+        entries = [dataclasses.asdict(c) for c in self.changes]
+        entries += [dataclasses.asdict(entry[0]) for entry in self._pending]
+        try:
+            write_atomic(self._record_path, json.dumps(entries, indent=1) + "\n")
+        except OSError:
+            pass  # the run folder went away: the lines on the terminal remain
+
+
+def _dismiss(proc: subprocess.Popen) -> None:
+    """An agent that got its plan too late: its stdin closed, it stops (killed if it lingers)."""
+    try:
+        proc.stdin.close()
+        proc.wait(timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
+
+
+def membership_line(change: Change, *, steps: bool = True) -> str:
+    """``disttrain: membership: 10.0.0.3 left (...) -> 2 hosts, world size 4, resumed from step 12, 6.1 s``."""
+    verb = {"left": "left", "joined": "joined"}.get(change.change, change.change)
+    parts = [f"{len(change.hosts)} host{'s' if len(change.hosts) != 1 else ''}"]
+    if change.world_size is not None:
+        parts.append(f"world size {change.world_size}")
+    parts.append(f"resumed from step {change.resumed_from}" if change.resumed_from is not None
+                 else "no disttrain.resume() step said")
+    if change.seconds is not None:
+        parts.append(f"training again {change.seconds:.1f} s later" if steps
+                     else f"workers started {change.seconds:.1f} s later (the script reports no steps)")
+    return f"disttrain: membership: {change.host} {verb} ({change.why}) -> {', '.join(parts)}"
+
+
+def load_record(run_dir: str | Path) -> list[dict]:
+    """``membership.json`` of a run folder; [] when the run was not elastic."""
+    try:
+        return json.loads((Path(run_dir) / RECORD).read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def starting_hosts(hosts: Sequence[Host], facts: Sequence[HostFacts | Exception], *, master_port: int,
+                   min_nodes: int, max_nodes: int) -> tuple[list[int], dict[int, str]]:
+    """Which hosts of an elastic range start: those that pass the preflight, at most ``max_nodes``,
+    the first one required (it hosts the rendezvous); and why each other one waits.
+
+    Fewer than ``min_nodes``: the first failure, as without a range."""
+    check_facts(hosts[:1], facts[:1], master_port=master_port)  # the rendezvous' host must answer
+    starting, waiting = [0], {}
+    for i in range(1, len(hosts)):
+        failure = first_failure(fact_checks([hosts[0], hosts[i]], [facts[0], facts[i]], master_port=master_port))
+        if failure is not None and failure.host == hosts[i].name:
+            waiting[i] = failure.detail
+        elif len(starting) < max_nodes:
+            starting.append(i)
+        else:
+            waiting[i] = f"a spare: --nnodes {min_nodes}:{max_nodes} runs at most {max_nodes} hosts"
+    if len(starting) < min_nodes:
+        check_facts(hosts, facts, master_port=master_port)  # raises the first failure
+        raise UsageError(f"only {len(starting)} of the hosts can start, fewer than --nnodes {min_nodes}:{max_nodes}")
+    return starting, waiting

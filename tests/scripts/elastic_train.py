@@ -1,0 +1,71 @@
+"""A worker of an elastic job: trains on sample indices and logs, per attempt and rank, every step's
+samples with the step's index, so that tests/test_elastic.py (and bench/elastic.py) can account
+for every sample across attempts.
+
+Usage: elastic_train.py --out OUT [--ckpt CKPT] --samples N --epochs E --batch-size B --every K [--pause S]
+(CKPT: default $DISTTRAIN_CHECKPOINT_DIR, a job's checkpoint folder)
+Writes OUT/attempt<A>_rank<R>.jsonl: one line per finished step (the line precedes the step's
+checkpoint, so a step logged may be re-done after a loss; one checkpointed is always logged), and
+OUT/attempt<A>_rank<R>.start: the times this process started, loaded its checkpoint, and so on.
+"""
+
+import time
+
+started = time.time()  # noqa: E402  (the imports below are part of a worker's start)
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import disttrain  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--samples", type=int, default=120)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--pause", type=float, default=0.2)
+    args = parser.parse_args()
+
+    imported = time.time()
+    ctx = disttrain.init()
+    joined = time.time()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.arange(args.samples)), batch_size=args.batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(1))
+    model, optimizer, loader = disttrain.prepare(model, optimizer, loader)
+    prepared = time.time()
+    state = disttrain.resume(args.ckpt, every=args.every, model=model, optimizer=optimizer)
+    loaded = time.time()
+    attempt = int(os.environ.get("DISTTRAIN_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    name = f"attempt{attempt}_rank{ctx.rank}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.start").write_text(json.dumps({
+        "started": started, "imported": imported, "joined": joined, "prepared": prepared, "loaded": loaded,
+        "resumed_from": state.resumed_from, "world_size": ctx.world_size,
+    }))
+    with open(args.out / f"{name}.jsonl", "a") as log:
+        for epoch in state.epochs(args.epochs):
+            for (x,) in state.steps(loader):
+                loss = model(x.float().unsqueeze(1)).pow(2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                log.write(json.dumps({"step": state.step, "epoch": epoch, "world_size": ctx.world_size,
+                                      "samples": x.tolist(), "time": time.time()}) + "\n")
+                log.flush()
+                time.sleep(args.pause)
+    disttrain.shutdown()
+
+
+if __name__ == "__main__":
+    main()

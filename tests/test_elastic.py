@@ -1,0 +1,461 @@
+"""``--nnodes MIN:MAX`` over ``--hosts``: lose a host and go on, take it back, stop below MIN.
+
+The multi-host tests run a real job on three hosts (network namespaces on a bridge, each with
+its own sshd: tests/rig.py), launched from the first as a user would, and cut the third off as a
+machine that loses power (its link drops every packet, every process in it dies). The workers
+(tests/scripts/elastic_train.py) log every step's samples, so the accounting over every attempt
+(bench/elastic.py's) checks that no sample was lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from disttrain.config.launch import LaunchSpec
+from disttrain.launch.elastic import Change, Membership, membership_line, starting_hosts, stopped_by_signal
+from disttrain.plan.launch import NodeFacts, make_plan
+from disttrain.wire import AttemptStarted, Beats, HostFacts
+from rig import cluster_fixture
+from slurm_rig import slurm_fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "scripts" / "elastic_train.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("disttrain_bench_elastic", ROOT / "bench" / "elastic.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+# --------------------------------------------------------------------------- the pieces, no hosts
+
+
+def facts(address: str, **changes) -> HostFacts:
+    base = dict(hostname="h", address=address, ifname="eth1", is_master=address.endswith(".1"), cpus=2,
+                cuda_devices=0, versions={"python": "3.11", "torch": "2.13", "nccl": None, "disttrain": "0.1"},
+                paths={"train.py": True}, cwd="/w", cwd_exists=True,
+                port_free=True if address.endswith(".1") else None)
+    return HostFacts(**{**base, **changes})
+
+
+def test_hosts_that_fail_the_preflight_wait_while_the_others_start():
+    from disttrain.config.hosts import Host
+    from disttrain.errors import DisttrainError
+
+    hosts = [Host(name=n) for n in ("a", "b", "c", "d")]
+    said = [facts("10.0.0.1"), DisttrainError("c: ssh failed: Connection timed out"),
+            facts("10.0.0.3"), facts("10.0.0.4", paths={"train.py": False})]
+    starting, waiting = starting_hosts(hosts, said, master_port=29500, min_nodes=2, max_nodes=3)
+    assert starting == [0, 2]
+    assert waiting == {1: "c: ssh failed: Connection timed out", 3: "train.py not found in /w"}
+    # MAX hosts at most: the others are spares
+    all_up = [facts(f"10.0.0.{i}") for i in range(1, 5)]
+    starting, waiting = starting_hosts(hosts, all_up, master_port=29500, min_nodes=2, max_nodes=3)
+    assert starting == [0, 1, 2] and "a spare" in waiting[3]
+
+
+def test_fewer_than_min_or_no_master_is_the_first_failure():
+    from disttrain.config.hosts import Host
+    from disttrain.errors import DisttrainError
+
+    hosts = [Host(name=n) for n in ("a", "b", "c")]
+    with pytest.raises(DisttrainError, match="Connection refused"):
+        starting_hosts(hosts, [facts("10.0.0.1"), DisttrainError("b: Connection refused"), DisttrainError("c: down")],
+                       master_port=29500, min_nodes=2, max_nodes=3)
+    with pytest.raises(DisttrainError, match="a: down"):  # the first host hosts the rendezvous
+        starting_hosts(hosts, [DisttrainError("a: down"), facts("10.0.0.2"), facts("10.0.0.3")],
+                       master_port=29500, min_nodes=2, max_nodes=3)
+
+
+def test_an_agent_stopped_from_outside_is_a_lost_host_and_a_failure_is_not():
+    assert stopped_by_signal(137) == "SIGKILL" and stopped_by_signal(-9) == "SIGKILL"
+    assert stopped_by_signal(143) == "SIGTERM" and stopped_by_signal(1) is None and stopped_by_signal(139) is None
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nodes=2, max_nodes=3, run_dir="/nonexistent",
+                   own_failure=lambda i, code, last: f"ssh failed: {last}" if code == 255 else None)
+    m.agent_line(1, AttemptStarted(host="b", attempt=0, nodes=3, world_size=3, ranks=(1,)).to_line())
+    assert m.why_lost(2, 255, "Timeout, server c not responding.") == "ssh failed: Timeout, server c not responding."
+    assert m.why_lost(1, 137, "") == "its agent was killed by SIGKILL"
+    assert m.why_lost(1, 1, "disttrain: rank 1 on b exited with code 1") is None  # its workers failed
+    assert "before joining a round: no route" in m.why_lost(0, 1, "no route")  # never got that far
+
+
+def test_membership_says_each_change_when_the_next_round_trains(tmp_path):
+    said = []
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nodes=2, max_nodes=3, run_dir=str(tmp_path))
+    m.start(said.append)
+    started = lambda attempt, world: AttemptStarted(host="a", attempt=attempt, nodes=world, world_size=world,  # noqa: E731
+                                                    ranks=(0,)).to_line()
+    assert m.agent_line(0, started(0, 3))
+    m.agent_line(0, Beats(host="a", ranks={0: (3, 0.0)}).to_line())  # round 0 trains: the start is settled
+    assert said == []
+    assert m.leave(2, "ssh failed: Timeout") == [0, 1] and m.below_min() is None
+    assert said[-1].startswith("disttrain: lost c (ssh failed: Timeout): the other 2 host(s) regroup")
+    m.agent_line(0, Beats(host="a", ranks={0: (9, 0.0)}).to_line())  # the old round still beating: not yet
+    assert len(said) == 1
+    m.agent_line(0, started(1, 2))
+    m.agent_line(0, Beats(host="a", ranks={0: (1, 0.0)}).to_line())
+    m.poll()
+    assert len(said) == 1  # the round trains: its line waits (a few seconds at most) for rank 0's resume line
+    m.rank_line("disttrain: resuming from step 12 in /ckpt (epoch 0, after 4 of its steps)")
+    m.poll()
+    assert said[-1].startswith("disttrain: membership: c left (ssh failed: Timeout) -> 2 hosts, world size 2, "
+                               "resumed from step 12, training again ")
+    m.close()
+    record = json.loads((tmp_path / "membership.json").read_text())
+    assert [(c["change"], c["host"], c["world_size"], c["resumed_from"], c["hosts"]) for c in record] == [
+        ("start", None, 3, None, ["a", "b", "c"]), ("left", "c", 2, 12, ["a", "b"])]
+    assert record[1]["seconds"] >= record[1]["regrouped"] >= 0
+    # one more host lost: below MIN, the block names the hosts lost
+    m.leave(1, "its agent was killed by SIGKILL")
+    block = m.below_min()
+    assert block.startswith("disttrain: 1 host(s) left, below the minimum of --nnodes 2:3")
+    assert "c: ssh failed: Timeout; b: its agent was killed by SIGKILL" in block
+
+
+def test_agents_are_slots_and_hosts_keep_their_place(tmp_path):
+    """Host 1 down at the start: agent slots 0 and 1 run hosts 0 and 2; host 1 joins as slot 2."""
+    joins = []
+
+    class Proc:
+        pass
+
+    m = Membership(hosts=["a", "b", "c"], running=[0, 2], min_nodes=2, max_nodes=3, run_dir=str(tmp_path),
+                   join=lambda index: joins.append(index) or Proc(), retry_s=0.05)
+    assert m.member_hosts() == ("a", "c") and m.host_of(1) == "c"
+    said = []
+    m.start(said.append)
+    deadline = time.monotonic() + 10
+    while not (joined := m.joined()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(joined) == 1 and joins[0] == 1 and m.host_of(2) == "b" and m.member_hosts() == ("a", "c", "b")
+    assert m.leave(1, "gone") == [0, 2]  # c lost: it is tried again, as host 2
+    while 2 not in joins[1:] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m.close()
+    assert 2 in joins[1:]
+
+
+def test_membership_line_without_disttrain_resume():
+    change = Change(time=0, change="joined", host="c", why="it answered the preflight", hosts=("a", "b", "c"),
+                    world_size=6, seconds=4.26)
+    assert membership_line(change, steps=False) == (
+        "disttrain: membership: c joined (it answered the preflight) -> 3 hosts, world size 6, no disttrain.resume() "
+        "step said, workers started 4.3 s later (the script reports no steps)")
+
+
+def test_an_elastic_plan_keeps_its_range_and_each_host_its_place():
+    spec = LaunchSpec(entry="train.py", nproc_per_node=2, nnodes=3, min_nnodes=2, rdzv_backend="c10d",
+                      master_addr="10.0.0.1", master_port=29500)
+    nodes = (NodeFacts(hostname="a", cpus=2, address="10.0.0.1"), NodeFacts(hostname="c", cpus=2, address="10.0.0.3"))
+    plan = make_plan(spec, nodes, python="/py", master_port=29500, run_id="r", run_dir="/r", inherited_env={},
+                     node_ranks=(0, 2))
+    assert plan.elastic and not plan.by_hand and plan.nnodes == 3 and plan.min_nodes == 2
+    assert [(n.host, n.node_rank) for n in plan.nodes] == [("a", 0), ("c", 2)]
+    assert plan.nodes[1].env["DISTTRAIN_HEARTBEAT_DIR"] == "/r/heartbeat/node2"
+    from disttrain.agent.elastic_config import ELASTIC_RDZV_CONF, rdzv_configs
+
+    assert rdzv_configs(plan, plan.nodes[0]) == {"join_timeout": 120, "is_host": True, **ELASTIC_RDZV_CONF}
+    assert rdzv_configs(plan, plan.nodes[1])["is_host"] is False
+    user = make_plan(spec.__class__(**{**spec.__dict__, "rdzv_conf": {"last_call_timeout": "7"}}), nodes,
+                     python="/py", master_port=29500, run_id="r", run_dir="/r", inherited_env={}, node_ranks=(0, 2))
+    assert rdzv_configs(user, user.nodes[0])["last_call_timeout"] == "7"  # the user's word wins
+    by_hand = make_plan(spec, nodes[0], python="/py", master_port=29500, run_id="r", run_dir="/r", inherited_env={})
+    assert by_hand.by_hand and "keep_alive_interval" not in rdzv_configs(by_hand, by_hand.nodes[0])
+
+
+def test_every_round_has_one_number_on_every_node():
+    """Group rank 0 counts the rounds in the store they share; the others read its number."""
+    import torch.distributed as dist
+
+    from disttrain.agent.elastic_agent import job_attempt
+    from disttrain.net import free_port
+
+    port = free_port("127.0.0.1")
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    other = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    for round_ in range(3):
+        prefix = f"torch.rendezvous.job.{round_}"
+        assert job_attempt(dist.PrefixStore(prefix, host), 0) == round_
+        assert job_attempt(dist.PrefixStore(prefix, other), 1) == round_
+
+
+def test_torch_builds_its_agent_where_disttrain_replaces_it():
+    """disttrain has torch's launch_agent build its agent (elastic_agent.installed): a torch that
+    renames what it builds, or the methods overridden, fails here rather than in a user's job."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    assert api.LocalElasticAgent is LocalElasticAgent
+    assert "LocalElasticAgent(" in inspect.getsource(api.launch_agent)
+    for name in ("_monitor_workers", "_stop_workers", "_rendezvous", "_restart_workers", "_shutdown"):
+        assert callable(getattr(LocalElasticAgent, name))
+
+
+# --------------------------------------------------------------------------- three hosts
+
+cluster3 = cluster_fixture(3, name="cluster3", bridge=True)
+slurm3 = slurm_fixture(3, scope="function", name="slurm3")
+JOB = ["--samples", "120", "--epochs", "2", "--batch-size", "2", "--every", "4", "--pause", "0.2"]
+
+
+def start_job(cluster, tmp_path: Path, *extra: str, nnodes: str = "2:3") -> tuple[subprocess.Popen, Path, Path]:
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
+    argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "--nnodes", nnodes, "-n", "1",
+            "--log-dir", str(tmp_path / "run"), *cluster.cli_ssh_args(), *extra, str(WORKER), "--out", str(out), "--ckpt", str(ckpt),
+            *JOB]
+    proc = cluster.popen_in("node0", argv, cwd=ROOT, env=bench.worker_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    return proc, out, ckpt
+
+
+def wait_for(proc: subprocess.Popen, ready, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended early (exit {proc.returncode}):\n{proc.stderr.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"not ready within {timeout} s:\n{proc.communicate()[1][-4000:]}")
+        time.sleep(0.1)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"the job did not end within {timeout} s:\n{err[-4000:]}") from None
+    return proc.returncode, err
+
+
+def nothing_left(cluster, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = {node.name: cluster.processes_in(node) for node in cluster.nodes}
+        if not any(left.values()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"processes left behind: {left}")
+
+
+def record_of(tmp_path: Path) -> list[dict]:
+    return json.loads((tmp_path / "run" / "membership.json").read_text())
+
+
+@pytest.mark.timeout(400)
+def test_a_host_that_loses_power_is_left_behind_and_every_sample_is_trained_once(cluster3, tmp_path):
+    proc, out, ckpt = start_job(cluster3, tmp_path)
+    wait_for(proc, lambda: bench.complete_checkpoints(ckpt) and bench.step_of(out) >= 6, timeout=240)
+    cluster3.power_off("node2")
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    lost = cluster3.nodes[2].ip
+    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
+    assert line.startswith(f"disttrain: membership: {lost} left (ssh failed: ") and "-> 2 hosts, world size 2, " \
+        "resumed from step " in line and " s later" in line, line
+    accounting = bench.account(out, 120)
+    assert accounting["attempts"][0]["world_size"] == 3 and accounting["attempts"][-1]["world_size"] == 2
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"] == 0, accounting
+    assert accounting["epochs"] == [0, 1]
+    record = record_of(tmp_path)
+    assert [(c["change"], c["host"], len(c["hosts"]), c["world_size"]) for c in record] == [
+        ("start", None, 3, 3), ("left", lost, 2, 2)]
+    assert record[1]["resumed_from"] == accounting["attempts"][-1]["first_step"]
+    nothing_left(cluster3)
+
+
+@pytest.mark.timeout(400)
+def test_a_host_down_at_the_start_joins_when_it_comes_back(cluster3, tmp_path):
+    cluster3.power_off("node2")
+    proc, out, ckpt = start_job(cluster3, tmp_path)
+    wait_for(proc, lambda: bench.step_of(out) >= 4, timeout=240)
+    cluster3.power_on("node2")
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    back = cluster3.nodes[2].ip
+    assert f"disttrain: note: {back} does not start ({back}: ssh failed: " in err
+    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
+    assert line.startswith(f"disttrain: membership: {back} joined (it answered the preflight) -> 3 hosts, "
+                           "world size 3, resumed from step "), line
+    accounting = bench.account(out, 120)
+    assert accounting["attempts"][0]["world_size"] == 2 and accounting["attempts"][-1]["world_size"] == 3
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
+    assert accounting["redone_steps"] == 0  # growing stops at a step boundary and saves it
+    assert [c["change"] for c in record_of(tmp_path)] == ["start", "joined"]
+    nothing_left(cluster3)
+
+
+@pytest.mark.timeout(400)
+def test_a_plain_torchrun_script_restarts_the_same_way(cluster3, tmp_path):
+    """No disttrain in the script: env://, its own checkpoint. The lost host's peers restart it on the
+    new world, and it goes on from its own checkpoint; the line says no disttrain.resume() step."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt.pt"
+    out.mkdir()
+    hosts = ",".join(f"root@{node.ip}" for node in cluster3.nodes)
+    argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "--nnodes", "2:3", "-n", "1",
+            *cluster3.cli_ssh_args(), str(ROOT / "tests" / "scripts" / "plain_elastic.py"), str(out), str(ckpt), "40"]
+    proc = cluster3.popen_in("node0", argv, cwd=ROOT, env=bench.worker_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    wait_for(proc, lambda: ckpt.exists(), timeout=240)
+    cluster3.power_off("node2")
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("disttrain: membership:")]
+    assert lines, err[-4000:]
+    assert f"{cluster3.nodes[2].ip} left" in lines[0], lines
+    assert "-> 2 hosts, world size 2, no disttrain.resume() step said" in lines[0], lines
+    assert (out / "done").read_text() == "2\n"
+    rows = [tuple(map(int, ln.split())) for ln in (out / "rank0.log").read_text().splitlines()]
+    worlds = [world for _, world, _, _ in rows]
+    assert worlds[0] == 3 and worlds[-1] == 2 and sorted({step for *_, step in rows}) == list(range(40))
+    nothing_left(cluster3)
+
+
+@pytest.mark.timeout(300)
+def test_below_min_the_job_stops_naming_the_hosts_lost(cluster3, tmp_path):
+    proc, out, ckpt = start_job(cluster3, tmp_path)
+    wait_for(proc, lambda: bench.step_of(out) >= 2, timeout=240)
+    cluster3.power_off("node1")
+    cluster3.power_off("node2")
+    code, err = finish(proc, timeout=120)
+    assert code == 255, err[-4000:]
+    first, second = cluster3.nodes[1].ip, cluster3.nodes[2].ip
+    block = err[err.index("disttrain: 1 host(s) left, below the minimum of --nnodes 2:3: stopped the job"):]
+    assert f"{first}: ssh failed: " in block and f"{second}: ssh failed: " in block
+    assert f"still running: {cluster3.nodes[0].ip}" in block
+    assert "disttrain: membership:" not in err and "lost the ssh connection to" not in err  # said once, above
+    nothing_left(cluster3)
+
+
+@pytest.mark.timeout(500)
+def test_a_slurm_node_that_loses_power_is_left_behind(slurm3, tmp_path):
+    """``--launcher slurm --nnodes 2:3``: sbatch --nodes=2-3 --no-kill; the node cut off is noticed by its
+    agent's silence (srun says nothing), the allocation goes on with the other two."""
+    out, ckpt, run = tmp_path / "out", tmp_path / "ckpt", tmp_path / "run"
+    out.mkdir()
+    argv = [sys.executable, "-m", "disttrain", "run", "--launcher", "slurm", "--nnodes", "2:3", "-n", "1",
+            "--log-dir", str(run), str(WORKER), "--out", str(out), "--ckpt", str(ckpt), *JOB]
+    proc = slurm3.popen_in("node0", argv, cwd=ROOT, env=slurm3.env(PYTHONPATH=bench.worker_env()["PYTHONPATH"]),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    wait_for(proc, lambda: bench.complete_checkpoints(ckpt) and bench.step_of(out) >= 6, timeout=300)
+    assert "#SBATCH --nodes=2-3\n#SBATCH --no-kill\n" in (run / "job.sbatch").read_text()
+    slurm3.rig.power_off("node2")
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
+    assert line.startswith("disttrain: membership: node2 left (its agent said nothing for 5 s) -> 2 hosts, "
+                           "world size 2, resumed from step "), line
+    accounting = bench.account(out, 120)
+    assert accounting["attempts"][0]["world_size"] == 3 and accounting["attempts"][-1]["world_size"] == 2
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"] == 0, accounting
+    assert [c["change"] for c in record_of(tmp_path)] == ["start", "left"]
+    deadline = time.monotonic() + 20
+    while True:  # Slurm's daemons stay; nothing of the job does
+        left = [_cmdline(pid) for node in slurm3.rig.nodes for pid in slurm3.rig.processes_in(node)
+                if "disttrain" in _cmdline(pid) or "elastic_train" in _cmdline(pid)]
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"processes left behind: {left}"
+        time.sleep(0.2)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------- a job's instances
+
+
+@pytest.mark.timeout(400)
+def test_a_job_goes_on_without_an_instance_whose_agent_is_killed(tmp_path):
+    """A SageMaker-style job, ``instance_count: "2:3"``: one instance's agent SIGKILLed (its worker dies
+    with it, the others' collectives fail at once) -- the job completes on two, its record says so."""
+    import signal
+
+    import psutil
+    import yaml
+
+    from conftest import cli_env
+
+    out = tmp_path / "out"
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), DISTTRAIN_STORE=str(tmp_path / "jobs.db"),
+                  PYTHONPATH=bench.worker_env()["PYTHONPATH"])
+    hps = dict(zip(JOB[::2], JOB[1::2]))
+    spec = {"name": "elastic", "entry_point": WORKER.name, "source_dir": str(WORKER.parent), "instance_count": "2:3",
+            "processes_per_instance": 1, "hyperparameters": {"out": str(out), **{k[2:]: v for k, v in hps.items()}}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "disttrain", "job", "run", str(tmp_path / "job.yaml")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+    def third_instance_agent() -> psutil.Process | None:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if p.environ().get("SM_CURRENT_HOST") == "algo-3" and p.parent().name().startswith("python"):
+                    return p.parent()  # the worker's agent
+            except psutil.Error:
+                continue
+        return None
+
+    ckpts = tmp_path / "home" / "jobs"
+    wait_for(proc, lambda: list(ckpts.glob("*/checkpoints/step_*/COMPLETE")) and bench.step_of(out) >= 6
+             and third_instance_agent() is not None, timeout=240)
+    third_instance_agent().send_signal(signal.SIGKILL)
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
+    assert line.startswith("disttrain: membership: algo-3 left (its agent was killed by SIGKILL) -> 2 hosts, "
+                           "world size 2, resumed from step "), line
+    accounting = bench.account(out, 120)
+    assert accounting["attempts"][-1]["world_size"] == 2
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"] == 0, accounting
+    record = json.loads(subprocess.run([sys.executable, "-m", "disttrain", "jobs", "show", "1", "--json"], env=env,
+                                       capture_output=True, text=True, timeout=60).stdout)
+    assert record["state"] == "Completed"
+    assert [(c["change"], c["host"], c["world_size"]) for c in record["membership"]] == [
+        ("start", None, 3), ("left", "algo-3", 2)]
+    shown = subprocess.run([sys.executable, "-m", "disttrain", "jobs", "show", "1"], env=env, capture_output=True,
+                           text=True, timeout=60).stdout
+    assert "membership:" in shown and "algo-3 left (its agent was killed by SIGKILL): 2 instance(s)" in shown
+    assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("SM_CURRENT_HOST")
+                and str(tmp_path) in (p.info["environ"] or {}).get("SM_MODEL_DIR", "")]
+
+
+def test_a_job_spec_takes_the_range_as_instance_count_or_a_minimum(tmp_path):
+    from disttrain.errors import UsageError
+    from disttrain.jobs.spec import spec_from_mapping
+
+    def spec(**fields):
+        return spec_from_mapping({"name": "j", "entry_point": "train.py", "source_dir": str(tmp_path), **fields},
+                                 base_dir=tmp_path, source="job.yaml")
+
+    assert (spec(instance_count="2:3").placement.min_instance_count, spec(instance_count="2:3").placement.instance_count) \
+        == (2, 3)
+    assert spec(instance_count=3, min_instance_count=2).placement.min_instance_count == 2
+    for fields, words in (({"instance_count": "2:x"}, "MIN:MAX like '2:3'"),
+                          ({"instance_count": 2, "min_instance_count": 3}, "min_instance_count 3 is more than"),
+                          ({"instance_count": "2:3", "min_instance_count": 2}, "leave out min_instance_count"),
+                          ({"instance_count": "2:3", "distribution": {"parameter_server": {"enabled": True}},
+                            "framework": "tensorflow"}, "needs every instance")):
+        with pytest.raises(UsageError, match=words):
+            spec(**fields)

@@ -187,7 +187,7 @@ def bench_split(cluster, kind: str) -> dict:
     ssh = cluster.cli_ssh_args()
     argv = [sys.executable, "-m", "disttrain", "bench", "--hosts", hosts, "-n", "1", "--no-preflight",
             *ssh, "--env", "OMP_NUM_THREADS=1", "--comm", "--link-gbit", "0.05", "--steps", "4",
-            "--warmup", "2", "--global-batch", "16", "--json", str(SCRIPTS / "comm_bound.py"),
+            "--warmup", "2", "--global-batch", "16", "--repeat", "1", "--json", str(SCRIPTS / "comm_bound.py"),
             "--", "--kind", kind]
     result = cluster.run_in("node0", argv, timeout=400, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -256,6 +256,7 @@ class SlurmJob:
     run_dir: Path
     env: Mapping[str, str] | None = field(default=None, repr=False)  # for the Slurm commands
     interrupted: int | None = None  # the signal on which `follow` cancelled the job
+    requeue: bool = False  # submitted with --requeue: COMPLETING may be a requeue, not the end
 
     def status(self) -> JobStatus | None:
         """The job's state now; None once slurmctld has forgotten it (MinJobAge after its end)."""
@@ -334,9 +335,11 @@ class SlurmJob:
                                          f"the job may still run (`squeue -j {self.job_id}`)") from None
                 time.sleep(POLL_S)
                 continue
-            if status is None or status.ended or status.state == "COMPLETING":
+            if status is None or status.ended or (status.state == "COMPLETING" and not self.requeue):
                 # COMPLETING: the batch script ended (its exit code is known) and Slurm cleans up the
                 # nodes -- for as long as SlurmdTimeout when one of them is gone (an elastic job's).
+                # A requeued job passes through COMPLETING too, on its way back to PENDING: a job
+                # that may be requeued is followed until a state that is final.
                 return status
             if status.restarts > restarts:
                 restarts = status.restarts
@@ -422,7 +425,7 @@ class SlurmBatchLauncher(BatchLauncher):
         write_atomic(paths.job_id, job_id + "\n")
 
     def follow(self, job_id: str, events: Events, ctx: Context) -> Outcome:
-        job = SlurmJob(job_id, Path(ctx.run_dir), self.env)
+        job = SlurmJob(job_id, Path(ctx.run_dir), self.env, requeue=self.options.requeue)
         try:
             code = job.follow(out=_Tee(sys.stdout, events.transcript), err=_Tee(sys.stderr, events.transcript),
                               pending_timeout_s=self.pending_timeout_s, stop_on_signals=self.stop_on_signals)

@@ -632,6 +632,17 @@ class Cluster:
         self._popens.append(proc)
         return proc
 
+    def assert_nothing_left(self, timeout: float = 20) -> None:
+        """No process of a test left on any node (their sshds aside), within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {node.name: self.processes_in(node) for node in self.nodes}
+            if not any(left.values()):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"processes left behind: {left}")
+            time.sleep(0.2)
+
     def processes_in(self, node: "str | int | Node", *, include_sshd: bool = False) -> list[int]:
         """Live pids whose network namespace is the node's (the listening sshd excluded
         unless ``include_sshd``; its session children are included)."""

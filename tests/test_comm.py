@@ -131,15 +131,6 @@ def run_hosts(cluster, *args: str, timeout: float = 200):
     return cluster.run_in("node0", argv, timeout=timeout, cwd=ROOT)
 
 
-def assert_nothing_left(cluster) -> None:
-    import time
-
-    deadline = time.monotonic() + 15
-    while any(cluster.processes_in(node) for node in cluster.nodes):
-        assert time.monotonic() < deadline, "processes left behind on a node"
-        time.sleep(0.2)
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16", "powersgd"])
 def test_each_compression_trains_and_converges_across_two_hosts(shaped, tmp_path, compression):
@@ -149,7 +140,7 @@ def test_each_compression_trains_and_converges_across_two_hosts(shaped, tmp_path
     assert out["world_size"] == 2
     assert out["last_loss"] < out["first_loss"] / 3
     assert out["val_accuracy"] >= 0.9
-    assert_nothing_left(shaped)
+    shaped.assert_nothing_left()
 
 
 @pytest.mark.timeout(300)
@@ -179,7 +170,7 @@ def test_powersgd_resumed_after_a_lost_host_ends_bit_exact(shaped, tmp_path):
     ranks = [torch.load(newest / f"rank_0000{r}.pt", weights_only=True)["powersgd"][0] for r in (0, 1)]
     assert ranks[1]["iter"] > comm.POWERSGD_START and ranks[1]["error"][0].abs().sum() > 0
     assert not torch.equal(ranks[0]["error"][0], ranks[1]["error"][0])
-    assert_nothing_left(shaped)
+    shaped.assert_nothing_left()
 
 
 def bench_split(cluster, kind: str) -> dict:

@@ -246,16 +246,6 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def nothing_left(cluster, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = {node.name: cluster.processes_in(node) for node in cluster.nodes}
-        if not any(left.values()):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"processes left behind: {left}")
-
-
 def record_of(tmp_path: Path) -> list[dict]:
     return json.loads((tmp_path / "run" / "membership.json").read_text())
 
@@ -279,7 +269,7 @@ def test_a_host_that_loses_power_is_left_behind_and_every_sample_is_trained_once
     assert [(c["change"], c["host"], len(c["hosts"]), c["world_size"]) for c in record] == [
         ("start", None, 3, 3), ("left", lost, 2, 2)]
     assert record[1]["resumed_from"] == accounting["attempts"][-1]["first_step"]
-    nothing_left(cluster3)
+    cluster3.assert_nothing_left()
 
 
 @pytest.mark.timeout(400)
@@ -300,7 +290,7 @@ def test_a_host_down_at_the_start_joins_when_it_comes_back(cluster3, tmp_path):
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     assert accounting["redone_steps"] == 0  # growing stops at a step boundary and saves it
     assert [c["change"] for c in record_of(tmp_path)] == ["start", "joined"]
-    nothing_left(cluster3)
+    cluster3.assert_nothing_left()
 
 
 @pytest.mark.timeout(400)
@@ -326,7 +316,7 @@ def test_a_plain_torchrun_script_restarts_the_same_way(cluster3, tmp_path):
     rows = [tuple(map(int, ln.split())) for ln in (out / "rank0.log").read_text().splitlines()]
     worlds = [world for _, world, _, _ in rows]
     assert worlds[0] == 3 and worlds[-1] == 2 and sorted({step for *_, step in rows}) == list(range(40))
-    nothing_left(cluster3)
+    cluster3.assert_nothing_left()
 
 
 @pytest.mark.timeout(300)
@@ -342,7 +332,7 @@ def test_below_min_the_job_stops_naming_the_hosts_lost(cluster3, tmp_path):
     assert f"{first}: ssh failed: " in block and f"{second}: ssh failed: " in block
     assert f"still running: {cluster3.nodes[0].ip}" in block
     assert "disttrain: membership:" not in err and "lost the ssh connection to" not in err  # said once, above
-    nothing_left(cluster3)
+    cluster3.assert_nothing_left()
 
 
 @pytest.mark.timeout(500)

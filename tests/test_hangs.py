@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_multinode import ROOT, assert_nothing_left, launch_argv, run_on_node0
+from test_multinode import ROOT, launch_argv, run_on_node0
 
 from conftest import SCRIPTS, assert_all_gone, cli_env, descendants
 from rig import cluster_fixture
@@ -142,7 +142,7 @@ def test_a_mismatch_across_two_hosts_is_judged_at_the_launcher(cluster):
     assert f"stacks on {a}: " in err and f"flight recorder dumps on {b}: " in err
     assert "stopped the job on all 2 hosts (exit 124)" in err
     assert "disttrain-hang" not in err + result.stdout  # the agents' reports are for the launcher only
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(240)
@@ -180,7 +180,7 @@ def test_a_daemon_left_by_a_remote_rank_is_gone_after_the_job(cluster, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     pids = [int(p) for rank in (0, 1) for p in (tmp_path / f"rank{rank}.pids").read_text().split()]
     assert_pids_gone(pids)
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 # ---- two Slurm nodes (tests/slurm_rig.py): the verdict comes back through the batch job

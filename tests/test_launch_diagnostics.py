@@ -5,7 +5,7 @@ straggler once; every run ends with steps/s per host."""
 from __future__ import annotations
 
 import pytest
-from test_multinode import assert_nothing_left, run_on_node0
+from test_multinode import run_on_node0
 
 from conftest import SCRIPTS
 from rig import cluster_fixture
@@ -27,7 +27,7 @@ def test_a_hang_on_the_second_host_is_reported_at_the_launcher_with_every_hosts_
     assert f"which rank 0 waits in: it is at hang_rank1.py:{SLEEP_LINE} in <module> (the script's own code)" in err
     assert f"stacks on {a}: " in err and f"stacks on {b}: " in err
     assert "no rank made progress for 5 s" in err and "stopped the job on all 2 hosts (exit 124)" in err
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(200)
@@ -42,4 +42,4 @@ def test_a_slow_rank_is_named_once_and_steps_per_second_are_summed_up(cluster):
     summary = [line for line in err.splitlines() if line.startswith("disttrain: steps/s per host")]
     assert len(summary) == 1 and cluster.nodes[0].ip in summary[0] and b in summary[0]
     assert "disttrain-beats" not in err + result.stdout  # the agents' heartbeats are for the launcher only
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()

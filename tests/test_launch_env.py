@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_multinode import ROOT, assert_nothing_left, launch_argv
+from test_multinode import ROOT, launch_argv
 
 from conftest import SCRIPTS, read_ranks
 from rig import cluster_fixture
@@ -56,7 +56,7 @@ def test_exported_variables_reach_the_remote_rank_but_host_specific_ones_do_not(
     files = [p for p in run_dir.rglob("*") if p.is_file()]
     assert files and not [p for p in files if SECRET.encode() in p.read_bytes()]
     assert '"DT_SECRET"' in (run_dir / "plan.json").read_text()
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(200)
@@ -65,7 +65,7 @@ def test_no_forward_env_keeps_the_shell_to_itself(cluster, tmp_path):
     assert result.returncode == 0, result.stderr
     assert ranks[1]["out_dir"] is None and ranks[1]["secret_sha"] is None
     assert ranks[1]["set_by_env_flag"] == "from-flag"  # --env still applies
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(60)

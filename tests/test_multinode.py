@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -41,16 +40,6 @@ def run_on_node0(cluster, *args: str, nproc: int | str = 1, timeout: float = 120
     return cluster.run_in("node0", launch_argv(cluster, *args, nproc=nproc), timeout=timeout, cwd=ROOT)
 
 
-def assert_nothing_left(cluster, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = {node.name: cluster.processes_in(node) for node in cluster.nodes}
-        if not any(left.values()):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"processes left behind: {left}")
-
-
 @pytest.mark.timeout(150)
 def test_torchrun_script_across_two_hosts(cluster, tmp_path):
     out = tmp_path / "out"
@@ -69,7 +58,7 @@ def test_torchrun_script_across_two_hosts(cluster, tmp_path):
     run_dir = Path(result.stderr.split("logs: ")[1].split()[0])
     assert "hello from rank 3" in (run_dir / "rank3.log").read_text()
     assert not Path("/tmp/pwned-remote").exists()
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(150)
@@ -79,7 +68,7 @@ def test_failing_remote_rank_stops_every_host(cluster):
     node1 = cluster.nodes[1].ip
     assert f"disttrain: rank 1 on {node1} exited with code 3" in result.stderr
     assert "ValueError: rank one cannot go on: bad shard 17" in result.stderr
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(150)
@@ -88,7 +77,7 @@ def test_ctrl_c_stops_every_host(cluster):
     assert worker_pids(cluster, "node1", "sleeper.py")  # the remote rank is really running
     launcher.send_signal(signal.SIGINT)
     assert launcher.wait(timeout=60) == 130
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(120)
@@ -142,7 +131,7 @@ def test_doctor_all_clear(cluster):
     assert {c["status"] for c in checks} == {"ok"}
     kinds = {c["check"] for c in checks}
     assert {"ssh", "path", "versions", "interface", "master port", "rendezvous port", "host to host"} <= kinds
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(120)
@@ -158,7 +147,7 @@ def test_blocked_master_port_is_named_by_doctor_and_run_fails_fast(cluster):
     assert run.returncode == 1
     assert f"{node1.ip} -> {node0.ip}:29500: timed out" in run.stderr
     assert "open TCP port 29500" in run.stderr
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(120)
@@ -174,7 +163,7 @@ def test_only_ssh_and_master_port_open_is_found_not_hung(cluster):
     run = run_on_node0(cluster, str(SCRIPTS / "sleeper.py"), timeout=60)
     assert run.returncode == 1
     assert "allow all TCP between the hosts" in run.stderr
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(120)
@@ -187,7 +176,7 @@ def test_mesh_blocked_without_preflight_still_ends_with_a_clear_error(cluster):
     assert run.returncode == 75, run.stderr
     assert "could not connect to the other 1 rank(s) within 8 s" in run.stderr
     assert "allow all TCP between the hosts" in run.stderr
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 SYNCED_SCRIPT = """
@@ -236,7 +225,7 @@ def test_sync_copies_the_working_directory_to_a_host_without_it(tmp_path):
         assert again.returncode == 0, again.stderr
         assert f"--sync {project} -> {node1.ip}: 1 of 2 files" in again.stderr
         assert f"[{node1.ip} rank1] sum 8.5" in again.stdout
-        assert_nothing_left(cluster)
+        cluster.assert_nothing_left()
 
 
 def worker_pids(cluster, node: str, script: str) -> list[int]:
@@ -272,7 +261,7 @@ def test_a_killed_remote_rank_stops_every_host(cluster):
     assert launcher.wait(timeout=60) == 137
     err = launcher.stderr.read()
     assert f"rank 1 on {node1.ip}" in err and "SIGKILL" in err
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(150)
@@ -284,7 +273,7 @@ def test_a_host_losing_power_ends_the_job_naming_it(cluster):
     code = launcher.wait(timeout=90)
     assert code == 255
     assert f"lost the ssh connection to {node1.ip} (node 1)" in launcher.stderr.read()
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(120)
@@ -306,7 +295,7 @@ def test_a_different_torch_on_one_host_is_reported_before_launch(tmp_path):
         assert run.returncode == 2
         assert f"{node1.ip}: torch 2.99.0 (vs {torch.__version__} on {node0.ip}); fix: install the same" in run.stderr
         assert "Traceback" not in run.stderr
-        assert_nothing_left(cluster)
+        cluster.assert_nothing_left()
 
 
 @pytest.mark.timeout(150)
@@ -333,4 +322,4 @@ def test_hostfile_slots_and_c10d_rendezvous(cluster, tmp_path):
     ranks = read_ranks(out)
     assert set(ranks) == set(range(world))
     assert all(rec["sum"] == world * (world + 1) / 2 for rec in ranks.values())
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()

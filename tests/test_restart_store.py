@@ -5,7 +5,7 @@ group forms (gloo's stale addresses used to fail it with "Connection refused" or
 from __future__ import annotations
 
 import pytest
-from test_multinode import assert_nothing_left, run_on_node0
+from test_multinode import run_on_node0
 
 from conftest import SCRIPTS, cli_env, disttrain, read_ranks
 from rig import cluster_fixture
@@ -38,4 +38,4 @@ def test_restarted_script_sees_no_stale_key_across_hosts(cluster, tmp_path):
     result = run_on_node0(cluster, "--max-restarts", "1", SCRIPT, str(out), timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_clean_restart(out, {0, 1})
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()

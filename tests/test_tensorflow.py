@@ -112,7 +112,7 @@ def test_example_across_two_workers_saves_to_sm_model_dir(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not HAVE_TF_KERAS, reason="model.fit across workers needs tf-keras")
 def test_two_hosts_over_ssh(cluster, tmp_path):
-    from test_multinode import assert_nothing_left, run_on_node0
+    from test_multinode import run_on_node0
 
     out = tmp_path / "out"
     out.mkdir()
@@ -121,4 +121,4 @@ def test_two_hosts_over_ssh(cluster, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert_trained_together(read_ranks(out, "worker"), [node.ip for node in cluster.nodes])
     assert f"[{cluster.nodes[1].ip} rank1] worker 1: 2 replicas" in result.stdout
-    assert_nothing_left(cluster)
+    cluster.assert_nothing_left()

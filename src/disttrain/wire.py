@@ -33,10 +33,10 @@ agent.done         NodeDone         agent -> launcher (stderr) -> every other ag
 agent.regroup      Regroup          launcher -> agent (stdin): hosts were lost, join the next round
 agent.attempt      AttemptStarted   agent -> launcher (stderr): a round's workers are starting
 launch.outcome     Outcome          how a launch ended (a Slurm step's, read by the submitter)
-slurm.step         LaunchStep       submitter -> the batch job's step (its environment)
-slurm.ended        StepEnded        the batch job's step -> the submitter (a file)
-client.run         RunClient        inside slurm.step: rebuild ``disttrain run``'s events
-client.job         JobClient        inside slurm.step: rebuild a job's events
+slurm.batch_step         BatchStep       submitter -> the batch job's step (its environment)
+slurm.ended        BatchStepEnded        the batch job's step -> the submitter (a file)
+client.run         RunClient        inside slurm.batch_step: rebuild ``disttrain run``'s events
+client.job         JobClient        inside slurm.batch_step: rebuild a job's events
 run.spec           RunSpec          ``disttrain bench`` -> ``disttrain run-spec`` (stdin)
 sagemaker.fit      FitRequest       an estimator's ``fit`` -> its job process (a 0600 file)
 sync.offer         SyncOffer        ``--sync``: launcher -> ``disttrain receive``
@@ -463,12 +463,12 @@ class JobClient(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchStep(Message):
-    """What a batch job's one command (``disttrain launch-step``) launches on its allocation.
+class BatchStep(Message):
+    """What a batch job's one command (``disttrain batch-step``) launches on its allocation.
 
     It travels in the job's environment (it may hold ``--env`` values), never in a file."""
 
-    kind: ClassVar[str] = "slurm.step"
+    kind: ClassVar[str] = "slurm.batch_step"
 
     spec: LaunchSpec
     run_id: str
@@ -481,7 +481,7 @@ class LaunchStep(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepEnded(Message):
+class BatchStepEnded(Message):
     """The step's end, for the submitting side: how the launch ended and on which nodes."""
 
     kind: ClassVar[str] = "slurm.ended"
@@ -541,5 +541,5 @@ class InstanceEnv(Message):
 
 MESSAGES: dict[str, type[Message]] = {m.kind: m for m in (
     ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Alive, Beats, HangReport, NodeDone,
-    Regroup, AttemptStarted, Outcome, LaunchStep, StepEnded,
+    Regroup, AttemptStarted, Outcome, BatchStep, BatchStepEnded,
     RunClient, JobClient, RunSpec, FitRequest, SyncOffer, SyncWanted, InstanceEnv)}

@@ -27,7 +27,7 @@ from ..config.launch import (
 )
 from ..errors import UsageError
 from ..home import run_folder
-from ..launch import Context, Launcher, RunFolderEvents
+from ..launch import LaunchContext, Launcher, RunFolderEvents
 from ..launch.slurm_env import SlurmAllocation
 from ..runtime import comm
 from ..wire import RunSpec
@@ -171,7 +171,7 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
             notes.append(f"--nnodes {high} is for nodes started by hand; --hosts runs one node per host: ignored")
             low = high = 1
     rdzv = torchrun.resolve_rendezvous(
-        backend=values["rdzv_backend"], endpoint=values["rdzv_endpoint"], master_addr=values["master_addr"],
+        rdzv_backend=values["rdzv_backend"], endpoint=values["rdzv_endpoint"], master_addr=values["master_addr"],
         master_port=values["master_port"], nnodes=(low, high), node_rank=values["node_rank"],
         standalone=values["standalone"], placed=hosts or _slurm_places(args, environ))
     notes += rdzv.notes
@@ -179,8 +179,8 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
         values["rdzv_id"] = None
     args.torchrun = values
     args.nnodes, args.min_nnodes = high, low
-    args.node_rank = values["node_rank"] if rdzv.backend == "static" else 0
-    args.rdzv_backend, args.master_addr, args.master_port = rdzv.backend, rdzv.master_addr, rdzv.master_port
+    args.node_rank = values["node_rank"] if rdzv.rdzv_backend == "static" else 0
+    args.rdzv_backend, args.master_addr, args.master_port = rdzv.rdzv_backend, rdzv.master_addr, rdzv.master_port
     args.stop_grace_s = _stop_grace(args, values, environ)
     return notes
 
@@ -192,7 +192,7 @@ def _slurm_places(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
     if getattr(args, "launcher", None) is not None:
         return False
     alloc = SlurmAllocation.from_environ(environ)
-    return alloc is not None and not alloc.in_step
+    return alloc is not None and not alloc.in_job_step
 
 
 def agent_options(values: dict, log_dir: str | None) -> AgentOptions:
@@ -228,7 +228,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
-        backend=args.dist_backend,
+        dist_backend=args.dist_backend,
         max_restarts=values["max_restarts"],
         ranks=parse_ranks(args.ranks),
         log_dir=values["log_dir"],
@@ -328,9 +328,9 @@ def launch(spec: LaunchSpec, launcher: Launcher, args: argparse.Namespace) -> in
     # torchrun's PYTHON_EXEC: the workers' interpreter, when --python does not say otherwise
     python = os.environ.get("PYTHON_EXEC") if args.python == sys.executable and os.environ.get("PYTHON_EXEC") \
         else args.python
-    ctx = Context(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=python,
-                  paths=_entry_paths(spec),
-                  preflight=not args.no_preflight and not args.dry_run, environ=dict(os.environ))
+    ctx = LaunchContext(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=python,
+                        paths=_entry_paths(spec),
+                        preflight=not args.no_preflight and not args.dry_run, environ=dict(os.environ))
     if args.dry_run:
         print(launcher.dry_run(spec, ctx).text(), end="")
         return 0

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
-from ..placement import BACKENDS
+from ..placement import DIST_BACKENDS
 from .torchrun import (
     DEFAULT_SIGNALS,
     EVENT_LOG_HANDLERS,
@@ -158,7 +158,7 @@ class LaunchSpec:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
-    backend: str | None = None
+    dist_backend: str | None = None
     max_restarts: int = 0
     ranks: tuple[int, ...] | None = None
     log_dir: str | None = None
@@ -241,8 +241,8 @@ class LaunchSpec:
             raise UsageError("--nnodes > 1 needs --master-port (the same on every node)")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
-        if self.backend is not None and self.backend not in BACKENDS:
-            raise UsageError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.dist_backend is not None and self.dist_backend not in DIST_BACKENDS:
+            raise UsageError(f"unknown backend {self.dist_backend!r}: choose one of {', '.join(DIST_BACKENDS)}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts cannot be negative, got {self.max_restarts}")
         if self.rdzv_backend not in RDZV_BACKENDS and self.rdzv_backend not in rdzv_backends():

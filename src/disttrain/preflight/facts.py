@@ -88,7 +88,7 @@ def local_facts(cpus: int | None = None, *, toward: str | None = None):
         if ifname is not None and ipaddress.ip_address(address).is_loopback:
             ifname = None  # all on this machine: gloo finds loopback by itself
     return NodeFacts(
-        hostname=socket.gethostname(),
+        name=socket.gethostname(),
         cpus=cpus or usable_cpus(),
         cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
         socket_ifname=ifname,

@@ -60,6 +60,7 @@ def test_context_on_a_gpu_node_takes_its_local_gpu_and_nccl():
 def test_context_launcher_backend_wins_over_the_scripts():
     env = launched(world_size=2, dist_backend="gloo")
     assert resolve(env, cuda_devices=2, backend="nccl").dist_backend == "gloo"
+    assert resolve(env, cuda_devices=2).dist_backend == "gloo"  # dist_backend's old name, which scripts read
     assert resolve(launched(world_size=2), cuda_devices=0, backend=None).dist_backend == "gloo"
 
 

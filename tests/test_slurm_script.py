@@ -18,7 +18,7 @@ from disttrain.launch.slurm_env import SlurmAllocation, expand_counts, expand_ho
 
 GOLDEN = "\n".join([
     "#!/bin/bash",
-    "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the step finds the",
+    "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the batch step finds the",
     "# nodes in Slurm's environment and starts one torch elastic agent per node with srun;",
     "# the master is the first node, at its address toward the others found on that node.",
     "# The launch spec is in the job's environment (DISTTRAIN_BATCH_STEP; it may hold --env values).",
@@ -173,6 +173,33 @@ def test_bad_slurm_input_is_one_line_and_exit_2(tmp_path, args, fragments):
     result = disttrain("run", *args, "--dry-run", str(SCRIPTS / "sleeper.py"), env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
     assert_usage_error(result, *fragments)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(120)
+def test_on_slurm_nnodes_is_the_number_of_nodes_as_nodes_is(tmp_path):
+    """torchrun's word and Slurm's for one count: --nnodes N asks Slurm for N nodes, as --nodes N does."""
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path))
+    for flags in (["--nnodes", "2"], ["--nodes", "2"], ["--nnodes", "2", "--nodes", "2"]):
+        result = disttrain("run", "--launcher", "slurm", *flags, "--dry-run", str(SCRIPTS / "sleeper.py"), env=env)
+        assert result.returncode == 0, result.stderr
+        assert "#SBATCH --nodes=2\n" in result.stdout and "--nnodes" not in result.stderr, flags
+    result = disttrain("run", "--launcher", "slurm", "--nnodes", "2", "--nodes", "3", "--dry-run",
+                       str(SCRIPTS / "sleeper.py"), env=env)
+    assert_usage_error(result, "--nnodes 2 and --nodes 3 disagree: on Slurm both are the number of nodes")
+
+
+@pytest.mark.timeout(60)
+def test_a_job_queued_before_the_batch_step_had_its_name_still_reads_its_step(tmp_path):
+    """Each old name is still read: its script's `disttrain launch-step` (the old command),
+    its environment's DISTTRAIN_LAUNCH_STEP (the old variable), holding the old kind slurm.step
+    (this one lacks its spec, which the error names)."""
+    old_env = {"DISTTRAIN_LAUNCH_STEP": '{"kind": "slurm.step", "v": 1}'}
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path), SLURM_JOB_ID="12", SLURM_JOB_NODELIST="node0", **old_env)
+    result = disttrain("launch-step", env=env)  # the old name of batch-step
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == \
+        "disttrain: error: BatchStep message (slurm.batch_step): missing key 'spec' (written by another disttrain " \
+        "version?)", result.stderr
 
 
 @pytest.mark.timeout(60)

@@ -208,7 +208,7 @@ def test_bad_torchrun_values_are_one_line_and_exit_2(tmp_path, args, message):
     assert len(lines) == 1 and message in lines[0], lines
 
 
-@pytest.mark.parametrize("kw, backend, addr, port, said", [
+@pytest.mark.parametrize("kw, rdzv_backend, addr, port, said", [
     ({}, "static", None, None, ""),
     ({"nnodes": (1, 2)}, "c10d", "127.0.0.1", 29400, "every node must be this machine"),
     ({"nnodes": (2, 2), "master_addr": "10.0.0.1"}, "static", "10.0.0.1", 29500, ""),
@@ -219,11 +219,11 @@ def test_bad_torchrun_values_are_one_line_and_exit_2(tmp_path, args, message):
      "--node-rank 1 ignored"),
     ({"standalone": True, "endpoint": "h:1", "rdzv_backend": "c10d"}, "static", None, None, "ignored (one node"),
 ])
-def test_rendezvous_follows_torchruns_rules(kw, backend, addr, port, said):
+def test_rendezvous_follows_torchruns_rules(kw, rdzv_backend, addr, port, said):
     args = {"rdzv_backend": None, "endpoint": None, "master_addr": None, "master_port": None, "nnodes": (1, 1),
             "node_rank": 0, "standalone": False, **kw}
     rdzv = torchrun.resolve_rendezvous(**args)
-    assert (rdzv.rdzv_backend, rdzv.master_addr, rdzv.master_port) == (backend, addr, port)
+    assert (rdzv.rdzv_backend, rdzv.master_addr, rdzv.master_port) == (rdzv_backend, addr, port)
     assert said in " ".join(rdzv.notes) and bool(said) == bool(rdzv.notes)
 
 

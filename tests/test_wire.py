@@ -4,13 +4,15 @@ names the message (another version, a stray line, an unknown key, a wrong type).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from disttrain import wire
 from disttrain.config.launch import LaunchSpec
-from disttrain.plan.launch import NodeFacts, make_plan
+from disttrain.errors import UsageError
+from disttrain.plan.launch import NodeFacts, make_plan, plan_from_json
 from disttrain.wire import (
     MESSAGES,
     Alive,
@@ -156,7 +158,8 @@ def test_a_line_that_is_not_the_message_is_refused_naming_it(line, fragment):
 def test_nested_errors_name_the_field():
     step = json.loads(BatchStep(spec=SPEC, run_id="r", run_dir="/r", cwd="/w", python="/p").to_line())
     step["spec"]["colour"] = "red"
-    with pytest.raises(WireError, match=r"BatchStep message \(slurm.batch_step\), spec: launch spec: unknown key 'colour'"):
+    with pytest.raises(WireError,
+                       match=r"BatchStep message \(slurm.batch_step\), spec: launch spec: unknown key 'colour'"):
         BatchStep.from_line(json.dumps(step))
     step = json.loads(BatchStep(spec=SPEC, run_id="r", run_dir="/r", cwd="/w", python="/p").to_line())
     step["client"] = {"kind": "client.notebook", "v": 1}
@@ -166,6 +169,28 @@ def test_nested_errors_name_the_field():
     facts["facts"]["gpus"] = 1
     with pytest.raises(WireError, match=r"ProbeFacts message \(probe.facts\), facts: unknown key 'gpus'"):
         ProbeFacts.from_line(json.dumps(facts))
+
+
+def test_what_an_old_disttrain_wrote_is_still_read():
+    """A Slurm job queued before an upgrade holds the batch step as the old version wrote it
+    (old kind slurm.step, the spec's process-group backend under "backend"); a kept plan.json its
+    "backend", "min_nodes" and each node's "host"."""
+    step = BatchStep(spec=dataclasses.replace(SPEC, dist_backend="gloo"), run_id="r", run_dir="/r", cwd="/w",
+                     python="/p", client=RunClient())
+    old = step.to_dict()
+    old["kind"] = "slurm.step"
+    old["spec"]["backend"] = old["spec"].pop("dist_backend")
+    assert BatchStep.from_line(json.dumps(old)) == step
+    plan = _plan()
+    data = json.loads(plan.to_private_json())
+    data["backend"], data["min_nodes"] = data.pop("dist_backend"), data.pop("min_nnodes")
+    for node in data["nodes"]:
+        node["host"] = node.pop("name")
+    assert plan_from_json(json.dumps(data)) == plan
+    data["dist_backend"] = "nccl"
+    with pytest.raises(UsageError, match="launch plan: 'backend' \\(the old name of 'dist_backend'\\) and "
+                                         "'dist_backend' disagree"):
+        plan_from_json(json.dumps(data))
 
 
 def test_a_message_in_a_stream_of_text_is_found_by_its_marker():

@@ -2,7 +2,7 @@
 
 Each only parses its flags and calls the module that owns the process: a node's agent
 (:mod:`disttrain.agent.entry`), ``--sync``'s receiving end (:mod:`disttrain.launch.sync`),
-a Slurm batch job's step (:mod:`disttrain.launch.slurm_alloc`).
+a Slurm batch job's batch step (:mod:`disttrain.launch.slurm_alloc`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     receive.set_defaults(handler=handle_receive)
 
     # The one command of a Slurm batch script (disttrain.launch.slurm): runs in the allocation,
-    # its step in the job's environment.
-    step = sub.add_parser("batch-step")
-    step.set_defaults(handler=handle_batch_step)
+    # its batch step in the job's environment.
+    # launch-step: its old name, in the scripts of jobs queued before an upgrade.
+    batch_step = sub.add_parser("batch-step", aliases=["launch-step"])
+    batch_step.set_defaults(handler=handle_batch_step)
 
 
 def handle_agent(args: argparse.Namespace) -> int:

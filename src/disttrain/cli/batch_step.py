@@ -1,7 +1,8 @@
-"""Inside a batch allocation, the client's event sink rebuilt from what it shipped (``Events.batch_step_client``).
+"""Inside a batch allocation, the client's event sink rebuilt from what it shipped
+(``Events.batch_step_client``).
 
 The batch launcher cannot carry a Python object into the allocation; each client names
-itself in the step and is rebuilt here, at the top of the layers, where every client
+itself in the batch step and is rebuilt here, at the top of the layers, where every client
 is importable (the launch package imports none of them).
 """
 

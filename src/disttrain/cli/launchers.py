@@ -34,7 +34,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="process-group backend (default: nccl with CUDA, else gloo)")
     g = p.add_argument_group("Slurm (--launcher slurm)")
     g.add_argument("--nodes", type=int, default=None,
-                   help="nodes to ask for (default 1); inside an allocation: use its first N (default all)")
+                   help="nodes to ask for (default 1); inside an allocation: use its first N (default all). "
+                   "On Slurm --nnodes N says the same")
     g.add_argument("--partition", default=None, help="Slurm partition (sbatch --partition)")
     g.add_argument("--time", default=None, metavar="LIMIT",
                    help="time limit, as sbatch takes it: minutes, H:MM:SS, D-HH (sbatch --time)")
@@ -109,6 +110,16 @@ def job_step_cpus(alloc: SlurmAllocation | None) -> int | None:
     return alloc.cpus_on_node
 
 
+def slurm_nodes(args: argparse.Namespace) -> int | None:
+    """How many nodes a Slurm launch uses: --nodes N (Slurm's word) or --nnodes N (torchrun's,
+    set aside by ``cli.run.resolve_args``), one count; None: neither given."""
+    nnodes = getattr(args, "slurm_nnodes", None)
+    if nnodes is not None and args.nodes is not None and nnodes != args.nodes:
+        raise UsageError(f"--nnodes {nnodes} and --nodes {args.nodes} disagree: on Slurm both are the number of "
+                         "nodes; give one")
+    return args.nodes if args.nodes is not None else nnodes
+
+
 def launcher_from_args(args: argparse.Namespace) -> Launcher:
     """The one place the flags pick a launcher; every launcher is then used the same way."""
     resolve_names(args)
@@ -125,14 +136,14 @@ def launcher_from_args(args: argparse.Namespace) -> Launcher:
     elastic = getattr(args, "min_nnodes", None) is not None and args.min_nnodes < args.nnodes
     if (args.nnodes != 1 and not elastic) or args.node_rank != 0:
         raise UsageError("--nnodes/--node-rank are for nodes started by hand; on Slurm disttrain starts every "
-                         "node itself: --nodes N (or an elastic range, --nnodes MIN:MAX)")
+                         "node itself: --nnodes N or --nodes N (or an elastic range, --nnodes MIN:MAX)")
     if elastic and args.nodes is not None and args.nodes != args.nnodes:
         raise UsageError(f"--nodes {args.nodes} and --nnodes {args.min_nnodes}:{args.nnodes}: an elastic job asks "
                          f"Slurm for {args.min_nnodes} to {args.nnodes} nodes; give the range only")
+    nodes = None if elastic else slurm_nodes(args)
     if alloc is not None:
-        return SlurmAllocationLauncher(alloc, nodes=None if elastic else args.nodes)
-    nodes = args.nnodes if elastic else 1 if args.nodes is None else args.nodes
+        return SlurmAllocationLauncher(alloc, nodes=nodes)
     options = SlurmOptions(
-        nodes=nodes, partition=args.partition, time=args.time,
+        nodes=args.nnodes if elastic else 1 if nodes is None else nodes, partition=args.partition, time=args.time,
         gpus_per_node=args.gpus_per_node, requeue=args.requeue, sbatch_args=tuple(args.sbatch_arg))
     return SlurmBatchLauncher(options, no_wait=args.no_wait, pending_timeout_s=args.pending_timeout)

@@ -157,10 +157,16 @@ def _stop_grace(args: argparse.Namespace, values: dict, environ: Mapping[str, st
 def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
     """Turn torchrun's options (command line, PET_) into the values the spec and the launcher
     read, on ``args``; returns the lines to say (what was ignored or assumed)."""
+    nnodes_given = getattr(args, "nnodes", None) is not None or torchrun.from_environ("nnodes", environ) is not None
     values = torchrun_values(args, environ)
     low, high = torchrun.parse_nnodes(values["nnodes"])
     hosts = bool(getattr(args, "hosts", None) or getattr(args, "hostfile", None))
     notes: list[str] = []
+    args.slurm_nnodes = None
+    if not hosts and nnodes_given and low == high and _slurm_places(args, environ):
+        # On Slurm, torchrun's --nnodes N is the number of nodes, as --nodes N (Slurm's word) is:
+        # the launcher asks Slurm for them (or takes the allocation's first N) and places each.
+        args.slurm_nnodes, low, high = high, 1, 1
     if hosts:  # --hosts numbers and addresses its nodes itself, one per host
         for dest, flag, default in (("node_rank", "--node-rank", 0), ("local_addr", "--local-addr", None),
                                     ("standalone", "--standalone", False)):
@@ -187,10 +193,10 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
 
 def _slurm_places(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
     """Slurm's launcher places every node (sbatch, or the nodes of the allocation we run in)."""
-    if getattr(args, "launcher", None) == "slurm":
-        return True
-    if getattr(args, "launcher", None) is not None:
-        return False
+    launcher = getattr(args, "launcher", None) or (getattr(args, "backend", None) if getattr(
+        args, "backend", None) in launchers.LAUNCHERS else None)  # --backend slurm: --launcher's old name
+    if launcher is not None:
+        return launcher == "slurm"
     alloc = SlurmAllocation.from_environ(environ)
     return alloc is not None and not alloc.in_job_step
 

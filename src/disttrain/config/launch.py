@@ -86,6 +86,19 @@ def parse_env(items: list[str], environ: Mapping[str, str] | None = None) -> dic
     return env
 
 
+def new_keys(data: dict, old_names: Mapping[str, str], *, where: str) -> dict:
+    """``data`` with the keys an older disttrain wrote under their new names (``old_names``: old -> new),
+    for what it left behind: a queued Slurm job's batch step, a kept ``plan.json``."""
+    data = dict(data)
+    for old, new in old_names.items():
+        if old in data:
+            if new in data and data[new] != data[old]:
+                raise UsageError(f"{where}: {old!r} (the old name of {new!r}) and {new!r} disagree")
+            data.setdefault(new, data.pop(old))
+            data.pop(old, None)
+    return data
+
+
 def rdzv_backends() -> tuple[str, ...]:
     """torch's built-in rendezvous backends and those installed packages register with it."""
     from importlib.metadata import entry_points  # only when a name is not a built-in one
@@ -144,6 +157,9 @@ class AgentOptions:
         check_signals(self.signals_to_handle)
         if self.local_ranks_filter is not None and (not self.local_ranks_filter or min(self.local_ranks_filter) < 0):
             raise UsageError(f"--local-ranks-filter takes local ranks 0 or more, got {self.local_ranks_filter}")
+
+
+_OLD_KEYS = {"backend": "dist_backend"}  # what an older disttrain's spec JSON calls them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +224,7 @@ class LaunchSpec:
     @classmethod
     def from_json(cls, text: str) -> LaunchSpec:
         """The inverse of :meth:`to_json`; unknown keys are refused by name, values validated again."""
-        data = json.loads(text)
+        data = new_keys(json.loads(text), _OLD_KEYS, where="launch spec")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -281,7 +281,7 @@ def resolve_rendezvous(*, rdzv_backend: str | None, endpoint: str | None, master
                        standalone: bool, placed: bool = False) -> Rendezvous:
     """torchrun's rules: ``--standalone`` is one node on a local port and overrides the ``--rdzv-*``
     values; ``--rdzv-endpoint`` wins over ``--master-addr/--master-port``; ``--node-rank`` is for
-    the static rendezvous only. disttrain adds: ``MIN:MAX`` picks c10d unless a backend is given;
+    the static rendezvous only. disttrain adds: ``MIN:MAX`` picks c10d unless --rdzv-backend is given;
     ``placed``: a launcher places every node (``--hosts``) and finds the master itself, so no
     address is assumed when none is given."""
     low, high = nnodes

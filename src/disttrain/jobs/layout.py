@@ -155,5 +155,5 @@ def private_folder(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.mkdir(mode=0o700, exist_ok=True)
     if path.stat().st_uid == os.getuid():
-        path.chmod(0o700)  # it existed (a rerun of a named job, a Slurm step) with another mode
+        path.chmod(0o700)  # it existed (a rerun of a named job, a Slurm batch step) with another mode
     return path

@@ -1,6 +1,6 @@
 """A job from spec to record: Pending → Staging → Running → Uploading → Completed | Failed | Stopped.
 
-Every step is recorded in the store as it happens, so a job that fails, is stopped or whose
+Every state change is recorded in the store as it happens, so a job that fails, is stopped or whose
 runner dies leaves its state, logs and root cause behind. Job names: each run of a spec is
 named ``<name>-<YYYYMMDD-HHMMSS>-<4 hex>`` (SageMaker appends a timestamp to a base job name
 the same way), so reruns never collide and sort by time.
@@ -223,11 +223,12 @@ class JobRun(JobBatchStepEvents):
                  f"logs: {run_dir}")
 
     def ran_on(self, where: tuple[str, ...]) -> None:
-        self.store.update(self.id, hosts=[{"instance": i, "host": w} for i, w in zip(self.layout.instance_names, where)])
+        self.store.update(self.id, hosts=[{"instance": i, "host": w}
+                                          for i, w in zip(self.layout.instance_names, where)])
 
     def batch_step_client(self) -> JobClient:
         return JobClient(name=self.record.name, job_dir=str(self.layout.root), cwd=str(self.cwd),
-                         spec=self.spec.to_dict())  # whole (masking is for records): the step runs it
+                         spec=self.spec.to_dict())  # whole (masking is for records): the batch step runs it
 
     def _finish(self, outcome: Outcome, timed_out: str | None) -> JobRecord:
         layout = self.layout

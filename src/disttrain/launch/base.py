@@ -3,14 +3,14 @@
 Clients call two methods, the same on every launcher: :meth:`Launcher.run` (spec + context +
 an :class:`Events` sink → an :class:`~disttrain.wire.Outcome`) and :meth:`Launcher.dry_run`
 (→ a :class:`DryRun`: what would start, nothing started). Behind them, two kinds of launcher,
-each a template with its own steps (torch elastic's agent template and submitit's executors
+each a template with its own stages (torch elastic's agent template and submitit's executors
 divide theirs the same way):
 
 **Agent launchers** (:class:`AgentLauncher`: local, the job's instances, ssh, a Slurm
 allocation, mpi) know the nodes before anything starts:
 
 1. :meth:`~AgentLauncher.facts` -- ask the nodes about themselves (cores, GPUs, the route to the
-   master, a free port). The only step with side effects before the start; it may probe hosts.
+   master, a free port). The only stage with side effects before the start; it may probe hosts.
 2. :meth:`~AgentLauncher.place` -- spec + facts → :class:`~disttrain.plan.launch.LaunchPlan`. Pure:
    ``--dry-run`` prints exactly what would start.
 3. :meth:`~AgentLauncher.launch` -- plan + events → the outcome.
@@ -25,7 +25,7 @@ which picks the nodes later: the spec is shipped into the allocation (a
 :class:`~disttrain.wire.BatchStep`), where an agent launcher places and launches it.
 
 1. :meth:`~BatchLauncher.script` -- the batch script (pure);
-2. :meth:`~BatchLauncher.submit` -- the script to the scheduler, the step in the job's
+2. :meth:`~BatchLauncher.submit` -- the script to the scheduler, the batch step in the job's
    environment → the job id (hooks: :meth:`~BatchLauncher.submission_argv`,
    :meth:`~BatchLauncher.job_id_from`);
 3. :meth:`~BatchLauncher.follow` -- the job's output while it runs → the outcome.
@@ -136,7 +136,7 @@ class DryRun:
 
     An agent launcher knows the nodes before anything starts: its dry run is the plan. A batch
     launcher's nodes are known only inside the allocation: its dry run is the script it would
-    submit and the spec that script's step would place there.
+    submit and the spec that script's batch step would place there.
     """
 
     launcher: str
@@ -217,9 +217,9 @@ class AgentLauncher(Launcher):
 
 class BatchLauncher(Launcher):
     """script → submit → job id → follow: a scheduler picks the nodes after submission, and the
-    spec is placed there, by the step the script runs (a :class:`~disttrain.wire.BatchStep`)."""
+    spec is placed there, by the batch step the script runs (a :class:`~disttrain.wire.BatchStep`)."""
 
-    nodes: int = 1  # what the step asks of the allocation
+    nodes: int = 1  # what the batch step asks of the allocation
     no_wait: bool = False  # submit, say the job id, return
     env: Mapping[str, str] | None = None  # for the scheduler's commands (None: this process's)
 
@@ -228,7 +228,7 @@ class BatchLauncher(Launcher):
         """The batch script for ``spec``; pure, checked inputs."""
 
     def shipped(self, spec: LaunchSpec, ctx: LaunchContext) -> LaunchSpec:
-        """The spec the step places (the launcher may fill in what the allocation needs)."""
+        """The spec the batch step places (the launcher may fill in what the allocation needs)."""
         return spec
 
     @abstractmethod
@@ -245,12 +245,12 @@ class BatchLauncher(Launcher):
         """Run one of the scheduler's client commands (errors naming it: missing, no answer)."""
 
     def batch_step_env(self) -> str:
-        """The job environment's variable that carries the step."""
+        """The job environment's variable that carries the batch step."""
         return BATCH_STEP_ENV
 
     @abstractmethod
     def follow(self, job_id: str, events: Events, ctx: LaunchContext) -> Outcome:
-        """The job's output while it runs, then how its step ended."""
+        """The job's output while it runs, then how its batch step ended."""
 
     def dry_run(self, spec: LaunchSpec, ctx: LaunchContext) -> DryRun:
         spec = self.shipped(spec, ctx)
@@ -258,16 +258,16 @@ class BatchLauncher(Launcher):
 
     def run(self, spec: LaunchSpec, ctx: LaunchContext, events: Events) -> Outcome:
         spec = self.shipped(spec, ctx)
-        step = BatchStep(spec=spec, run_id=ctx.run_id, run_dir=ctx.run_dir, cwd=ctx.cwd, python=ctx.python,
-                         paths=tuple(ctx.paths), nodes=self.nodes, client=events.batch_step_client())
-        job_id = self.submit(self.script(spec, ctx), step, ctx)
+        batch_step = BatchStep(spec=spec, run_id=ctx.run_id, run_dir=ctx.run_dir, cwd=ctx.cwd, python=ctx.python,
+                               paths=tuple(ctx.paths), nodes=self.nodes, client=events.batch_step_client())
+        job_id = self.submit(self.script(spec, ctx), batch_step, ctx)
         events.submitted(job_id, ctx.run_dir)
         if self.no_wait:
             return Outcome(exit_code=0)
         return self.follow(job_id, events, ctx)
 
-    def submit(self, script: str, step: BatchStep, ctx: LaunchContext) -> str:
-        """The script to the scheduler, the step in the job's environment (values go through its
+    def submit(self, script: str, batch_step: BatchStep, ctx: LaunchContext) -> str:
+        """The script to the scheduler, the batch step in the job's environment (values go through its
         environment, never its argv, which ``ps`` shows); the job id.
 
         The run folder must exist before the job starts (the scheduler opens the output files
@@ -280,7 +280,7 @@ class BatchLauncher(Launcher):
         run_dir.mkdir(parents=True, exist_ok=True)
         argv = self.submission_argv()
         try:
-            env = {**(os.environ if self.env is None else self.env), self.batch_step_env(): step.to_line()}
+            env = {**(os.environ if self.env is None else self.env), self.batch_step_env(): batch_step.to_line()}
             result = self.command(argv, env=self.job_env(env), input=script)
             if result.returncode != 0:
                 raise UsageError(f"{argv[0]} refused the job: {_last_line(result.stderr)}")
@@ -300,7 +300,9 @@ class BatchLauncher(Launcher):
         """What stays in the run folder of a submitted job (the script, the id)."""
 
 
-BATCH_STEP_ENV = "DISTTRAIN_BATCH_STEP"  # the step, in a batch job's environment (it may hold --env values)
+BATCH_STEP_ENV = "DISTTRAIN_BATCH_STEP"  # the batch step, in a batch job's environment (it may hold --env values)
+# The same, as the disttrain before the batch step had its own word named it: a job queued then still carries it.
+OLD_BATCH_STEP_ENV = "DISTTRAIN_LAUNCH_STEP"
 
 
 def _last_line(text: str) -> str:

@@ -4,11 +4,11 @@ Render an sbatch script, submit it, follow it, cancel it. The script is what a u
 write by hand -- ``#SBATCH`` lines, then one command, ``disttrain batch-step``, which runs on
 the allocation's first node and launches there with
 :class:`~disttrain.launch.slurm_alloc.SlurmAllocationLauncher` (also what ``disttrain run``
-uses inside a ``salloc`` shell). The step (:class:`~disttrain.wire.BatchStep`: the launch
+uses inside a ``salloc`` shell). The batch step (:class:`~disttrain.wire.BatchStep`: the launch
 spec as :meth:`LaunchSpec.to_json` wrote it, not re-rendered flags, and how to rebuild the
 client's event sink there -- a job's runner adds its variables) travels in the job's
 environment (:data:`~disttrain.launch.base.BATCH_STEP_ENV`), the way Slurm carries every variable of
-a job: it may hold ``--env`` values, so it is never written to the run folder. How the step
+a job: it may hold ``--env`` values, so it is never written to the run folder. How the batch step
 ended comes back in the run folder (:class:`~disttrain.wire.BatchStepEnded`).
 """
 
@@ -134,7 +134,7 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
     paths = SlurmPaths(Path(run_dir))
     name = re.sub(r"[^\w.-]", "_", options.job_name or Path(spec.entry).stem or "disttrain")
     # An elastic range (--nnodes MIN:MAX): Slurm may start the job on MIN to MAX nodes, and keeps
-    # it running when one of them fails (--no-kill): the step goes on with the others.
+    # it running when one of them fails (--no-kill): the batch step goes on with the others.
     nodes = f"{spec.min_nnodes}-{options.nodes}" if spec.elastic else str(options.nodes)
     directives = [
         f"--job-name={name}",
@@ -147,7 +147,7 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
         f"--output={paths.stdout}",
         f"--error={paths.stderr}",
         "--open-mode=append",  # a requeued run adds to its first run's output
-        "--export=ALL",  # the step travels in the environment, whatever SBATCH_EXPORT says
+        "--export=ALL",  # the batch step travels in the environment, whatever SBATCH_EXPORT says
     ]
     if options.requeue:
         directives.append("--requeue")
@@ -161,7 +161,7 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
     command = [python, "-m", "disttrain", "batch-step"]
     lines = [
         "#!/bin/bash",
-        "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the step finds the",
+        "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the batch step finds the",
         "# nodes in Slurm's environment and starts one torch elastic agent per node with srun;",
         "# the master is the first node, at its address toward the others found on that node.",
         f"# The launch spec is in the job's environment ({BATCH_STEP_ENV}; it may hold --env values).",
@@ -381,7 +381,7 @@ class SlurmJob:
 
 
 class SlurmBatchLauncher(BatchLauncher):
-    """sbatch, then follow. The nodes are placed inside the allocation, by the step the script
+    """sbatch, then follow. The nodes are placed inside the allocation, by the batch step the script
     runs (:func:`disttrain.launch.slurm_alloc.run_batch_step`)."""
 
     name = "slurm"
@@ -434,16 +434,16 @@ class SlurmBatchLauncher(BatchLauncher):
             events.say(f"disttrain: cancelled Slurm job {job.job_id}"
                        + ("" if gone else f" (still in the queue: check `squeue -j {job.job_id}`)"))
             raise
-        if job.interrupted:  # follow cancelled the job and said so; the step's own end is moot
+        if job.interrupted:  # follow cancelled the job and said so; the batch step's own end is moot
             return Outcome(exit_code=code)
         paths = SlurmPaths(Path(ctx.run_dir))
         if paths.outcome.exists():
             ended = BatchStepEnded.from_line(paths.outcome.read_text())
-            events.ran_on(ended.where)  # the nodes the step placed the job on
+            events.ran_on(ended.where)  # the nodes the batch step placed the job on
             return ended.outcome
         if not code:
             return Outcome(exit_code=0)
-        # The step ended before its launch did (a bad node, no disttrain there): its own words are last.
+        # The batch step ended before its launch did (a bad node, no disttrain there): its own words are last.
         lines = paths.stderr.read_text(errors="replace").strip().splitlines() if paths.stderr.exists() else []
         report = (f"Slurm job {job.job_id} exited with code {code} before its nodes ended: "
                   f"{lines[-1] if lines else 'no output'} (see {paths.stderr})")

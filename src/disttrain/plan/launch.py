@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..config.launch import AgentOptions, LaunchSpec
+from ..config.launch import AgentOptions, LaunchSpec, new_keys
 from ..errors import UsageError
 from ..placement import auto_nproc, choose_dist_backend, omp_threads
 from ..tfconfig import SHIM, tf_config, worker_addresses
@@ -25,6 +25,8 @@ from .container import ContainerSetup, InstanceSetup
 class NodeFacts:
     """What the planner needs to know about the node it plans for."""
 
+    # The node's name in messages, log prefixes and records: its host (as --hosts, Slurm or the
+    # machine names it), or a job's instance name (algo-1) where the instances share one machine.
     name: str
     cpus: int
     cuda_devices: int = 0
@@ -47,7 +49,7 @@ class WorkerPlan:
 @dataclass(frozen=True, kw_only=True)
 class NodePlan:
     node_rank: int
-    name: str
+    name: str  # NodeFacts.name
     address: str | None
     nproc: int
     env: dict[str, str]
@@ -321,12 +323,18 @@ def _instances(container: ContainerSetup | None, count: int) -> tuple[InstanceSe
     return container.instances
 
 
+# An old disttrain's names for LaunchPlan's keys, still read (a plan.json it kept).
+_OLD_KEYS = {"backend": "dist_backend", "min_nodes": "min_nnodes"}  # old -> new
+_OLD_NODE_KEYS = {"host": "name"}  # old -> new
+
+
 def plan_from_json(text: str) -> LaunchPlan:
-    """The inverse of :meth:`LaunchPlan.to_private_json`: how a node's agent gets its plan."""
-    data = json.loads(text)
+    """The inverse of :meth:`LaunchPlan.to_private_json`: how a node's agent gets its plan (and
+    the ``plan.json`` of an old disttrain, read under the new names of its keys)."""
+    data = new_keys(json.loads(text), _OLD_KEYS, where="launch plan")
     nodes = tuple(
         NodePlan(
-            **{k: v for k, v in node.items() if k != "workers"},
+            **{k: v for k, v in new_keys(node, _OLD_NODE_KEYS, where="launch plan").items() if k != "workers"},
             workers=tuple(WorkerPlan(**w) for w in node["workers"]),
         )
         for node in data.pop("nodes")

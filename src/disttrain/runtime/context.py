@@ -93,13 +93,18 @@ class Context:
     # environment (checkpoint folder, gradient compression...) comes from here.
     env: WorkerEnv = field(default_factory=lambda: WorkerEnv.from_environ({}), compare=False, repr=False)
 
+    @property
+    def backend(self) -> str | None:
+        """The old name of :attr:`dist_backend`, which scripts written for it still read."""
+        return self.dist_backend
+
 
 def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) -> Context:
     """The Context for ``env`` on a node with ``cuda_devices`` GPUs; pure, no side effects.
 
-    The launcher's backend (``DISTTRAIN_BACKEND``) wins over the script's ``backend``
-    argument, so that ``disttrain run --backend`` can override a script written for one
-    kind of machine.
+    The launcher's process-group backend (``DISTTRAIN_BACKEND``) wins over the script's
+    (``disttrain.init(backend=...)``), so that ``disttrain run --dist-backend`` can override a
+    script written for one kind of machine.
     """
     distributed = env.world_size > 1
     if distributed and not env.launched:

@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
         vote_us, step_ms = statistics.median(vote_s) * 1e6, statistics.median(step_s) * 1e3
         print(json.dumps({
             "world_size": ctx.world_size,
-            "backend": ctx.backend,
+            "backend": ctx.dist_backend,
             "batch_size_per_rank": args.batch_size,
             "vote_us_median": round(vote_us, 1),
             "step_ms_median": round(step_ms, 2),

@@ -175,7 +175,7 @@ def main():
     state = disttrain.resume(args.checkpoint_dir, every=args.checkpoint_every,
                              model=model, optimizer=optimizer)
     disttrain.print0(
-        f"{ctx.world_size} process(es), backend {ctx.backend or 'none'}, device {ctx.device}: "
+        f"{ctx.world_size} process(es), backend {ctx.dist_backend or 'none'}, device {ctx.device}: "
         f"{len(train_set)} training and {len(val_set)} validation images "
         f"({'MNIST from ' + args.data if args.data else 'generated'})"
     )

@@ -253,7 +253,7 @@ def main():
     # Train through the DDP wrapper; validate and save `model` itself (see validate()).
     ddp_model, optimizer, train_dl, val_dl = disttrain.prepare(model, optimizer, train_dl, val_dl)
     disttrain.print0(
-        f"{ctx.world_size} process(es), backend {ctx.backend or 'none'}, device {ctx.device}: "
+        f"{ctx.world_size} process(es), backend {ctx.dist_backend or 'none'}, device {ctx.device}: "
         f"{model_name}, {len(train_set)} training and {len(val_set)} validation images at "
         f"{image_size}x{image_size} ({'STL-10 from ' + args.data if args.data else 'generated'})"
     )

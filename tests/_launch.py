@@ -21,7 +21,7 @@ def launch_argv(
 # What a launcher hands its workers (workerenv's contract): inherited from an outer job,
 # these would make a worker think it is already placed.
 _JOB_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", workerenv.BACKEND, workerenv.RUN_DIR,
+             "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", workerenv.DIST_BACKEND, workerenv.RUN_DIR,
              workerenv.CHECKPOINT_DIR, workerenv.CHECKPOINT_EVERY, workerenv.PG_TIMEOUT,
              workerenv.BENCH_STEPS, workerenv.BENCH_WARMUP, workerenv.BENCH_EXIT}
 

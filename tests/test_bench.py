@@ -231,13 +231,13 @@ def test_parse_output_prefers_the_step_timer_and_strips_prefixes():
     assert runner.parse_output("[rank0] [not json\nplain text") is None
 
 
-def outcome(stdout="", stderr="", rc=0, timed_out=False):
-    return runner.Outcome(rc, stdout, stderr, 1.0, timed_out)
+def count_run(stdout="", stderr="", rc=0, timed_out=False):
+    return runner.CountRun(rc, stdout, stderr, 1.0, timed_out)
 
 
 def test_measurement_from_the_summary_warns_about_a_batch_flag_it_ignores():
     out = '{"train_samples_per_s": 900.0, "global_batch_size": 256, "world_size": 2, "epoch_seconds": [2.0]}'
-    m = runner.measurement(outcome(out), nproc=2, world_size=2, batch_per_process=64, timeout_s=9)
+    m = runner.measurement(count_run(out), nproc=2, world_size=2, batch_per_process=64, timeout_s=9)
     assert m.ok and m.samples_per_s == 900.0 and m.source == report.SCRIPT_SUMMARY and m.seconds == 2.0
     assert any("global batch of 256, not 128" in note for note in m.notes)
     assert any("--steps and --warmup had no effect" in note for note in m.notes)
@@ -246,17 +246,17 @@ def test_measurement_from_the_summary_warns_about_a_batch_flag_it_ignores():
 def test_measurement_failures():
     stderr = ("disttrain: 2 workers (gloo) on vm, rendezvous 127.0.0.1:1; logs: /runs/x\n"
               "disttrain: rank 1 on vm exited with code 3 (pid 9); the other ranks were stopped\n")
-    m = runner.measurement(outcome(stderr=stderr, rc=3), nproc=2, world_size=2,
+    m = runner.measurement(count_run(stderr=stderr, rc=3), nproc=2, world_size=2,
                            batch_per_process=8, timeout_s=9)
     assert not m.ok and m.exit_code == 3 and m.log_dir == "/runs/x"
     assert m.error == "exit 3: rank 1 on vm exited with code 3 (pid 9); the other ranks were stopped"
-    m = runner.measurement(outcome(rc=-15, timed_out=True), nproc=1, world_size=1,
+    m = runner.measurement(count_run(rc=-15, timed_out=True), nproc=1, world_size=1,
                            batch_per_process=8, timeout_s=9)
     assert m.error == "timed out after 9 s (--timeout)"
     short = 'disttrain-bench: {"samples_per_s": null, "steps": 0, "steps_run": 3, "warmup": 5, "complete": false}'
-    m = runner.measurement(outcome(short), nproc=1, world_size=1, batch_per_process=8, timeout_s=9)
+    m = runner.measurement(count_run(short), nproc=1, world_size=1, batch_per_process=8, timeout_s=9)
     assert "ran 3 training steps per process" in m.error
-    m = runner.measurement(outcome("nothing useful"), nproc=1, world_size=1,
+    m = runner.measurement(count_run("nothing useful"), nproc=1, world_size=1,
                            batch_per_process=8, timeout_s=9)
     assert m.error.startswith("no measurement")
 
@@ -442,5 +442,5 @@ def test_the_mnist_example_is_timed_by_its_summary_line():
     line = ('[rank0] {"world_size": 2, "epochs": 1, "global_batch_size": 128, "train_samples": 6000, '
             '"val_samples": 1000, "train_samples_per_s": 3916.0, "epoch_seconds": [1.5], '
             '"train_loss": 0.7, "val_accuracy": 0.9}')
-    m = runner.measurement(outcome(line), nproc=2, world_size=2, batch_per_process=64, timeout_s=9)
+    m = runner.measurement(count_run(line), nproc=2, world_size=2, batch_per_process=64, timeout_s=9)
     assert m.ok and m.samples_per_s == 3916.0 and len(m.notes) == 1

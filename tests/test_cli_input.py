@@ -69,11 +69,11 @@ def test_backend_gloo_still_works_with_one_line_of_warning(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stderr == ("disttrain: warning: --backend gloo is deprecated for the process-group backend; "
                              "use --dist-backend gloo\n")
-    assert json.loads(result.stdout)["backend"] == "gloo"
+    assert json.loads(result.stdout)["dist_backend"] == "gloo"
     new = disttrain("run", "--dist-backend", "gloo", "--launcher", "local", "--dry-run", GOOD,
                     env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
     assert new.returncode == 0 and new.stderr == "", new.stderr
-    assert json.loads(new.stdout)["backend"] == "gloo"
+    assert json.loads(new.stdout)["dist_backend"] == "gloo"
     old = disttrain("run", "--backend", "local", "--dry-run", GOOD, env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
     assert old.returncode == 0, old.stderr
     assert old.stderr == "disttrain: warning: --backend local is deprecated for the launcher; use --launcher local\n"

@@ -58,12 +58,12 @@ def test_hosts_that_fail_the_preflight_wait_while_the_others_start():
     hosts = [Host(name=n) for n in ("a", "b", "c", "d")]
     said = [facts("10.0.0.1"), DisttrainError("c: ssh failed: Connection timed out"),
             facts("10.0.0.3"), facts("10.0.0.4", paths={"train.py": False})]
-    starting, waiting = starting_hosts(hosts, said, master_port=29500, min_nodes=2, max_nodes=3)
+    starting, waiting = starting_hosts(hosts, said, master_port=29500, min_nnodes=2, max_nnodes=3)
     assert starting == [0, 2]
     assert waiting == {1: "c: ssh failed: Connection timed out", 3: "train.py not found in /w"}
     # MAX hosts at most: the others are spares
     all_up = [facts(f"10.0.0.{i}") for i in range(1, 5)]
-    starting, waiting = starting_hosts(hosts, all_up, master_port=29500, min_nodes=2, max_nodes=3)
+    starting, waiting = starting_hosts(hosts, all_up, master_port=29500, min_nnodes=2, max_nnodes=3)
     assert starting == [0, 1, 2] and "a spare" in waiting[3]
 
 
@@ -74,16 +74,16 @@ def test_fewer_than_min_or_no_master_is_the_first_failure():
     hosts = [Host(name=n) for n in ("a", "b", "c")]
     with pytest.raises(DisttrainError, match="Connection refused"):
         starting_hosts(hosts, [facts("10.0.0.1"), DisttrainError("b: Connection refused"), DisttrainError("c: down")],
-                       master_port=29500, min_nodes=2, max_nodes=3)
+                       master_port=29500, min_nnodes=2, max_nnodes=3)
     with pytest.raises(DisttrainError, match="a: down"):  # the first host hosts the rendezvous
         starting_hosts(hosts, [DisttrainError("a: down"), facts("10.0.0.2"), facts("10.0.0.3")],
-                       master_port=29500, min_nodes=2, max_nodes=3)
+                       master_port=29500, min_nnodes=2, max_nnodes=3)
 
 
 def test_an_agent_stopped_from_outside_is_a_lost_host_and_a_failure_is_not():
     assert stopped_by_signal(137) == "SIGKILL" and stopped_by_signal(-9) == "SIGKILL"
     assert stopped_by_signal(143) == "SIGTERM" and stopped_by_signal(1) is None and stopped_by_signal(139) is None
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nodes=2, max_nodes=3, run_dir="/nonexistent",
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=2, max_nnodes=3, run_dir="/nonexistent",
                    own_failure=lambda i, code, last: f"ssh failed: {last}" if code == 255 else None)
     m.agent_line(1, AttemptStarted(host="b", attempt=0, nodes=3, world_size=3, ranks=(1,)).to_line())
     assert m.why_lost(2, 255, "Timeout, server c not responding.") == "ssh failed: Timeout, server c not responding."
@@ -94,7 +94,7 @@ def test_an_agent_stopped_from_outside_is_a_lost_host_and_a_failure_is_not():
 
 def test_membership_says_each_change_when_the_next_round_trains(tmp_path):
     said = []
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nodes=2, max_nodes=3, run_dir=str(tmp_path))
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path))
     m.start(said.append)
     started = lambda attempt, world: AttemptStarted(host="a", attempt=attempt, nodes=world, world_size=world,  # noqa: E731
                                                     ranks=(0,)).to_line()
@@ -132,7 +132,7 @@ def test_agents_are_slots_and_hosts_keep_their_place(tmp_path):
     class Proc:
         pass
 
-    m = Membership(hosts=["a", "b", "c"], running=[0, 2], min_nodes=2, max_nodes=3, run_dir=str(tmp_path),
+    m = Membership(hosts=["a", "b", "c"], running=[0, 2], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path),
                    join=lambda index: joins.append(index) or Proc(), retry_s=0.05)
     assert m.member_hosts() == ("a", "c") and m.host_of(1) == "c"
     said = []
@@ -159,11 +159,11 @@ def test_membership_line_without_disttrain_resume():
 def test_an_elastic_plan_keeps_its_range_and_each_host_its_place():
     spec = LaunchSpec(entry="train.py", nproc_per_node=2, nnodes=3, min_nnodes=2, rdzv_backend="c10d",
                       master_addr="10.0.0.1", master_port=29500)
-    nodes = (NodeFacts(hostname="a", cpus=2, address="10.0.0.1"), NodeFacts(hostname="c", cpus=2, address="10.0.0.3"))
+    nodes = (NodeFacts(name="a", cpus=2, address="10.0.0.1"), NodeFacts(name="c", cpus=2, address="10.0.0.3"))
     plan = make_plan(spec, nodes, python="/py", master_port=29500, run_id="r", run_dir="/r", inherited_env={},
                      node_ranks=(0, 2))
-    assert plan.elastic and not plan.by_hand and plan.nnodes == 3 and plan.min_nodes == 2
-    assert [(n.host, n.node_rank) for n in plan.nodes] == [("a", 0), ("c", 2)]
+    assert plan.elastic and not plan.by_hand and plan.nnodes == 3 and plan.min_nnodes == 2
+    assert [(n.name, n.node_rank) for n in plan.nodes] == [("a", 0), ("c", 2)]
     assert plan.nodes[1].env["DISTTRAIN_HEARTBEAT_DIR"] == "/r/heartbeat/node2"
     from disttrain.agent.elastic_config import ELASTIC_RDZV_CONF, rdzv_configs
 

@@ -38,9 +38,9 @@ from disttrain.launch import (
     LAUNCHERS,
     AgentLauncher,
     BatchLauncher,
-    Context,
     DryRun,
     Events,
+    LaunchContext,
     Launcher,
     Outcome,
 )
@@ -133,9 +133,9 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _ctx(project: Path, entry: str, **kw) -> Context:
-    return Context(run_id="contract", run_dir=str(project / "run"), cwd=str(project), python=sys.executable,
-                   paths=(entry,), environ=dict(os.environ), **kw)
+def _ctx(project: Path, entry: str, **kw) -> LaunchContext:
+    return LaunchContext(run_id="contract", run_dir=str(project / "run"), cwd=str(project), python=sys.executable,
+                         paths=(entry,), environ=dict(os.environ), **kw)
 
 
 def _spec(entry: str) -> LaunchSpec:
@@ -172,7 +172,7 @@ def test_a_batch_launchers_dry_run_is_its_script_and_the_spec_it_ships(project):
     dry = launcher.dry_run(spec, _ctx(project, "ok.py"))
     assert type(dry) is DryRun and dry.plan is None
     assert dry.text() == dry.script and dry.script.startswith("#!/bin/bash\n")
-    assert "#SBATCH --nodes=2" in dry.script and "disttrain launch-step" in dry.script
+    assert "#SBATCH --nodes=2" in dry.script and "disttrain batch-step" in dry.script
     # The spec the step will place: the user's, with what a requeued job needs filled in.
     assert dry.spec.entry == "ok.py" and dry.spec.checkpoint_dir == str(project / "run" / "checkpoints")
     _no_process_left()

@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 from disttrain.config.launch import LaunchSpec, parse_env, parse_nproc, parse_ranks
 from disttrain.errors import UsageError
-from disttrain.placement import auto_nproc, choose_backend, choose_device, omp_threads
+from disttrain.placement import auto_nproc, choose_device, choose_dist_backend, omp_threads
 from disttrain.plan.launch import NodeFacts, make_plan
 
-CPU_NODE = NodeFacts(hostname="box", cpus=8)
-GPU_NODE = NodeFacts(hostname="gpu", cpus=32, cuda_devices=4)
+CPU_NODE = NodeFacts(name="box", cpus=8)
+GPU_NODE = NodeFacts(name="gpu", cpus=32, cuda_devices=4)
 
 
 def plan(spec: LaunchSpec, facts: NodeFacts = CPU_NODE, env: dict | None = None):
@@ -26,7 +26,7 @@ def plan(spec: LaunchSpec, facts: NodeFacts = CPU_NODE, env: dict | None = None)
 
 def test_two_local_ranks_get_torchrun_env_and_verbatim_argv():
     p = plan(LaunchSpec(entry="train.py", script_args=("--lr", "a b;c'd"), nproc_per_node=2))
-    assert p.world_size == 2 and p.backend == "gloo"
+    assert p.world_size == 2 and p.dist_backend == "gloo"
     assert p.argv == ("/py", "-u", "train.py", "--lr", "a b;c'd")
     (node,) = p.nodes
     assert [w.rank for w in node.workers] == [0, 1]
@@ -66,7 +66,7 @@ def test_second_node_of_manual_multinode_gets_offset_ranks():
 
 def test_auto_uses_gpus_and_nccl_when_cuda_is_present():
     p = plan(LaunchSpec(entry="t.py"), facts=GPU_NODE)
-    assert p.nodes[0].nproc == 4 and p.backend == "nccl"
+    assert p.nodes[0].nproc == 4 and p.dist_backend == "nccl"
     assert p.nodes[0].env["OMP_NUM_THREADS"] == "8"
 
 
@@ -89,7 +89,7 @@ def test_ranks_filter_is_planned_and_rejects_missing_ranks():
         ({"nproc_per_node": 0}, "at least 1"),
         ({"master_port": 70000}, "1..65535"),
         ({"master_port": 0}, "1..65535"),
-        ({"backend": "carrier-pigeon"}, "unknown backend"),
+        ({"dist_backend": "carrier-pigeon"}, "unknown backend"),
         ({"max_restarts": -1}, "cannot be negative"),
         ({"nnodes": 2, "master_port": 1234}, "--master-addr"),
         ({"nnodes": 2, "node_rank": 2, "master_addr": "h", "master_port": 1}, "--node-rank"),
@@ -122,21 +122,21 @@ def test_parse_ranks_roundtrips_any_set(ranks):
 def test_placement_choices():
     assert omp_threads(cpus=2, nproc=4) == 1
     assert omp_threads(cpus=16, nproc=4) == 4
-    assert choose_backend(None, cuda_available=True) == "nccl"
-    assert choose_backend(None, cuda_available=False) == "gloo"
-    assert choose_backend("gloo", cuda_available=True) == "gloo"
-    assert choose_device(local_rank=3, cuda_devices=4, backend="nccl") == "cuda:3"
-    assert choose_device(local_rank=0, cuda_devices=0, backend="gloo") == "cpu"
+    assert choose_dist_backend(None, cuda_available=True) == "nccl"
+    assert choose_dist_backend(None, cuda_available=False) == "gloo"
+    assert choose_dist_backend("gloo", cuda_available=True) == "gloo"
+    assert choose_device(local_rank=3, cuda_devices=4, dist_backend="nccl") == "cuda:3"
+    assert choose_device(local_rank=0, cuda_devices=0, dist_backend="gloo") == "cpu"
     with pytest.raises(UsageError, match="LOCAL_RANK=4"):
-        choose_device(local_rank=4, cuda_devices=4, backend="nccl")
+        choose_device(local_rank=4, cuda_devices=4, dist_backend="nccl")
     with pytest.raises(UsageError, match="needs CUDA"):
-        choose_device(local_rank=0, cuda_devices=0, backend="nccl")
+        choose_device(local_rank=0, cuda_devices=0, dist_backend="nccl")
 
 
 def test_plan_for_several_hosts_numbers_ranks_by_host_order():
     hosts = (
-        NodeFacts(hostname="node0", cpus=4, socket_ifname="eth1"),
-        NodeFacts(hostname="node1", cpus=4, socket_ifname="ens5"),
+        NodeFacts(name="node0", cpus=4, socket_ifname="eth1"),
+        NodeFacts(name="node1", cpus=4, socket_ifname="ens5"),
     )
     spec = LaunchSpec(entry="t.py", nproc_per_node=2, master_addr="10.0.0.1", master_port=29500)
     p = make_plan(spec, hosts, python="/py", master_port=29500, run_id="r", run_dir="/r",
@@ -151,8 +151,8 @@ def test_plan_for_several_hosts_numbers_ranks_by_host_order():
 
 
 def test_hosts_may_run_different_counts_from_slots_or_auto():
-    hosts = (NodeFacts(hostname="a", cpus=8, cuda_devices=2), NodeFacts(hostname="b", cpus=8, cuda_devices=4),
-             NodeFacts(hostname="c", cpus=8, slots=3))
+    hosts = (NodeFacts(name="a", cpus=8, cuda_devices=2), NodeFacts(name="b", cpus=8, cuda_devices=4),
+             NodeFacts(name="c", cpus=8, slots=3))
     p = make_plan(LaunchSpec(entry="t.py", master_addr="h", master_port=1), hosts, python="/py",
                   master_port=1, run_id="r", run_dir="/r", inherited_env={})
     assert [n.nproc for n in p.nodes] == [2, 4, 3] and p.world_size == 9
@@ -167,7 +167,7 @@ def test_hosts_may_run_different_counts_from_slots_or_auto():
 def test_c10d_rendezvous_is_hosted_by_the_first_node_at_its_own_address():
     from disttrain.agent.elastic_config import rdzv_configs
 
-    hosts = (NodeFacts(hostname="a", cpus=2, address="10.0.0.1"), NodeFacts(hostname="b", cpus=2, address="10.0.0.2"))
+    hosts = (NodeFacts(name="a", cpus=2, address="10.0.0.1"), NodeFacts(name="b", cpus=2, address="10.0.0.2"))
     spec = LaunchSpec(entry="t.py", nproc_per_node=1, master_addr="10.0.0.1", master_port=29500,
                       rdzv_backend="c10d", rdzv_timeout_s=40)
     p = make_plan(spec, hosts, python="/py", master_port=29500, run_id="r", run_dir="/r", inherited_env={})
@@ -186,7 +186,7 @@ def test_user_variables_are_listed_by_name_only_in_the_shown_plan():
     from disttrain.plan.launch import plan_from_json
 
     spec = LaunchSpec(entry="t.py", nproc_per_node=1, env={"API_TOKEN": "s3cr3t-value"})
-    p = make_plan(spec, NodeFacts(hostname="n", cpus=2), python="/py", master_port=29500, run_id="r",
+    p = make_plan(spec, NodeFacts(name="n", cpus=2), python="/py", master_port=29500, run_id="r",
                   run_dir="/runs/r", inherited_env={}, forwarded_env={"OUT_DIR": "/shared/x", "DB_PASS": "hunter2"})
     shown = p.to_json()
     assert "s3cr3t-value" not in shown and "hunter2" not in shown and "/shared/x" not in shown

@@ -70,7 +70,7 @@ def test_dry_run_prints_plan_and_starts_nothing(home):
     result = disttrain("run", "-n", "2", "--dry-run", str(SCRIPTS / "sleeper.py"), "--x", "1")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
-    assert plan["world_size"] == 2 and plan["backend"] == "gloo"
+    assert plan["world_size"] == 2 and plan["dist_backend"] == "gloo"
     assert plan["argv"][1:] == ["-u", str(SCRIPTS / "sleeper.py"), "--x", "1"]
     assert [w["env"]["RANK"] for w in plan["nodes"][0]["workers"]] == ["0", "1"]
     assert not (home / "runs").exists()

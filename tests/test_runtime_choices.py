@@ -53,20 +53,21 @@ def launched(**kw):
 
 def test_context_on_a_gpu_node_takes_its_local_gpu_and_nccl():
     ctx = resolve(launched(rank=3, local_rank=1, world_size=4, local_world_size=2), cuda_devices=2)
-    assert ctx.device == GPU and ctx.backend == "nccl"
+    assert ctx.device == GPU and ctx.dist_backend == "nccl"
     assert ctx.distributed and not ctx.is_main and ctx.rank == 3
 
 
 def test_context_launcher_backend_wins_over_the_scripts():
-    env = launched(world_size=2, backend="gloo")
-    assert resolve(env, cuda_devices=2, backend="nccl").backend == "gloo"
-    assert resolve(launched(world_size=2), cuda_devices=0, backend=None).backend == "gloo"
+    env = launched(world_size=2, dist_backend="gloo")
+    assert resolve(env, cuda_devices=2, backend="nccl").dist_backend == "gloo"
+    assert resolve(env, cuda_devices=2).dist_backend == "gloo"  # dist_backend's old name, which scripts read
+    assert resolve(launched(world_size=2), cuda_devices=0, backend=None).dist_backend == "gloo"
 
 
 def test_context_world_of_one_has_no_backend():
     ctx = resolve(WorkerEnv(), cuda_devices=0)
     assert ctx == resolve(WorkerEnv(), cuda_devices=0, backend="gloo")
-    assert ctx.backend is None and not ctx.distributed and ctx.is_main and ctx.device == CPU
+    assert ctx.dist_backend is None and not ctx.distributed and ctx.is_main and ctx.device == CPU
 
 
 def test_context_refuses_a_world_without_rendezvous():

@@ -41,7 +41,7 @@ def test_two_ranks_init_and_reduce(two_ranks):
     ranks, _, _ = two_ranks
     for r, rep in ranks.items():
         assert (rep["rank"], rep["local_rank"], rep["world_size"]) == (r, r, 2)
-        assert rep["backend"] == "gloo" and rep["device"] == "cpu" and rep["distributed"]
+        assert rep["dist_backend"] == "gloo" and rep["device"] == "cpu" and rep["distributed"]
         assert rep["is_main"] == (r == 0)
         assert rep["reduce_sum_tensor"] == [3.0, 20.0] and rep["input_untouched"]
         assert rep["reduce_sum_int"] == 3 and rep["reduce_mean_int"] == 0.5
@@ -109,7 +109,7 @@ def test_two_ranks_print0_prints_once(two_ranks):
 def test_plain_python_is_a_world_of_one(tmp_path):
     result = run_single(SCRIPTS / "runtime_checks.py", args=[tmp_path, tmp_path / "ckpt"])
     rep = reports(tmp_path, result, 1)[0]
-    assert (rep["world_size"], rep["distributed"], rep["backend"]) == (1, False, None)
+    assert (rep["world_size"], rep["distributed"], rep["dist_backend"]) == (1, False, None)
     assert rep["model_type"] == "Linear"
     assert rep["reduce_sum_tensor"] == [1.0, 10.0] and rep["reduce_mean_int"] == 0
     assert rep["eval_count"] == 101 and rep["eval_correct"] == [75, 101]

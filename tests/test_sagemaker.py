@@ -385,7 +385,7 @@ def test_contract_units():
 
     assert cmd_args({"b": {"y": 2, "x": 1}, "a-b": "s p", "sagemaker_program": "t.py"}) == \
         ["--a-b", "s p", "-b", "x=1,y=2"]
-    env = sm_env(Instance(job_name="j", host="algo-1", hosts=("algo-1",), channels=("train",),
+    env = sm_env(Instance(job_name="j", name="algo-1", names=("algo-1",), channels=("train",),
                           hyperparameters={"n": 2}), InstancePaths(Path("/jobs/j/algo-1")))
     expected = {"SM_HOSTS", "SM_NETWORK_INTERFACE_NAME", "SM_HPS", "SM_USER_ENTRY_POINT", "SM_FRAMEWORK_PARAMS",
                 "SM_RESOURCE_CONFIG", "SM_INPUT_DATA_CONFIG", "SM_OUTPUT_DATA_DIR", "SM_CHANNELS",

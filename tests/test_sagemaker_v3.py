@@ -122,7 +122,7 @@ def test_v3_contract_pieces(tmp_path):
                                                "a": "1.0", "cfg": '{"k": 1}'}
     assert v3.cmd_args(hps) == ["--use_bias", "true", "--ids", "[1, 2]", "--name", "abc", "--lr", "0.1",
                                 "--a", "1.0", "--cfg", '{"k": 1}']  # in order, one-letter keys too
-    inst = Instance(job_name="j", host="algo-2", hosts=("algo-1", "algo-2"), channels=("train",),
+    inst = Instance(job_name="j", name="algo-2", names=("algo-1", "algo-2"), channels=("train",),
                     hyperparameters={"n": 2}, instance_type="ml.c5.xlarge", num_cpus=4)
     paths = InstancePaths(tmp_path / "algo-2")
     paths.create()
@@ -146,7 +146,7 @@ def test_v3_contract_pieces(tmp_path):
     sourced = subprocess.run(["bash", "-c", f"source {paths.input / 'sm_training.env'} && echo \"$SM_HPS|$SM_HOSTS\""],
                              capture_output=True, text=True, check=True).stdout
     assert sourced == '{"n": 2}|["algo-1", "algo-2"]\n'
-    ten = Instance(job_name="j", host="algo-2", hosts=tuple(f"algo-{i}" for i in range(1, 11)))
+    ten = Instance(job_name="j", name="algo-2", names=tuple(f"algo-{i}" for i in range(1, 11)))
     assert v3.training_env(ten, paths, master=("algo-1", 7777), source_dir="/code", entry_script="t.py",
                            distributed={})["SM_CURRENT_HOST_RANK"] == 2  # sorted as text, as v3 does: algo-10 < algo-2
     mpi = parse_distribution({"mpi": {"enabled": True, "processes_per_host": 2, "custom_mpi_options": "-x A=1"}})

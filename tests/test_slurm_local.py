@@ -37,7 +37,7 @@ def test_two_ranks_on_one_slurm_node_over_loopback(slurm1, tmp_path):
     assert "[rank0] warning line from rank 0" in result.stderr
     run_dir = Path(re.search(r"logs: (\S+); Ctrl-C", result.stderr)[1])
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert plan["master_addr"] == "127.0.0.1" and plan["nodes"][0]["host"] == "node0"
+    assert plan["master_addr"] == "127.0.0.1" and plan["nodes"][0]["name"] == "node0"
     assert "hello from rank 1" in (run_dir / "attempt_0" / "rank1.stdout").read_text()
     slurm1.assert_nothing_left()
 

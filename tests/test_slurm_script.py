@@ -18,10 +18,10 @@ from disttrain.launch.slurm_env import SlurmAllocation, expand_counts, expand_ho
 
 GOLDEN = "\n".join([
     "#!/bin/bash",
-    "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the step finds the",
+    "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the batch step finds the",
     "# nodes in Slurm's environment and starts one torch elastic agent per node with srun;",
     "# the master is the first node, at its address toward the others found on that node.",
-    "# The launch spec is in the job's environment (DISTTRAIN_LAUNCH_STEP; it may hold --env values).",
+    "# The launch spec is in the job's environment (DISTTRAIN_BATCH_STEP; it may hold --env values).",
     "#SBATCH --job-name=train",
     "#SBATCH --nodes=2",
     "#SBATCH --ntasks-per-node=1",
@@ -37,7 +37,7 @@ GOLDEN = "\n".join([
     "#SBATCH --gpus-per-node=4",
     "#SBATCH --mem=64G",
     '#SBATCH "--comment=two words"',
-    "exec /opt/venv/bin/python -m disttrain launch-step",
+    "exec /opt/venv/bin/python -m disttrain batch-step",
     "",
 ])
 
@@ -72,7 +72,7 @@ def test_every_launch_spec_field_survives_json():
     field added to LaunchSpec arrives there without anyone writing a flag for it."""
     spec = LaunchSpec(
         entry="pkg.train", is_module=True, script_args=("--lr", "0.1", "a b", "$(x)"), nproc_per_node=3,
-        backend="gloo", nnodes=2, node_rank=1, log_dir="/l",
+        dist_backend="gloo", nnodes=2, node_rank=1, log_dir="/l",
         master_addr="10.0.0.1", master_port=23456, max_restarts=1, ranks=(0, 2), env={"A": "1", "B": "x y"},
         rdzv_backend="c10d", rdzv_timeout_s=30, stop_grace_s=5, hang_timeout_s=60, checkpoint_dir="/ck",
         checkpoint_every=0, framework="tensorflow", forward_env=False, grad_compression="powersgd:4", bucket_mb=8.0,
@@ -117,17 +117,17 @@ def test_detects_no_slurm_a_batch_script_a_salloc_shell_and_a_step():
     assert SlurmAllocation.from_environ({"PATH": "/bin"}) is None
     batch = SlurmAllocation.from_environ(BATCH)
     assert batch.job_id == "12" and batch.nodes == ("node0", "node1") and batch.cpus_per_node == (8, 8)
-    assert batch.on_first_node and not batch.in_step and batch.restart_count == 0
+    assert batch.on_first_node and not batch.in_job_step and batch.restart_count == 0
     salloc = SlurmAllocation.from_environ({k: v for k, v in BATCH.items() if k != "SLURMD_NODENAME"})
-    assert not salloc.on_first_node and not salloc.in_step  # a login node: the master is asked for over srun
+    assert not salloc.on_first_node and not salloc.in_job_step  # a login node: the master is asked for over srun
     step = SlurmAllocation.from_environ({**BATCH, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1",
                                          "SLURM_CPUS_ON_NODE": "3", "SLURM_RESTART_COUNT": "2"})
-    assert step.in_step and step.cpus_on_node == 3 and step.restart_count == 2
-    assert slurm_run.step_cpus(step) == 3 and slurm_run.step_cpus(batch) is None
+    assert step.in_job_step and step.cpus_on_node == 3 and step.restart_count == 2
+    assert slurm_run.job_step_cpus(step) == 3 and slurm_run.job_step_cpus(batch) is None
     interactive = SlurmAllocation.from_environ({**BATCH, "SLURM_STEP_ID": "4294967290"})
-    assert not interactive.in_step  # LaunchParameters=use_interactive_step: a shell, not a task
+    assert not interactive.in_job_step  # LaunchParameters=use_interactive_step: a shell, not a task
     with pytest.raises(UsageError, match="one of 4 tasks of a Slurm job step"):
-        slurm_run.step_cpus(dataclasses.replace(step, step_tasks=4))
+        slurm_run.job_step_cpus(dataclasses.replace(step, job_step_tasks=4))
 
 
 def test_unreadable_slurm_environment_is_named():
@@ -173,6 +173,33 @@ def test_bad_slurm_input_is_one_line_and_exit_2(tmp_path, args, fragments):
     result = disttrain("run", *args, "--dry-run", str(SCRIPTS / "sleeper.py"), env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
     assert_usage_error(result, *fragments)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(120)
+def test_on_slurm_nnodes_is_the_number_of_nodes_as_nodes_is(tmp_path):
+    """torchrun's word and Slurm's for one count: --nnodes N asks Slurm for N nodes, as --nodes N does."""
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path))
+    for flags in (["--nnodes", "2"], ["--nodes", "2"], ["--nnodes", "2", "--nodes", "2"]):
+        result = disttrain("run", "--launcher", "slurm", *flags, "--dry-run", str(SCRIPTS / "sleeper.py"), env=env)
+        assert result.returncode == 0, result.stderr
+        assert "#SBATCH --nodes=2\n" in result.stdout and "--nnodes" not in result.stderr, flags
+    result = disttrain("run", "--launcher", "slurm", "--nnodes", "2", "--nodes", "3", "--dry-run",
+                       str(SCRIPTS / "sleeper.py"), env=env)
+    assert_usage_error(result, "--nnodes 2 and --nodes 3 disagree: on Slurm both are the number of nodes")
+
+
+@pytest.mark.timeout(60)
+def test_a_job_queued_before_the_batch_step_had_its_name_still_reads_its_step(tmp_path):
+    """Each old name is still read: its script's `disttrain launch-step` (the old command),
+    its environment's DISTTRAIN_LAUNCH_STEP (the old variable), holding the old kind slurm.step
+    (this one lacks its spec, which the error names)."""
+    old_env = {"DISTTRAIN_LAUNCH_STEP": '{"kind": "slurm.step", "v": 1}'}
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path), SLURM_JOB_ID="12", SLURM_JOB_NODELIST="node0", **old_env)
+    result = disttrain("launch-step", env=env)  # the old name of batch-step
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == \
+        "disttrain: error: BatchStep message (slurm.batch_step): missing key 'spec' (written by another disttrain " \
+        "version?)", result.stderr
 
 
 @pytest.mark.timeout(60)

@@ -21,7 +21,7 @@ from disttrain.tfconfig import keras_env, shim_env, tf_config, worker_addresses
 from disttrain.workerenv import TF_FIRST_TASK, TF_WORKERS
 
 REPORT = SCRIPTS / "tf_env_report.py"
-BOX = NodeFacts(hostname="box", cpus=8)
+BOX = NodeFacts(name="box", cpus=8)
 
 
 def plan(spec: LaunchSpec, facts: NodeFacts | tuple[NodeFacts, ...] = BOX, env: dict | None = None):
@@ -84,8 +84,8 @@ def test_tensorflow_plan_runs_the_script_through_the_shim_with_each_workers_tf_c
 
 
 def test_tensorflow_plan_across_hosts_uses_each_nodes_address():
-    hosts = (NodeFacts(hostname="node0", cpus=2, address="10.0.0.1"),
-             NodeFacts(hostname="node1", cpus=2, address="10.0.0.2", slots=2))
+    hosts = (NodeFacts(name="node0", cpus=2, address="10.0.0.1"),
+             NodeFacts(name="node1", cpus=2, address="10.0.0.2", slots=2))
     spec = LaunchSpec(entry="t.py", master_addr="10.0.0.1", master_port=29500, framework="tensorflow")
     p = plan(spec, hosts)
     assert [n.env[TF_WORKERS] for n in p.nodes] == ["10.0.0.1:29501,10.0.0.2:29502,10.0.0.2:29503"] * 2
@@ -105,10 +105,10 @@ def test_framework_is_validated_and_manual_multinode_tensorflow_is_refused():
 def test_keras_hint_is_one_line_naming_the_host_when_tf_keras_is_missing(monkeypatch, capsys):
     monkeypatch.setattr(tfconfig, "have_tf_keras", lambda: False)
     monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
-    assert tfconfig.prepare_node({}, host="node7", nproc=1, world_size=2, report_to=sys.stderr) == {}
+    assert tfconfig.tf_node_env({}, host="node7", nproc=1, world_size=2, report_to=sys.stderr) == {}
     (line,) = capsys.readouterr().err.splitlines()
     assert "tf-keras is not installed on node7" in line and "pip install --no-deps tf-keras==" in line
-    tfconfig.prepare_node({}, host="node7", nproc=1, world_size=1, report_to=sys.stderr)
+    tfconfig.tf_node_env({}, host="node7", nproc=1, world_size=1, report_to=sys.stderr)
     assert capsys.readouterr().err == ""  # one process: MirroredStrategy, Keras 3's fit works
 
 

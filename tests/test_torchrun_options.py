@@ -208,22 +208,22 @@ def test_bad_torchrun_values_are_one_line_and_exit_2(tmp_path, args, message):
     assert len(lines) == 1 and message in lines[0], lines
 
 
-@pytest.mark.parametrize("kw, backend, addr, port, said", [
+@pytest.mark.parametrize("kw, rdzv_backend, addr, port, said", [
     ({}, "static", None, None, ""),
     ({"nnodes": (1, 2)}, "c10d", "127.0.0.1", 29400, "every node must be this machine"),
     ({"nnodes": (2, 2), "master_addr": "10.0.0.1"}, "static", "10.0.0.1", 29500, ""),
-    ({"nnodes": (2, 2), "endpoint": "10.0.0.1", "backend": "c10d"}, "c10d", "10.0.0.1", 29400, ""),
-    ({"nnodes": (2, 2), "endpoint": "h:1234", "master_addr": "x", "backend": "c10d"}, "c10d", "h", 1234,
+    ({"nnodes": (2, 2), "endpoint": "10.0.0.1", "rdzv_backend": "c10d"}, "c10d", "10.0.0.1", 29400, ""),
+    ({"nnodes": (2, 2), "endpoint": "h:1234", "master_addr": "x", "rdzv_backend": "c10d"}, "c10d", "h", 1234,
      "--master-addr ignored"),
-    ({"nnodes": (2, 2), "endpoint": "[::1]:7", "backend": "c10d", "node_rank": 1}, "c10d", "::1", 7,
+    ({"nnodes": (2, 2), "endpoint": "[::1]:7", "rdzv_backend": "c10d", "node_rank": 1}, "c10d", "::1", 7,
      "--node-rank 1 ignored"),
-    ({"standalone": True, "endpoint": "h:1", "backend": "c10d"}, "static", None, None, "ignored (one node"),
+    ({"standalone": True, "endpoint": "h:1", "rdzv_backend": "c10d"}, "static", None, None, "ignored (one node"),
 ])
-def test_rendezvous_follows_torchruns_rules(kw, backend, addr, port, said):
-    args = {"backend": None, "endpoint": None, "master_addr": None, "master_port": None, "nnodes": (1, 1),
+def test_rendezvous_follows_torchruns_rules(kw, rdzv_backend, addr, port, said):
+    args = {"rdzv_backend": None, "endpoint": None, "master_addr": None, "master_port": None, "nnodes": (1, 1),
             "node_rank": 0, "standalone": False, **kw}
     rdzv = torchrun.resolve_rendezvous(**args)
-    assert (rdzv.backend, rdzv.master_addr, rdzv.master_port) == (backend, addr, port)
+    assert (rdzv.rdzv_backend, rdzv.master_addr, rdzv.master_port) == (rdzv_backend, addr, port)
     assert said in " ".join(rdzv.notes) and bool(said) == bool(rdzv.notes)
 
 
@@ -288,7 +288,7 @@ def test_c10d_host_is_decided_by_the_nodes_addresses_when_started_by_hand():
 
     spec = dict(entry="t.py", nproc_per_node=1, nnodes=2, master_addr="10.0.0.1", master_port=29400,
                 rdzv_backend="c10d", rdzv_timeout_s=40)
-    by_hand = make_plan(torchrun_spec(**spec), NodeFacts(hostname="h", cpus=2, address="10.0.0.2"), python="/py",
+    by_hand = make_plan(torchrun_spec(**spec), NodeFacts(name="h", cpus=2, address="10.0.0.2"), python="/py",
                         master_port=29400, run_id="r", run_dir="/r", inherited_env={})
     node = by_hand.nodes[0]
     assert rdzv_configs(by_hand, node, hosts_store=lambda addr: addr == "10.0.0.2") == {
@@ -296,12 +296,12 @@ def test_c10d_host_is_decided_by_the_nodes_addresses_when_started_by_hand():
     assert rdzv_configs(by_hand, node, hosts_store=lambda addr: addr == "10.0.0.1")["is_host"] is True
     assert "is_host" not in rdzv_configs(by_hand, node, hosts_store=lambda addr: None)  # loopback: torch's way
     forced = make_plan(torchrun_spec(**spec, rdzv_conf={"is_host": "1", "join_timeout": "9"}),
-                       NodeFacts(hostname="h", cpus=2), python="/py", master_port=29400, run_id="r", run_dir="/r",
+                       NodeFacts(name="h", cpus=2), python="/py", master_port=29400, run_id="r", run_dir="/r",
                        inherited_env={})
     assert rdzv_configs(forced, forced.nodes[0], hosts_store=lambda addr: False) == {"join_timeout": "9",
                                                                                      "is_host": "1"}
     assert by_hand.rendezvous_id == "disttrain-10.0.0.1-29400" and forced.rendezvous_id == by_hand.rendezvous_id
-    assert make_plan(torchrun_spec(**spec, rdzv_id="JOB"), NodeFacts(hostname="h", cpus=2), python="/py",
+    assert make_plan(torchrun_spec(**spec, rdzv_id="JOB"), NodeFacts(name="h", cpus=2), python="/py",
                      master_port=1, run_id="r", run_dir="/r", inherited_env={}).rendezvous_id == "JOB"
 
 

@@ -240,7 +240,7 @@ def test_library_variables_are_defaults_and_only_without_cuda():
     assert "LT_NUM_NODES" not in cpu_library_env(local_world_size=2, nnodes=None, inherited={})
     from disttrain.workerenv import launcher_env
 
-    common = {"backend": "gloo", "run_dir": "/r", "omp_threads": 1, "inherited": {}, "local_world_size": 2}
+    common = {"dist_backend": "gloo", "run_dir": "/r", "omp_threads": 1, "inherited": {}, "local_world_size": 2}
     assert "ACCELERATE_USE_CPU" not in launcher_env(**common, cuda_devices=2)
     assert launcher_env(**common, cuda_devices=0)["LT_DEVICES"] == "2"
     # --nnodes MIN:MAX: the node count comes from each attempt's world

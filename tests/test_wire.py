@@ -4,17 +4,21 @@ names the message (another version, a stray line, an unknown key, a wrong type).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from disttrain import wire
 from disttrain.config.launch import LaunchSpec
-from disttrain.plan.launch import NodeFacts, make_plan
+from disttrain.errors import UsageError
+from disttrain.plan.launch import NodeFacts, make_plan, plan_from_json
 from disttrain.wire import (
     MESSAGES,
     Alive,
     AttemptStarted,
+    BatchStep,
+    BatchStepEnded,
     Beats,
     Call,
     ConnectResults,
@@ -25,7 +29,6 @@ from disttrain.wire import (
     HostFacts,
     InstanceEnv,
     JobClient,
-    LaunchStep,
     Listening,
     NodeDone,
     Outcome,
@@ -35,7 +38,6 @@ from disttrain.wire import (
     Regroup,
     RunClient,
     RunSpec,
-    StepEnded,
     SyncOffer,
     SyncWanted,
     WireError,
@@ -47,8 +49,8 @@ SPEC = LaunchSpec(entry="train.py", script_args=("--lr", "0.1"), env={"API_TOKEN
 
 
 def _plan():
-    facts = (NodeFacts(hostname="a", cpus=4, address="10.0.0.1", socket_ifname="eth1"),
-             NodeFacts(hostname="b", cpus=2, slots=1))
+    facts = (NodeFacts(name="a", cpus=4, address="10.0.0.1", socket_ifname="eth1"),
+             NodeFacts(name="b", cpus=2, slots=1))
     return make_plan(SPEC, facts, python="/usr/bin/python3", master_port=29500, run_id="r1", run_dir="/runs/r1",
                      inherited_env={}, forwarded_env={"FORWARDED": "x"})
 
@@ -80,11 +82,11 @@ EXAMPLES = [
     )),
     Outcome(exit_code=1, failed=1, report="disttrain: rank 3 failed\n  exit code 1"),
     Outcome(exit_code=130, signal=2),
-    LaunchStep(spec=SPEC, run_id="r", run_dir="/runs/r", cwd="/w", python="/p", paths=("train.py",), nodes=2),
-    LaunchStep(spec=SPEC, run_id="r", run_dir="/runs/r", cwd="/w", python="/p", client=RunClient()),
-    LaunchStep(spec=SPEC, run_id="r", run_dir="/runs/r", cwd="/w", python="/p",
-               client=JobClient(name="j-1", job_dir="/jobs/j-1", cwd="/jobs/j-1/code", spec={"name": "j", "n": [1]})),
-    StepEnded(outcome=Outcome(exit_code=0), where=("node0", "node1")),
+    BatchStep(spec=SPEC, run_id="r", run_dir="/runs/r", cwd="/w", python="/p", paths=("train.py",), nodes=2),
+    BatchStep(spec=SPEC, run_id="r", run_dir="/runs/r", cwd="/w", python="/p", client=RunClient()),
+    BatchStep(spec=SPEC, run_id="r", run_dir="/runs/r", cwd="/w", python="/p",
+              client=JobClient(name="j-1", job_dir="/jobs/j-1", cwd="/jobs/j-1/code", spec={"name": "j", "n": [1]})),
+    BatchStepEnded(outcome=Outcome(exit_code=0), where=("node0", "node1")),
     RunClient(),
     JobClient(name="j-1", job_dir="/jobs/j-1", cwd="/jobs/j-1/code", spec={}),
     RunSpec(spec=SPEC),
@@ -131,7 +133,7 @@ def test_the_plan_reaches_the_agent_with_its_values():
     message = PlanMessage.from_line(PlanMessage(node_rank=1, plan=_plan()).to_line())
     assert message.plan.env_set == {"API_TOKEN": SECRET}
     assert message.plan.env_forwarded == {"FORWARDED": "x"}
-    assert message.plan.nodes[1].host == "b"
+    assert message.plan.nodes[1].name == "b"
 
 
 @pytest.mark.parametrize(("line", "fragment"), [
@@ -154,18 +156,41 @@ def test_a_line_that_is_not_the_message_is_refused_naming_it(line, fragment):
 
 
 def test_nested_errors_name_the_field():
-    step = json.loads(LaunchStep(spec=SPEC, run_id="r", run_dir="/r", cwd="/w", python="/p").to_line())
+    step = json.loads(BatchStep(spec=SPEC, run_id="r", run_dir="/r", cwd="/w", python="/p").to_line())
     step["spec"]["colour"] = "red"
-    with pytest.raises(WireError, match=r"LaunchStep message \(slurm.step\), spec: launch spec: unknown key 'colour'"):
-        LaunchStep.from_line(json.dumps(step))
-    step = json.loads(LaunchStep(spec=SPEC, run_id="r", run_dir="/r", cwd="/w", python="/p").to_line())
+    with pytest.raises(WireError,
+                       match=r"BatchStep message \(slurm.batch_step\), spec: launch spec: unknown key 'colour'"):
+        BatchStep.from_line(json.dumps(step))
+    step = json.loads(BatchStep(spec=SPEC, run_id="r", run_dir="/r", cwd="/w", python="/p").to_line())
     step["client"] = {"kind": "client.notebook", "v": 1}
     with pytest.raises(WireError, match="client: a 'client.notebook' message, expected one of client.run, client.job"):
-        LaunchStep.from_line(json.dumps(step))
+        BatchStep.from_line(json.dumps(step))
     facts = json.loads(ProbeFacts(facts=FACTS).to_line())
     facts["facts"]["gpus"] = 1
     with pytest.raises(WireError, match=r"ProbeFacts message \(probe.facts\), facts: unknown key 'gpus'"):
         ProbeFacts.from_line(json.dumps(facts))
+
+
+def test_what_an_old_disttrain_wrote_is_still_read():
+    """A Slurm job queued before an upgrade holds the batch step as the old version wrote it
+    (old kind slurm.step, the spec's process-group backend under "backend"); a kept plan.json its
+    "backend", "min_nodes" and each node's "host"."""
+    step = BatchStep(spec=dataclasses.replace(SPEC, dist_backend="gloo"), run_id="r", run_dir="/r", cwd="/w",
+                     python="/p", client=RunClient())
+    old = step.to_dict()
+    old["kind"] = "slurm.step"
+    old["spec"]["backend"] = old["spec"].pop("dist_backend")
+    assert BatchStep.from_line(json.dumps(old)) == step
+    plan = _plan()
+    data = json.loads(plan.to_private_json())
+    data["backend"], data["min_nodes"] = data.pop("dist_backend"), data.pop("min_nnodes")
+    for node in data["nodes"]:
+        node["host"] = node.pop("name")
+    assert plan_from_json(json.dumps(data)) == plan
+    data["dist_backend"] = "nccl"
+    with pytest.raises(UsageError, match="launch plan: 'backend' \\(the old name of 'dist_backend'\\) and "
+                                         "'dist_backend' disagree"):
+        plan_from_json(json.dumps(data))
 
 
 def test_a_message_in_a_stream_of_text_is_found_by_its_marker():

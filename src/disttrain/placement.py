@@ -10,7 +10,7 @@ import os
 
 from .errors import UsageError
 
-BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
 def usable_cpus() -> int:
@@ -48,24 +48,24 @@ def omp_threads(*, cpus: int, nproc: int) -> int:
     return max(1, cpus // max(1, nproc))
 
 
-def choose_backend(requested: str | None, *, cuda_available: bool) -> str:
+def choose_dist_backend(requested: str | None, *, cuda_available: bool) -> str:
     if requested:
-        if requested not in BACKENDS:
+        if requested not in DIST_BACKENDS:
             raise UsageError(
-                f"unknown backend {requested!r}: choose one of {', '.join(BACKENDS)}"
+                f"unknown backend {requested!r}: choose one of {', '.join(DIST_BACKENDS)}"
             )
         return requested
     return "nccl" if cuda_available else "gloo"
 
 
-def choose_device(*, local_rank: int, cuda_devices: int, backend: str) -> str:
+def choose_device(*, local_rank: int, cuda_devices: int, dist_backend: str) -> str:
     """``cuda:<local_rank>`` when this node has GPUs, else ``cpu``.
 
     A gloo job on a GPU machine still trains on the GPU (gloo can reduce CUDA tensors);
     an explicit NCCL job without GPUs is a mistake worth naming.
     """
     if cuda_devices <= 0:
-        if backend == "nccl":
+        if dist_backend == "nccl":
             raise UsageError(
                 "backend 'nccl' needs CUDA GPUs but none are visible: use --dist-backend gloo"
             )

@@ -1,7 +1,7 @@
 """What stays private: files that may hold a user's secrets are 0600, and records mask them.
 
 A job's ``env:`` often carries an API token, its ``storage_options`` a cloud key. The files
-that hold them whole (a plan, a Slurm step, the job store) are readable by their owner only;
+that hold them whole (a plan, a Slurm batch step, the job store) are readable by their owner only;
 what is kept for people to read later (a job's record, ``jobs show``) shows ``***`` instead
 of any value whose key looks secret, at any depth.
 """

@@ -115,8 +115,8 @@ def tensorflow_version() -> str:
     return "<your tensorflow version>"
 
 
-def prepare_node(node_env: Mapping[str, str], *, host: str, nproc: int, world_size: int,
-                 report_to: TextIO = sys.stderr) -> dict[str, str]:
+def tf_node_env(node_env: Mapping[str, str], *, host: str, nproc: int, world_size: int,
+                report_to: TextIO = sys.stderr) -> dict[str, str]:
     """Checks before a node starts TensorFlow workers; returns the variables to add for them.
 
     A port already taken would make a worker fail late, inside TensorFlow's gRPC server: it

@@ -32,11 +32,11 @@ agent.hang         HangReport       agent -> launcher (stderr): its ranks at a h
 agent.done         NodeDone         agent -> launcher (stderr) -> every other agent (stdin): its ranks exited 0
 agent.regroup      Regroup          launcher -> agent (stdin): hosts were lost, join the next round
 agent.attempt      AttemptStarted   agent -> launcher (stderr): a round's workers are starting
-launch.outcome     Outcome          how a launch ended (a Slurm step's, read by the submitter)
-slurm.step         LaunchStep       submitter -> the batch job's step (its environment)
-slurm.ended        StepEnded        the batch job's step -> the submitter (a file)
-client.run         RunClient        inside slurm.step: rebuild ``disttrain run``'s events
-client.job         JobClient        inside slurm.step: rebuild a job's events
+launch.outcome     Outcome          how a launch ended (a batch step's, read by the submitter)
+slurm.batch_step   BatchStep        submitter -> the batch job's batch step (its environment)
+slurm.ended        BatchStepEnded   the batch step -> the submitter (a file)
+client.run         RunClient        inside slurm.batch_step: rebuild ``disttrain run``'s events
+client.job         JobClient        inside slurm.batch_step: rebuild a job's events
 run.spec           RunSpec          ``disttrain bench`` -> ``disttrain run-spec`` (stdin)
 sagemaker.fit      FitRequest       an estimator's ``fit`` -> its job process (a 0600 file)
 sync.offer         SyncOffer        ``--sync``: launcher -> ``disttrain receive``
@@ -106,6 +106,9 @@ class Message(Record):
 
     kind: ClassVar[str]
     marker: ClassVar[str] = ""  # the line's prefix when it shares a stream with other text
+    # Kinds an older disttrain wrote for this message, still read (the same fields: a queued job's
+    # environment holds what the disttrain before an upgrade wrote).
+    old_kinds: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "v": VERSION, **super().to_dict()}
@@ -141,7 +144,7 @@ class Message(Record):
         if not isinstance(data, Mapping):
             raise WireError(f"{where}: expected a JSON object, got {type(data).__name__}")
         kind, version = data.get("kind"), data.get("v")
-        if kind != cls.kind:
+        if kind != cls.kind and kind not in cls.old_kinds:
             raise WireError(f"{where}: got a {kind!r} message instead")
         if version != VERSION:
             raise WireError(f"{where}: version {version!r}, and this disttrain reads version {VERSION} "
@@ -161,7 +164,7 @@ def one_of(line: str | bytes, *types: type[Message]) -> Message:
         data = None
     kind = data.get("kind") if isinstance(data, Mapping) else None
     for cls in types:
-        if cls.kind == kind:
+        if kind in (cls.kind, *cls.old_kinds):
             return cls.from_dict(data)
     raise WireError(f"expected a {' or '.join(t.kind for t in types)} message, got {text[:120]!r}")
 
@@ -192,7 +195,7 @@ def _decode(hint: Any, value: Any, where: str) -> Any:
         options = [a for a in args if a is not type(None)]
         messages = [a for a in options if isinstance(a, type) and issubclass(a, Message)]
         if messages and isinstance(value, Mapping):  # several kinds may come: pick by the envelope
-            chosen = next((m for m in messages if m.kind == value.get("kind")), None)
+            chosen = next((m for m in messages if value.get("kind") in (m.kind, *m.old_kinds)), None)
             if chosen is None:
                 raise WireError(f"{where}: a {value.get('kind')!r} message, expected one of "
                                 f"{', '.join(m.kind for m in messages)}")
@@ -252,7 +255,7 @@ def _key(hint: Any, key: str, where: str) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class Outcome(Message):
-    """How a launch ended; the same for every launcher (and a Slurm step's, recorded)."""
+    """How a launch ended; the same for every launcher (and a batch step's, recorded)."""
 
     kind: ClassVar[str] = "launch.outcome"
 
@@ -440,7 +443,7 @@ class NodeDone(Message):
     ranks: tuple[int, ...]
 
 
-# --- a Slurm batch job: the step inside the allocation -----------------------------------------
+# --- a Slurm batch job: its batch step inside the allocation ---------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -459,16 +462,18 @@ class JobClient(Message):
     name: str
     job_dir: str
     cwd: str
-    spec: dict  # whole, not masked: the step runs it
+    spec: dict  # whole, not masked: the batch step runs it
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchStep(Message):
-    """What a batch job's one command (``disttrain launch-step``) launches on its allocation.
+class BatchStep(Message):
+    """What a batch job's one command, its batch step (``disttrain batch-step``), launches on
+    its allocation.
 
     It travels in the job's environment (it may hold ``--env`` values), never in a file."""
 
-    kind: ClassVar[str] = "slurm.step"
+    kind: ClassVar[str] = "slurm.batch_step"
+    old_kinds: ClassVar[tuple[str, ...]] = ("slurm.step",)  # before the batch step had its own word
 
     spec: LaunchSpec
     run_id: str
@@ -481,8 +486,8 @@ class LaunchStep(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepEnded(Message):
-    """The step's end, for the submitting side: how the launch ended and on which nodes."""
+class BatchStepEnded(Message):
+    """The batch step's end, for the submitting side: how the launch ended and on which nodes."""
 
     kind: ClassVar[str] = "slurm.ended"
 
@@ -541,5 +546,5 @@ class InstanceEnv(Message):
 
 MESSAGES: dict[str, type[Message]] = {m.kind: m for m in (
     ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Alive, Beats, HangReport, NodeDone,
-    Regroup, AttemptStarted, Outcome, LaunchStep, StepEnded,
+    Regroup, AttemptStarted, Outcome, BatchStep, BatchStepEnded,
     RunClient, JobClient, RunSpec, FitRequest, SyncOffer, SyncWanted, InstanceEnv)}

@@ -13,7 +13,7 @@ import pwd
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-BACKEND = "DISTTRAIN_BACKEND"
+DIST_BACKEND = "DISTTRAIN_BACKEND"
 RUN_DIR = "DISTTRAIN_RUN_DIR"
 CHECKPOINT_DIR = "DISTTRAIN_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "DISTTRAIN_CHECKPOINT_EVERY"
@@ -162,7 +162,7 @@ def attempt_library_env(worker: Mapping[str, str], environ: Mapping[str, str]) -
 
 def launcher_env(
     *,
-    backend: str,
+    dist_backend: str,
     run_dir: str,
     omp_threads: int,
     inherited: Mapping[str, str],
@@ -185,7 +185,7 @@ def launcher_env(
     is kept. The user's own variables (forwarded, ``--env``) are not
     here: they are the plan's ``env_forwarded``/``env_set``, whose values are never printed.
     """
-    env = {BACKEND: backend, RUN_DIR: run_dir, **comm_env(grad_compression, bucket_mb)}
+    env = {DIST_BACKEND: dist_backend, RUN_DIR: run_dir, **comm_env(grad_compression, bucket_mb)}
     if checkpoint_dir:
         env[CHECKPOINT_DIR] = checkpoint_dir
     if checkpoint_every is not None:
@@ -240,7 +240,7 @@ class WorkerEnv:
     # torch's agent hosts the store the workers rendezvous through (it sets
     # TORCHELASTIC_USE_AGENT_STORE), so keys outlive a restart.
     agent_store: bool = False
-    backend: str | None = None
+    dist_backend: str | None = None
     run_dir: str | None = None
     checkpoint_dir: str | None = None
     # Steps between checkpoints for disttrain.resume(); 0: at the end of each epoch.
@@ -273,7 +273,7 @@ class WorkerEnv:
             restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
             attempt=_int(environ, ATTEMPT, _int(environ, "TORCHELASTIC_RESTART_COUNT", 0)),
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-            backend=environ.get(BACKEND) or None,
+            dist_backend=environ.get(DIST_BACKEND) or None,
             run_dir=environ.get(RUN_DIR) or None,
             checkpoint_dir=environ.get(CHECKPOINT_DIR) or None,
             checkpoint_every=_int(environ, CHECKPOINT_EVERY, None),

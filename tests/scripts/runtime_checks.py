@@ -21,7 +21,7 @@ ctx = disttrain.init()
 assert disttrain.init() is ctx and disttrain.context() is ctx
 report = {
     "rank": ctx.rank, "world_size": ctx.world_size, "local_rank": ctx.local_rank,
-    "device": str(ctx.device), "backend": ctx.backend, "is_main": ctx.is_main,
+    "device": str(ctx.device), "dist_backend": ctx.dist_backend, "is_main": ctx.is_main,
     "distributed": ctx.distributed,
 }
 

@@ -72,7 +72,7 @@ def launch_config(plan: LaunchPlan, node: NodePlan, *, cuda_devices: int, prefix
 
         numa_options = NumaOptions(affinity_mode=AffinityMode(numa))
     return LaunchConfig(
-        min_nodes=plan.min_nodes or plan.nnodes,
+        min_nodes=plan.min_nnodes or plan.nnodes,
         max_nodes=plan.nnodes,
         nproc_per_node=node.nproc,
         run_id=plan.rendezvous_id,

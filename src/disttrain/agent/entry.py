@@ -165,7 +165,7 @@ def serve(message: PlanMessage, lines: Lines, *, signalled_by: int | None = None
     link = LauncherLink()
     log = node_log(plan.run_dir, message.node_rank)
     watch_stdin(lines, lambda line: _request(line, link), signalled_by=signalled_by,
-                host=nodes[0].host, grace_s=plan.stop_grace_s, log=log)
+                host=nodes[0].name, grace_s=plan.stop_grace_s, log=log)
     return run_node(plan, nodes[0], link=link)
 
 

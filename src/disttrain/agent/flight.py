@@ -42,9 +42,9 @@ FR_HANDLERS = {"nccl": "dump_nccl_trace_json"}
 CPU_FR_HANDLER = "fr_trace_json"
 
 
-def fr_handler(backend: str) -> str:
-    """The handler that dumps the recorder of ``backend``'s process groups."""
-    return FR_HANDLERS.get(backend, CPU_FR_HANDLER)
+def fr_handler(dist_backend: str) -> str:
+    """The handler that dumps the recorder of ``dist_backend``'s process groups."""
+    return FR_HANDLERS.get(dist_backend, CPU_FR_HANDLER)
 
 
 def worker_env(*, sockets: str, inherited: Mapping[str, str]) -> dict[str, str]:
@@ -119,9 +119,9 @@ class Recorders:
     """This node's ranks as their recorders say: which rank runs as which pid, and when each last
     completed a collective. A rank counts once it completed one (before that: imports, data)."""
 
-    def __init__(self, folder: str, backend: str, *, hang_timeout_s: float = 0, say=None) -> None:
+    def __init__(self, folder: str, dist_backend: str, *, hang_timeout_s: float = 0, say=None) -> None:
         self.folder = Path(folder)
-        self.backend = backend
+        self.dist_backend = dist_backend
         self.hang_timeout_s = hang_timeout_s
         self._say = say
         self._seen: dict[int, _Watched] = {}
@@ -144,7 +144,7 @@ class Recorders:
         """rank -> (pid, progress, time of its last change) for the ranks that completed a collective."""
         now = time.time() if now is None else now
         for rank, (pid, sock) in self.sockets().items():
-            body = fetch(sock, fr_handler(self.backend))
+            body = fetch(sock, fr_handler(self.dist_backend))
             if body is None:
                 continue
             try:
@@ -181,14 +181,14 @@ class RankDump:
     groups: dict[str, dict] | None
 
 
-def dump(sock: str | os.PathLike, backend: str, *, timeout: float = DUMP_TIMEOUT_S) -> RankDump:
+def dump(sock: str | os.PathLike, dist_backend: str, *, timeout: float = DUMP_TIMEOUT_S) -> RankDump:
     def as_json(body: bytes | None):
         try:
             return json.loads(body) if body is not None else None
         except ValueError:
             return None
 
-    recorder = as_json(fetch(sock, fr_handler(backend), timeout=timeout))
+    recorder = as_json(fetch(sock, fr_handler(dist_backend), timeout=timeout))
     stacks = fetch(sock, "dump_traceback", timeout=timeout)
     groups = as_json(fetch(sock, "disttrain_groups", timeout=timeout))
     return RankDump(recorder, None if stacks is None else stacks.decode(errors="replace"), groups)

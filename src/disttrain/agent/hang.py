@@ -43,13 +43,13 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
-def collect(workers: Sequence[Worker], *, host: str, backend: str) -> list[RankState]:
+def collect(workers: Sequence[Worker], *, host: str, dist_backend: str) -> list[RankState]:
     """Every worker's state, the servers asked in parallel (a silent one costs its timeout once)."""
     for w in workers:
         w.stacks.parent.mkdir(parents=True, exist_ok=True)
     served = [w for w in workers if w.socket is not None and _alive(w.pid) and not is_stopped(w.pid)]
     with ThreadPoolExecutor(max_workers=max(1, len(served))) as pool:
-        dumps = dict(zip((w.rank for w in served), pool.map(lambda w: flight.dump(w.socket, backend), served)))
+        dumps = dict(zip((w.rank for w in served), pool.map(lambda w: flight.dump(w.socket, dist_backend), served)))
     # Ranks without a server (or whose server said nothing): py-spy, or the runtime's SIGUSR1.
     unserved = [w for w in workers if _alive(w.pid) and not is_stopped(w.pid)
                 and (w.rank not in dumps or dumps[w.rank].stacks is None)]

@@ -22,7 +22,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodePlan
-from ..tfconfig import prepare_node
+from ..tfconfig import tf_node_env
 from ..wire import AttemptStarted
 from ..workerenv import HEARTBEAT_DIR, attempt_library_env
 from . import elastic_agent, flight, lifeline
@@ -85,7 +85,7 @@ def _quiet_torch_elastic() -> None:
 def line_prefix(plan: LaunchPlan, node: NodePlan) -> str:
     """``[rank3] `` on one node, ``[node1 rank3] `` when several nodes share the terminal."""
     if plan.nnodes > 1:
-        return f"[{node.host} rank${{rank}}] "
+        return f"[{node.name} rank${{rank}}] "
     return "[rank${rank}] "
 
 
@@ -95,7 +95,7 @@ def awaited(plan: LaunchPlan, node: NodePlan) -> str:
     if plan.nnodes == 1:
         return f"starting the rendezvous at {where}"
     if plan.rdzv_backend != "static":  # nodes take their ranks as they join
-        count = f"{plan.min_nodes} to {plan.nnodes}" if plan.min_nodes and plan.min_nodes < plan.nnodes \
+        count = f"{plan.min_nnodes} to {plan.nnodes}" if plan.min_nnodes and plan.min_nnodes < plan.nnodes \
             else f"all {plan.nnodes}"
         return f"waiting at {where} for {count} nodes to join {plan.rendezvous_id!r} ({plan.rdzv_backend})"
     if node.node_rank == 0 and plan.rdzv_backend == "static":
@@ -145,7 +145,7 @@ def _elastic(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> con
 
     def on_attempt(attempt: int, group) -> None:
         if link is not None:
-            link.send(AttemptStarted(host=node.host, attempt=attempt, nodes=group.group_world_size,
+            link.send(AttemptStarted(host=node.name, attempt=attempt, nodes=group.group_world_size,
                                      world_size=group.workers[0].world_size,
                                      ranks=tuple(w.global_rank for w in group.workers)).to_line())
 
@@ -160,12 +160,12 @@ def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None, attem
         yield None
         return
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if link is None else link.send
-    recorders = flight.Recorders(sockets, plan.backend, hang_timeout_s=plan.hang_timeout_s, say=say) \
+    recorders = flight.Recorders(sockets, plan.dist_backend, hang_timeout_s=plan.hang_timeout_s, say=say) \
         if sockets else None
     # SIGTERM to ourselves: torch's agent then stops the workers as on any stop request.
-    with Watchdog(node.env[HEARTBEAT_DIR], plan.hang_timeout_s, node.host,
+    with Watchdog(node.env[HEARTBEAT_DIR], plan.hang_timeout_s, node.name,
                   on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM), attempt=attempt, recorders=recorders,
-                  backend=plan.backend, report_to_launcher=None if link is None else link.send) as dog:
+                  dist_backend=plan.dist_backend, report_to_launcher=None if link is None else link.send) as dog:
         if link is not None:
             link.dog = dog
         yield dog
@@ -215,11 +215,11 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         # for MASTER_ADDR, which the round's node 0 set only in its first round: a grown job hangs.
         env.setdefault(NO_SHARED_STORE, "1")
     # A job instance's workers see its folder at /opt/ml; the tool is checked here, on their machine.
-    opt_ml = (instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.host, say=say)
+    opt_ml = (instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.name, say=say)
               if node.opt_ml else [])
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
-        env.update(prepare_node(dict(env), host=node.host, nproc=node.nproc, world_size=plan.world_size,
-                                report_to=report_to))
+        env.update(tf_node_env(dict(env), host=node.name, nproc=node.nproc, world_size=plan.world_size,
+                               report_to=report_to))
     stores = AttemptStores(plan, node)
     attempt = Attempt(plan.run_dir, plan.world_size)
     with _handlers_kept(), _worker_group(plan, node) as group, _recorder_sockets(plan, env) as sockets, \
@@ -229,7 +229,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(stores, attempt, group)
         if link is not None and plan.nnodes > 1:
-            link.watch_success(node.host, lambda: attempt.ranks, config.role)
+            link.watch_success(node.name, lambda: attempt.ranks, config.role)
         try:
             if plan.run_path:  # a function entrypoint: started by multiprocessing (--start-method)
                 entry, args = run_path, list(plan.argv[2:])
@@ -241,10 +241,10 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                 stores.farewell(agents[-1].get_worker_group().group_world_size,
                                 hosts_store=bool(config.rdzv_configs.get("is_host")))
         except ChildFailedError as err:
-            failures = _failures(err, node.host, attempt=plan.max_restarts)
+            failures = _failures(err, node.name, attempt=plan.max_restarts)
             first = root_cause(failures, plan.run_dir)
             failed = {f.rank for f in failures}
-            finished = tuple((rank, node.host) for rank in attempt.ranks if rank not in failed)
+            finished = tuple((rank, node.name) for rank in attempt.ranks if rank not in failed)
             if link is not None and plan.nnodes > 1:  # a rank of another node may have left first
                 finished += link.done_elsewhere(wait=not finished and lost_a_peer(failure_lines(first, plan.run_dir)))
             print(format_failure(first, failures, plan.run_dir, finished=finished, oom=oom),
@@ -256,7 +256,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                     print(f"{dog.fired}\ndisttrain: stopped the job (exit {HANG_EXIT})", file=report_to, flush=True)
                 return HANG_EXIT
             print(
-                f"disttrain: got {err.sigval.name}, stopped all {node.nproc} workers on {node.host}",
+                f"disttrain: got {err.sigval.name}, stopped all {node.nproc} workers on {node.name}",
                 file=report_to,
                 flush=True,
             )
@@ -265,7 +265,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             return 130
         except Exception as err:  # rendezvous/store failures: name them, no traceback
             raise DisttrainError(
-                f"the elastic agent on {node.host} failed before the workers finished: "
+                f"the elastic agent on {node.name} failed before the workers finished: "
                 f"{type(err).__name__}: {err}"
             ) from err
     return 0

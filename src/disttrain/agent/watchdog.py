@@ -123,13 +123,13 @@ class Watchdog:
     """
 
     def __init__(self, folder: str, timeout_s: float, host: str, on_hang, *, attempt: Attempt,
-                 recorders: Recorders | None = None, backend: str = "gloo", report_to_launcher=None) -> None:
+                 recorders: Recorders | None = None, dist_backend: str = "gloo", report_to_launcher=None) -> None:
         self.folder = Path(folder)
         self.timeout_s = timeout_s
         self.host = host
         self.attempt = attempt
         self.recorders = recorders
-        self.backend = backend
+        self.dist_backend = dist_backend
         self.fired: str | None = None
         self._on_hang = on_hang
         self._report = report_to_launcher
@@ -168,7 +168,7 @@ class Watchdog:
         with self._lock:
             if self.fired is not None:
                 return
-            states = collect(self.workers(), host=self.host, backend=self.backend)
+            states = collect(self.workers(), host=self.host, dist_backend=self.dist_backend)
             self._report(HangReport(host=self.host, ranks=tuple(states)).to_line())
             self.fired = ""  # the launcher prints the verdict
         self._on_hang()
@@ -184,7 +184,7 @@ class Watchdog:
                     continue
                 if stalled_for(beats, time.time()) < self.timeout_s:
                     continue
-                states = collect(self.workers(), host=self.host, backend=self.backend)
+                states = collect(self.workers(), host=self.host, dist_backend=self.dist_backend)
                 self.fired = verdict(states, world_size=self.attempt.world_size, timeout_s=self.timeout_s)
             self._on_hang()
             return

@@ -1,8 +1,8 @@
-"""Hidden subcommands a launcher runs on each node: ``agent``, ``receive``, ``launch-step``.
+"""Hidden subcommands a launcher runs on each node: ``agent``, ``receive``, ``batch-step``.
 
 Each only parses its flags and calls the module that owns the process: a node's agent
 (:mod:`disttrain.agent.entry`), ``--sync``'s receiving end (:mod:`disttrain.launch.sync`),
-a Slurm batch job's step (:mod:`disttrain.launch.slurm_alloc`).
+a Slurm batch job's batch step (:mod:`disttrain.launch.slurm_alloc`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     receive.set_defaults(handler=handle_receive)
 
     # The one command of a Slurm batch script (disttrain.launch.slurm): runs in the allocation,
-    # its step in the job's environment.
-    step = sub.add_parser("launch-step")
-    step.set_defaults(handler=handle_launch_step)
+    # its batch step in the job's environment.
+    # launch-step: its old name, in the scripts of jobs queued before an upgrade.
+    batch_step = sub.add_parser("batch-step", aliases=["launch-step"])
+    batch_step.set_defaults(handler=handle_batch_step)
 
 
 def handle_agent(args: argparse.Namespace) -> int:
@@ -46,11 +47,11 @@ def handle_agent(args: argparse.Namespace) -> int:
     agent_main(master=args.master, port=args.port, paths=args.path, cwd=args.cwd, listen=args.listen)
 
 
-def handle_launch_step(args: argparse.Namespace) -> int:
-    from ..launch.slurm_alloc import run_step
-    from .steps import client_for_step
+def handle_batch_step(args: argparse.Namespace) -> int:
+    from ..launch.slurm_alloc import run_batch_step
+    from .batch_step import client_for_batch_step
 
-    return run_step(os.environ, client_for_step)
+    return run_batch_step(os.environ, client_for_batch_step)
 
 
 def handle_receive(args: argparse.Namespace) -> int:

@@ -134,7 +134,8 @@ def finish_parsing(args: argparse.Namespace) -> argparse.Namespace:
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     hosts = hosts_from_args(args)
     launch = LaunchSpec(entry=args.script, is_module=args.module, script_args=tuple(args.script_args),
-                        backend=args.dist_backend, master_port=args.master_port, env=parse_env(args.env, os.environ))
+                        dist_backend=args.dist_backend, master_port=args.master_port,
+                        env=parse_env(args.env, os.environ))
     where: list[str] = []  # the launcher's flags; everything else travels in the spec
     if args.hosts:
         where += ["--hosts", args.hosts]

@@ -13,7 +13,7 @@ def add_store_arg(p: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     job = sub.add_parser("job", help="run a SageMaker-style job from a YAML spec",
                          description="Run a job: channels staged, the script launched on its instances, "
-                         "model.tar.gz and output.tar.gz written to output_path/<job name>/, every step recorded.")
+                         "model.tar.gz and output.tar.gz written to output_path/<job name>/, each state recorded.")
     actions = job.add_subparsers(dest="action", required=True, metavar="ACTION")
     run = actions.add_parser("run", help="run the job a YAML spec describes, and wait for it",
                              description="Run the job JOB.yaml describes and wait for it; the exit code is the "

@@ -19,7 +19,7 @@ from ..launch.slurm import SlurmBatchLauncher, SlurmOptions
 from ..launch.slurm_alloc import SlurmAllocationLauncher
 from ..launch.slurm_env import SlurmAllocation
 from ..launch.ssh import SshLauncher
-from ..placement import BACKENDS
+from ..placement import DIST_BACKENDS
 from ..ssh import parse_ssh_options
 from .common import hosts_from_args
 
@@ -30,11 +30,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "default with --hosts), or Slurm (submits an sbatch job; inside an allocation, uses its "
                    "nodes, which is also the default there)")
     p.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # the old name of both flags
-    p.add_argument("--dist-backend", default=None, metavar="|".join(BACKENDS),
+    p.add_argument("--dist-backend", default=None, metavar="|".join(DIST_BACKENDS),
                    help="process-group backend (default: nccl with CUDA, else gloo)")
     g = p.add_argument_group("Slurm (--launcher slurm)")
     g.add_argument("--nodes", type=int, default=None,
-                   help="nodes to ask for (default 1); inside an allocation: use its first N (default all)")
+                   help="nodes to ask for (default 1); inside an allocation: use its first N (default all). "
+                   "On Slurm --nnodes N says the same")
     g.add_argument("--partition", default=None, help="Slurm partition (sbatch --partition)")
     g.add_argument("--time", default=None, metavar="LIMIT",
                    help="time limit, as sbatch takes it: minutes, H:MM:SS, D-HH (sbatch --time)")
@@ -60,7 +61,7 @@ def resolve_names(args: argparse.Namespace) -> None:
     the flags, old spellings included; refuses flags that do not fit the launcher."""
     launch = args.launcher
     old = args.backend
-    if old in BACKENDS:
+    if old in DIST_BACKENDS:
         if args.dist_backend and args.dist_backend != old:
             raise UsageError(f"--backend {old} and --dist-backend {args.dist_backend} disagree: "
                              "give only --dist-backend")
@@ -73,7 +74,7 @@ def resolve_names(args: argparse.Namespace) -> None:
         launch = old
     elif old is not None:
         raise UsageError(f"unknown backend {old!r}: the launcher is --launcher {'|'.join(LAUNCHERS)}, "
-                         f"the process-group backend --dist-backend {'|'.join(BACKENDS)}")
+                         f"the process-group backend --dist-backend {'|'.join(DIST_BACKENDS)}")
     if launch is not None and launch not in LAUNCHERS:
         raise UsageError(f"unknown launcher {launch!r}: --launcher takes {', '.join(LAUNCHERS)}")
     hosts = bool(args.hosts or args.hostfile)
@@ -98,15 +99,25 @@ def allocation_for(args: argparse.Namespace) -> SlurmAllocation | None:
     return SlurmAllocation.from_environ(os.environ)
 
 
-def step_cpus(alloc: SlurmAllocation | None) -> int | None:
+def job_step_cpus(alloc: SlurmAllocation | None) -> int | None:
     """Inside a job step a run is local, on the CPUs Slurm gave this node."""
-    if alloc is None or not alloc.in_step:
+    if alloc is None or not alloc.in_job_step:
         return None
-    if alloc.step_tasks > 1:
+    if alloc.job_step_tasks > 1:
         raise UsageError(
-            f"disttrain run is one of {alloc.step_tasks} tasks of a Slurm job step: run it once, in the "
+            f"disttrain run is one of {alloc.job_step_tasks} tasks of a Slurm job step: run it once, in the "
             "batch script or the salloc shell (not under srun); it starts one agent per node itself")
     return alloc.cpus_on_node
+
+
+def slurm_nodes(args: argparse.Namespace) -> int | None:
+    """How many nodes a Slurm launch uses: --nodes N (Slurm's word) or --nnodes N (torchrun's,
+    set aside by ``cli.run.resolve_args``), one count; None: neither given."""
+    nnodes = getattr(args, "slurm_nnodes", None)
+    if nnodes is not None and args.nodes is not None and nnodes != args.nodes:
+        raise UsageError(f"--nnodes {nnodes} and --nodes {args.nodes} disagree: on Slurm both are the number of "
+                         "nodes; give one")
+    return args.nodes if args.nodes is not None else nnodes
 
 
 def launcher_from_args(args: argparse.Namespace) -> Launcher:
@@ -120,19 +131,19 @@ def launcher_from_args(args: argparse.Namespace) -> Launcher:
     alloc = allocation_for(args)
     if alloc is None and args.launcher != "slurm":
         return LocalLauncher()
-    if alloc is not None and alloc.in_step:
-        return LocalLauncher(cpus=step_cpus(alloc))
+    if alloc is not None and alloc.in_job_step:
+        return LocalLauncher(cpus=job_step_cpus(alloc))
     elastic = getattr(args, "min_nnodes", None) is not None and args.min_nnodes < args.nnodes
     if (args.nnodes != 1 and not elastic) or args.node_rank != 0:
         raise UsageError("--nnodes/--node-rank are for nodes started by hand; on Slurm disttrain starts every "
-                         "node itself: --nodes N (or an elastic range, --nnodes MIN:MAX)")
+                         "node itself: --nnodes N or --nodes N (or an elastic range, --nnodes MIN:MAX)")
     if elastic and args.nodes is not None and args.nodes != args.nnodes:
         raise UsageError(f"--nodes {args.nodes} and --nnodes {args.min_nnodes}:{args.nnodes}: an elastic job asks "
                          f"Slurm for {args.min_nnodes} to {args.nnodes} nodes; give the range only")
+    nodes = None if elastic else slurm_nodes(args)
     if alloc is not None:
-        return SlurmAllocationLauncher(alloc, nodes=None if elastic else args.nodes)
-    nodes = args.nnodes if elastic else 1 if args.nodes is None else args.nodes
+        return SlurmAllocationLauncher(alloc, nodes=nodes)
     options = SlurmOptions(
-        nodes=nodes, partition=args.partition, time=args.time,
+        nodes=args.nnodes if elastic else 1 if nodes is None else nodes, partition=args.partition, time=args.time,
         gpus_per_node=args.gpus_per_node, requeue=args.requeue, sbatch_args=tuple(args.sbatch_arg))
     return SlurmBatchLauncher(options, no_wait=args.no_wait, pending_timeout_s=args.pending_timeout)

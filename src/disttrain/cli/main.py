@@ -21,7 +21,7 @@ from . import tune as tune_cmd
 
 SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd, job_cmd, jobs_cmd, sagemaker_cmd, tune_cmd)
 # What launchers run on the hosts; never offered to a user in help or errors.
-HIDDEN = frozenset({"agent", "receive", "launch-step", "run-spec"})
+HIDDEN = frozenset({"agent", "receive", "batch-step", "run-spec", "launch-step"})  # launch-step: batch-step's old name
 _INVALID_CHOICE = re.compile(r"argument \S+: invalid choice: '(.*)' \(choose from")
 
 

@@ -27,7 +27,7 @@ from ..config.launch import (
 )
 from ..errors import UsageError
 from ..home import run_folder
-from ..launch import Context, Launcher, RunFolderEvents
+from ..launch import LaunchContext, Launcher, RunFolderEvents
 from ..launch.slurm_env import SlurmAllocation
 from ..runtime import comm
 from ..wire import RunSpec
@@ -157,10 +157,16 @@ def _stop_grace(args: argparse.Namespace, values: dict, environ: Mapping[str, st
 def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
     """Turn torchrun's options (command line, PET_) into the values the spec and the launcher
     read, on ``args``; returns the lines to say (what was ignored or assumed)."""
+    nnodes_given = getattr(args, "nnodes", None) is not None or torchrun.from_environ("nnodes", environ) is not None
     values = torchrun_values(args, environ)
     low, high = torchrun.parse_nnodes(values["nnodes"])
     hosts = bool(getattr(args, "hosts", None) or getattr(args, "hostfile", None))
     notes: list[str] = []
+    args.slurm_nnodes = None
+    if not hosts and nnodes_given and low == high and _slurm_places(args, environ):
+        # On Slurm, torchrun's --nnodes N is the number of nodes, as --nodes N (Slurm's word) is:
+        # the launcher asks Slurm for them (or takes the allocation's first N) and places each.
+        args.slurm_nnodes, low, high = high, 1, 1
     if hosts:  # --hosts numbers and addresses its nodes itself, one per host
         for dest, flag, default in (("node_rank", "--node-rank", 0), ("local_addr", "--local-addr", None),
                                     ("standalone", "--standalone", False)):
@@ -171,7 +177,7 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
             notes.append(f"--nnodes {high} is for nodes started by hand; --hosts runs one node per host: ignored")
             low = high = 1
     rdzv = torchrun.resolve_rendezvous(
-        backend=values["rdzv_backend"], endpoint=values["rdzv_endpoint"], master_addr=values["master_addr"],
+        rdzv_backend=values["rdzv_backend"], endpoint=values["rdzv_endpoint"], master_addr=values["master_addr"],
         master_port=values["master_port"], nnodes=(low, high), node_rank=values["node_rank"],
         standalone=values["standalone"], placed=hosts or _slurm_places(args, environ))
     notes += rdzv.notes
@@ -179,20 +185,20 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
         values["rdzv_id"] = None
     args.torchrun = values
     args.nnodes, args.min_nnodes = high, low
-    args.node_rank = values["node_rank"] if rdzv.backend == "static" else 0
-    args.rdzv_backend, args.master_addr, args.master_port = rdzv.backend, rdzv.master_addr, rdzv.master_port
+    args.node_rank = values["node_rank"] if rdzv.rdzv_backend == "static" else 0
+    args.rdzv_backend, args.master_addr, args.master_port = rdzv.rdzv_backend, rdzv.master_addr, rdzv.master_port
     args.stop_grace_s = _stop_grace(args, values, environ)
     return notes
 
 
 def _slurm_places(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
     """Slurm's launcher places every node (sbatch, or the nodes of the allocation we run in)."""
-    if getattr(args, "launcher", None) == "slurm":
-        return True
-    if getattr(args, "launcher", None) is not None:
-        return False
+    launcher = getattr(args, "launcher", None) or (getattr(args, "backend", None) if getattr(
+        args, "backend", None) in launchers.LAUNCHERS else None)  # --backend slurm: --launcher's old name
+    if launcher is not None:
+        return launcher == "slurm"
     alloc = SlurmAllocation.from_environ(environ)
-    return alloc is not None and not alloc.in_step
+    return alloc is not None and not alloc.in_job_step
 
 
 def agent_options(values: dict, log_dir: str | None) -> AgentOptions:
@@ -228,7 +234,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
-        backend=args.dist_backend,
+        dist_backend=args.dist_backend,
         max_restarts=values["max_restarts"],
         ranks=parse_ranks(args.ranks),
         log_dir=values["log_dir"],
@@ -328,9 +334,9 @@ def launch(spec: LaunchSpec, launcher: Launcher, args: argparse.Namespace) -> in
     # torchrun's PYTHON_EXEC: the workers' interpreter, when --python does not say otherwise
     python = os.environ.get("PYTHON_EXEC") if args.python == sys.executable and os.environ.get("PYTHON_EXEC") \
         else args.python
-    ctx = Context(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=python,
-                  paths=_entry_paths(spec),
-                  preflight=not args.no_preflight and not args.dry_run, environ=dict(os.environ))
+    ctx = LaunchContext(run_id=run_id, run_dir=run_dir, cwd=os.getcwd(), python=python,
+                        paths=_entry_paths(spec),
+                        preflight=not args.no_preflight and not args.dry_run, environ=dict(os.environ))
     if args.dry_run:
         print(launcher.dry_run(spec, ctx).text(), end="")
         return 0

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
-from ..placement import BACKENDS
+from ..placement import DIST_BACKENDS
 from .torchrun import (
     DEFAULT_SIGNALS,
     EVENT_LOG_HANDLERS,
@@ -86,6 +86,19 @@ def parse_env(items: list[str], environ: Mapping[str, str] | None = None) -> dic
     return env
 
 
+def new_keys(data: dict, old_names: Mapping[str, str], *, where: str) -> dict:
+    """``data`` with the keys an older disttrain wrote under their new names (``old_names``: old -> new),
+    for what it left behind: a queued Slurm job's batch step, a kept ``plan.json``."""
+    data = dict(data)
+    for old, new in old_names.items():
+        if old in data:
+            if new in data and data[new] != data[old]:
+                raise UsageError(f"{where}: {old!r} (the old name of {new!r}) and {new!r} disagree")
+            data.setdefault(new, data.pop(old))
+            data.pop(old, None)
+    return data
+
+
 def rdzv_backends() -> tuple[str, ...]:
     """torch's built-in rendezvous backends and those installed packages register with it."""
     from importlib.metadata import entry_points  # only when a name is not a built-in one
@@ -146,6 +159,9 @@ class AgentOptions:
             raise UsageError(f"--local-ranks-filter takes local ranks 0 or more, got {self.local_ranks_filter}")
 
 
+_OLD_KEYS = {"backend": "dist_backend"}  # what an older disttrain's spec JSON calls them
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
     """One ``disttrain run``; every field is validated here, naming its flag."""
@@ -158,7 +174,7 @@ class LaunchSpec:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
-    backend: str | None = None
+    dist_backend: str | None = None
     max_restarts: int = 0
     ranks: tuple[int, ...] | None = None
     log_dir: str | None = None
@@ -208,7 +224,7 @@ class LaunchSpec:
     @classmethod
     def from_json(cls, text: str) -> LaunchSpec:
         """The inverse of :meth:`to_json`; unknown keys are refused by name, values validated again."""
-        data = json.loads(text)
+        data = new_keys(json.loads(text), _OLD_KEYS, where="launch spec")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -241,8 +257,8 @@ class LaunchSpec:
             raise UsageError("--nnodes > 1 needs --master-port (the same on every node)")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
-        if self.backend is not None and self.backend not in BACKENDS:
-            raise UsageError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.dist_backend is not None and self.dist_backend not in DIST_BACKENDS:
+            raise UsageError(f"unknown backend {self.dist_backend!r}: choose one of {', '.join(DIST_BACKENDS)}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts cannot be negative, got {self.max_restarts}")
         if self.rdzv_backend not in RDZV_BACKENDS and self.rdzv_backend not in rdzv_backends():

@@ -266,22 +266,22 @@ def from_environ(dest: str, environ: Mapping[str, str]) -> Any:
 class Rendezvous:
     """Where the nodes meet, as torchrun decides it from its options."""
 
-    backend: str
+    rdzv_backend: str
     master_addr: str | None  # None: 127.0.0.1 (one node)
     master_port: int | None  # None: a free port (one node)
     notes: tuple[str, ...] = ()  # what was ignored or assumed, one line each
 
 
-def _default_port(backend: str) -> int:
-    return STATIC_DEFAULT_PORT if backend == "static" else C10D_DEFAULT_PORT
+def _default_port(rdzv_backend: str) -> int:
+    return STATIC_DEFAULT_PORT if rdzv_backend == "static" else C10D_DEFAULT_PORT
 
 
-def resolve_rendezvous(*, backend: str | None, endpoint: str | None, master_addr: str | None,
+def resolve_rendezvous(*, rdzv_backend: str | None, endpoint: str | None, master_addr: str | None,
                        master_port: int | None, nnodes: tuple[int, int], node_rank: int,
                        standalone: bool, placed: bool = False) -> Rendezvous:
     """torchrun's rules: ``--standalone`` is one node on a local port and overrides the ``--rdzv-*``
     values; ``--rdzv-endpoint`` wins over ``--master-addr/--master-port``; ``--node-rank`` is for
-    the static rendezvous only. disttrain adds: ``MIN:MAX`` picks c10d unless a backend is given;
+    the static rendezvous only. disttrain adds: ``MIN:MAX`` picks c10d unless --rdzv-backend is given;
     ``placed``: a launcher places every node (``--hosts``) and finds the master itself, so no
     address is assumed when none is given."""
     low, high = nnodes
@@ -289,11 +289,11 @@ def resolve_rendezvous(*, backend: str | None, endpoint: str | None, master_addr
     if standalone:
         if high > 1:
             raise UsageError(f"--standalone is one node: drop it or --nnodes {low if low == high else f'{low}:{high}'}")
-        given = [flag for flag, value in (("--rdzv-backend", backend), ("--rdzv-endpoint", endpoint)) if value]
+        given = [flag for flag, value in (("--rdzv-backend", rdzv_backend), ("--rdzv-endpoint", endpoint)) if value]
         if given:
             notes.append(f"--standalone: {' and '.join(given)} ignored (one node, a free local port), as by torchrun")
-        return Rendezvous(backend="static", master_addr=None, master_port=None, notes=tuple(notes))
-    chosen = backend or ("c10d" if low < high else "static")
+        return Rendezvous(rdzv_backend="static", master_addr=None, master_port=None, notes=tuple(notes))
+    chosen = rdzv_backend or ("c10d" if low < high else "static")
     if node_rank and chosen != "static":
         notes.append(f"--node-rank {node_rank} ignored: the {chosen} rendezvous numbers the nodes as they join")
     if endpoint:
@@ -302,14 +302,14 @@ def resolve_rendezvous(*, backend: str | None, endpoint: str | None, master_addr
                    if value is not None and str(value) != str(host if flag == "--master-addr" else port)]
         if ignored:
             notes.append(f"{' and '.join(ignored)} ignored: --rdzv-endpoint {endpoint} names the rendezvous")
-        return Rendezvous(backend=chosen, master_addr=host, master_port=port, notes=tuple(notes))
+        return Rendezvous(rdzv_backend=chosen, master_addr=host, master_port=port, notes=tuple(notes))
     if high == 1 or placed:
-        return Rendezvous(backend=chosen, master_addr=master_addr, master_port=master_port, notes=tuple(notes))
+        return Rendezvous(rdzv_backend=chosen, master_addr=master_addr, master_port=master_port, notes=tuple(notes))
     port = master_port if master_port is not None else _default_port(chosen)
     if not master_addr:
         notes.append(f"no --master-addr or --rdzv-endpoint: the rendezvous is 127.0.0.1:{port} (torchrun's "
                      "default), so every node must be this machine; give node 0's address to join other machines")
-    return Rendezvous(backend=chosen, master_addr=master_addr or "127.0.0.1", master_port=port, notes=tuple(notes))
+    return Rendezvous(rdzv_backend=chosen, master_addr=master_addr or "127.0.0.1", master_port=port, notes=tuple(notes))
 
 
 def check_logs_specs(name: str) -> str:

@@ -3,7 +3,7 @@
 The runner calls, in order:
 
 - :func:`preflight` (before anything is recorded): what this machine must have;
-- :func:`prepare` (while Staging): ``requirements.txt`` into the job's own environment,
+- :func:`ready_container` (while Staging): ``requirements.txt`` into the job's own environment,
   checkpoints restored from ``checkpoint_s3_uri``, whether this machine can make a private
   ``/opt/ml`` (for its own instances: launcher local and mpi); :func:`foresee` says what it
   would find without doing it (``--dry-run``);
@@ -37,8 +37,8 @@ MAX_RUNTIME = "MaxRuntimeExceeded"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Prepared:
-    """What :func:`prepare` found (or :func:`foresee` expects), for the plan."""
+class ReadyContainer:
+    """What :func:`ready_container` found (or :func:`foresee` expects), for the plan."""
 
     python: str | None = None  # the job's venv interpreter (requirements.txt), else the launcher's
     private_opt_ml: bool = True  # False: off, or this machine (launcher local/mpi) cannot make one
@@ -60,10 +60,10 @@ def preflight(spec: JobSpec) -> None:
         _namespace(spec, lambda _line: None)
 
 
-def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], None]) -> Prepared:
+def ready_container(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], None]) -> ReadyContainer:
     if spec.distribution.note():
         say(spec.distribution.note())
-    ready = Prepared(private_opt_ml=_namespace(spec, say), python=isolated_python(cwd, layout.venv, say))
+    ready = ReadyContainer(private_opt_ml=_namespace(spec, say), python=isolated_python(cwd, layout.venv, say))
     box = spec.container
     if box.checkpoint_s3_uri:
         for inst in layout.instances:
@@ -73,16 +73,16 @@ def prepare(spec: JobSpec, layout: JobLayout, cwd: Path, say: Callable[[str], No
     return ready
 
 
-def foresee(spec: JobSpec, layout: JobLayout, say: Callable[[str], None]) -> Prepared:
-    """What :func:`prepare` will find, without installing or restoring anything (``--dry-run``)."""
+def foresee(spec: JobSpec, layout: JobLayout, say: Callable[[str], None]) -> ReadyContainer:
+    """What :func:`ready_container` will find, without installing or restoring anything (``--dry-run``)."""
     if spec.distribution.note():
         say(spec.distribution.note())
-    return Prepared(private_opt_ml=_namespace(spec, say),
-                    python=str(layout.venv_python) if _installs_requirements(spec, say) else None)
+    return ReadyContainer(private_opt_ml=_namespace(spec, say),
+                          python=str(layout.venv_python) if _installs_requirements(spec, say) else None)
 
 
 def _installs_requirements(spec: JobSpec, say: Callable[[str], None]) -> bool:
-    """Whether the staged code will hold a requirements.txt (:func:`prepare` installs it)."""
+    """Whether the staged code will hold a requirements.txt (:func:`ready_container` installs it)."""
     source = spec.program.source_dir
     path = local_path(source)
     if not source.endswith(TARBALL_SUFFIXES):

@@ -54,7 +54,7 @@ class Distribution:
     kind: str  # "none" or one of KINDS
     processes_per_host: int | None = None  # mpi
     custom_mpi_options: str = ""
-    # The mapping as the user wrote it: what the job's record shows and a Slurm step ships.
+    # The mapping as the user wrote it: what the job's record shows and a Slurm batch step ships.
     source: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:

@@ -96,18 +96,18 @@ class InstancePaths:
 @dataclass(frozen=True)
 class JobLayout:
     root: Path
-    hosts: tuple[str, ...]  # instance names, algo-1 first
+    instance_names: tuple[str, ...]  # algo-1 first
 
-    def instance(self, host: str) -> InstancePaths:
-        return InstancePaths(self.root / host)
+    def instance(self, name: str) -> InstancePaths:
+        return InstancePaths(self.root / name)
 
     @property
     def instances(self) -> tuple[InstancePaths, ...]:
-        return tuple(self.instance(h) for h in self.hosts)
+        return tuple(self.instance(h) for h in self.instance_names)
 
     @property
     def first(self) -> InstancePaths:
-        return self.instance(self.hosts[0])
+        return self.instance(self.instance_names[0])
 
     def staged_channel(self, name: str) -> Path:
         return self.root / "channels" / name
@@ -155,5 +155,5 @@ def private_folder(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.mkdir(mode=0o700, exist_ok=True)
     if path.stat().st_uid == os.getuid():
-        path.chmod(0o700)  # it existed (a rerun of a named job, a Slurm step) with another mode
+        path.chmod(0o700)  # it existed (a rerun of a named job, a Slurm batch step) with another mode
     return path

@@ -1,9 +1,9 @@
 """A job's plan, made in one place: the job spec → what the launcher plans, and what the container adds.
 
-The runner, ``disttrain job run --dry-run`` and a Slurm allocation's launch step all plan a job
+The runner, ``disttrain job run --dry-run`` and a Slurm allocation's batch step all plan a job
 through a :class:`JobPlanner`: it gives the launcher the :class:`LaunchSpec` (the script, its
 arguments as SageMaker's toolkit passes them, processes per instance as the distribution says)
-and the :class:`Context`, whose ``container`` is the planner itself. The launcher calls it with
+and the :class:`LaunchContext`, whose ``container`` is the planner itself. The launcher calls it with
 the facts it found (each instance's interface, GPUs, CPUs, address and the rendezvous port), and
 :func:`~disttrain.plan.launch.make_plan` applies what it returns, a
 :class:`~disttrain.plan.container.ContainerSetup` (each instance's ``SM_*`` variables, the
@@ -23,11 +23,11 @@ from pathlib import Path
 from ..agent.optml import hosts_file
 from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
-from ..launch import Context
+from ..launch import LaunchContext
 from ..plan.container import ContainerSetup, InstanceSetup
 from ..plan.launch import NodeFacts
 from . import sagemaker_v3
-from .container import PS_SHIM, Prepared
+from .container import PS_SHIM, ReadyContainer
 from .distribution import ps_tf_config
 from .layout import JobLayout
 from .sagemaker import Instance, hyperparameter_args, sm_env, write_config
@@ -42,7 +42,7 @@ class JobPlanner:
     layout: JobLayout
     name: str  # the run's job name
     cwd: Path  # where the script runs: source_dir, or its tarball extracted into the job folder
-    ready: Prepared  # what the container found: the job's interpreter, a private /opt/ml
+    ready: ReadyContainer  # what the container found: the job's interpreter, a private /opt/ml
     environ: Mapping[str, str]  # the launching shell's environment
 
     def launch_spec(self) -> LaunchSpec:
@@ -80,19 +80,19 @@ class JobPlanner:
         """SDK v3 ModelTrainer's contract (jobs/sagemaker_v3.py), not the training toolkit's."""
         return self.spec.container.contract == "model_trainer"
 
-    def context(self) -> Context:
-        return Context(run_id=self.name, run_dir=str(self.layout.logs), cwd=str(self.cwd),
-                       python=self.spec.placement.python or sys.executable,
-                       paths=(str(self.cwd / self.spec.program.entry_point), str(self.layout.root)),
-                       environ=dict(self.environ), container=self)
+    def context(self) -> LaunchContext:
+        return LaunchContext(run_id=self.name, run_dir=str(self.layout.logs), cwd=str(self.cwd),
+                             python=self.spec.placement.python or sys.executable,
+                             paths=(str(self.cwd / self.spec.program.entry_point), str(self.layout.root)),
+                             environ=dict(self.environ), container=self)
 
     def instances(self, nodes: Sequence[NodeFacts], node_ranks: Sequence[int] | None = None) -> tuple[Instance, ...]:
         """Instance K (the plan's node K; of an elastic job that started without some, ``node_ranks[k]``)
         as SageMaker's contract describes it, from its node's facts. ``hosts`` lists every instance."""
-        spec, hosts = self.spec, self.layout.hosts
+        spec, names = self.spec, self.layout.instance_names
         ranks = node_ranks if node_ranks is not None else range(len(nodes))
         return tuple(
-            Instance(job_name=self.name, host=hosts[rank], hosts=hosts, instance_type=spec.placement.instance_type,
+            Instance(job_name=self.name, name=names[rank], names=names, instance_type=spec.placement.instance_type,
                      ifname=node.socket_ifname or "lo", num_gpus=node.cuda_devices, num_cpus=node.cpus,
                      entry_point=spec.program.entry_point, module_dir=str(self.cwd),
                      hyperparameters=spec.program.hyperparameters,
@@ -106,8 +106,8 @@ class JobPlanner:
         addresses = [node.address or master_addr for node in nodes]
         setups = []
         for k, inst in enumerate(self.instances(nodes, node_ranks)):
-            host = inst.host
-            paths = self.layout.instance(host)
+            name = inst.name
+            paths = self.layout.instance(name)
             if self.v3:
                 env = self._v3_vars(inst, addresses, master_port)
             else:
@@ -131,7 +131,7 @@ class JobPlanner:
         master = sagemaker_v3.master_endpoint(addresses, master_port, names_resolve=self.ready.private_opt_ml)
         distributed = sagemaker_v3.distributed_config(program.distribution,
                                                       self.spec.placement.processes_per_instance)
-        return sagemaker_v3.instance_vars(inst, self.layout.instance(inst.host), master=master,
+        return sagemaker_v3.instance_vars(inst, self.layout.instance(inst.name), master=master,
                                           source_dir=str(self.cwd), entry_script=program.entry_point,
                                           distributed=distributed)
 
@@ -142,9 +142,9 @@ class JobPlanner:
         (``algo-K``: agent/optml.py puts them in its own /etc/hosts)."""
         addresses = [node.address or master_addr for node in nodes]
         instances = self.instances(nodes, node_ranks)
-        names = "".join(f"{address} {inst.host}\n" for address, inst in zip(addresses, instances))
+        names = "".join(f"{address} {inst.name}\n" for address, inst in zip(addresses, instances))
         for inst in instances:
-            paths = self.layout.instance(inst.host)
+            paths = self.layout.instance(inst.name)
             if self.v3:
                 sagemaker_v3.write_files(inst, paths, self._v3_vars(inst, addresses, master_port))
             else:

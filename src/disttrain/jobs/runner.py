@@ -1,6 +1,6 @@
 """A job from spec to record: Pending → Staging → Running → Uploading → Completed | Failed | Stopped.
 
-Every step is recorded in the store as it happens, so a job that fails, is stopped or whose
+Every state change is recorded in the store as it happens, so a job that fails, is stopped or whose
 runner dies leaves its state, logs and root cause behind. Job names: each run of a spec is
 named ``<name>-<YYYYMMDD-HHMMSS>-<4 hex>`` (SageMaker appends a timestamp to a base job name
 the same way), so reruns never collide and sort by time.
@@ -104,7 +104,7 @@ def job_layout(spec: JobSpec, name: str) -> JobLayout:
     return JobLayout(jobs_home() / "jobs" / name, instance_names(spec.placement.instance_count))
 
 
-class JobStepEvents(Events):
+class JobBatchStepEvents(Events):
     """A job's sink where its instances start: each instance's config files, the plan kept, the banner.
     (What the container adds to the plan is the planner's input, ``planner.context()``.)"""
 
@@ -116,15 +116,15 @@ class JobStepEvents(Events):
         self.planner = planner
 
     @classmethod
-    def from_step(cls, client: JobClient) -> JobStepEvents:
-        """Inside a Slurm allocation, from what :meth:`JobRun.step` shipped (each node's agent
+    def from_batch_step(cls, client: JobClient) -> JobBatchStepEvents:
+        """Inside a Slurm allocation, from what :meth:`JobRun.batch_step_client` shipped (each node's agent
         makes its instance's private /opt/ml, as over ssh)."""
         cwd = Path(client.cwd)
-        spec = spec_from_mapping(client.spec, base_dir=cwd, source="the launch step")
+        spec = spec_from_mapping(client.spec, base_dir=cwd, source="the batch step")
         layout = JobLayout(Path(client.job_dir), instance_names(spec.placement.instance_count))
-        # requirements.txt was installed by the runner (container.prepare) before it submitted
-        ready = container.Prepared(python=str(layout.venv_python) if layout.venv_python.exists() else None,
-                                   private_opt_ml=spec.container.private_opt_ml != "off")
+        # requirements.txt was installed by the runner (container.ready_container) before it submitted
+        ready = container.ReadyContainer(python=str(layout.venv_python) if layout.venv_python.exists() else None,
+                                         private_opt_ml=spec.container.private_opt_ml != "off")
         return cls(JobPlanner(spec=spec, layout=layout, name=client.name, cwd=cwd, ready=ready,
                               environ=os.environ))
 
@@ -134,13 +134,13 @@ class JobStepEvents(Events):
                              master_addr=plan.master_addr, master_port=plan.master_port)
         write_private(planner.layout.logs / "plan.json", plan.to_json())
         where = ", ".join(f"{i} on {w}" if i != w else i for i, w in zip(_instances(planner.layout, facts), facts.where))
-        how = {"mpi": "mpirun", "none": "once per instance"}.get(planner.spec.distribution.kind, plan.backend)
+        how = {"mpi": "mpirun", "none": "once per instance"}.get(planner.spec.distribution.kind, plan.dist_backend)
         self.say(f"disttrain: {plan.world_size} worker(s) ({how}) on {where}"
                  f"{f' ({note})' if note else ''}, rendezvous {plan.master_addr}:{plan.master_port}; "
                  f"logs: {planner.layout.logs}")
 
 
-def _joining(events: JobStepEvents, plan: LaunchPlan, facts: Facts) -> None:
+def _joining(events: JobBatchStepEvents, plan: LaunchPlan, facts: Facts) -> None:
     events.planner.write_config(facts.nodes, facts.node_ranks, master_addr=plan.master_addr,
                                 master_port=plan.master_port)
 
@@ -148,7 +148,7 @@ def _joining(events: JobStepEvents, plan: LaunchPlan, facts: Facts) -> None:
 def _instances(layout: JobLayout, facts: Facts) -> list[str]:
     """The instances the nodes of ``facts`` are (an elastic job may start without some)."""
     ranks = facts.node_ranks if facts.node_ranks is not None else range(len(facts.where))
-    return [layout.hosts[rank] for rank in ranks]
+    return [layout.instance_names[rank] for rank in ranks]
 
 
 def _started() -> float:
@@ -157,7 +157,7 @@ def _started() -> float:
     return psutil.Process().create_time()
 
 
-class JobRun(JobStepEvents):
+class JobRun(JobBatchStepEvents):
     """One job from staging to its record; the launch's event sink on this side."""
 
     def __init__(self, spec: JobSpec, store: JobStore, record: JobRecord, layout: JobLayout,
@@ -199,7 +199,7 @@ class JobRun(JobStepEvents):
                  f"{spec.placement.launcher} launcher; job dir: {layout.root}")
         self.cwd = stage_source(spec, layout)
         stage_channels(spec, layout, self.say)
-        ready = container.prepare(spec, layout, self.cwd, self.say)  # container: venv, checkpoints, /opt/ml
+        ready = container.ready_container(spec, layout, self.cwd, self.say)  # container: venv, checkpoints, /opt/ml
         self.planner = JobPlanner(spec=spec, layout=layout, name=self.record.name, cwd=self.cwd, ready=ready,
                                   environ=os.environ)
         # container: metrics, checkpoint sync and max_run (under Slurm, time in the queue counts too)
@@ -223,11 +223,12 @@ class JobRun(JobStepEvents):
                  f"logs: {run_dir}")
 
     def ran_on(self, where: tuple[str, ...]) -> None:
-        self.store.update(self.id, hosts=[{"instance": i, "host": w} for i, w in zip(self.layout.hosts, where)])
+        self.store.update(self.id, hosts=[{"instance": i, "host": w}
+                                          for i, w in zip(self.layout.instance_names, where)])
 
-    def step(self) -> JobClient:
+    def batch_step_client(self) -> JobClient:
         return JobClient(name=self.record.name, job_dir=str(self.layout.root), cwd=str(self.cwd),
-                         spec=self.spec.to_dict())  # whole (masking is for records): the step runs it
+                         spec=self.spec.to_dict())  # whole (masking is for records): the batch step runs it
 
     def _finish(self, outcome: Outcome, timed_out: str | None) -> JobRecord:
         layout = self.layout
@@ -241,7 +242,7 @@ class JobRun(JobStepEvents):
             return self._end(JobState.STOPPED, outcome.exit_code, metrics=metrics,
                              failure=f"stopped by {signal.Signals(outcome.signal).name}")
         if outcome.exit_code:
-            instance = layout.hosts[outcome.failed] if outcome.failed is not None else "an instance"
+            instance = layout.instance_names[outcome.failed] if outcome.failed is not None else "an instance"
             failure = outcome.report or f"disttrain: {instance} exited with code {outcome.exit_code}"
             return self._end(JobState.FAILED, outcome.exit_code, metrics=metrics, failure=failure)
         self.store.transition(self.id, JobState.UPLOADING, metrics=metrics)

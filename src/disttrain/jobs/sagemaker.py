@@ -100,8 +100,8 @@ class Instance:
     """What differs between the instances of a job (and what the contract needs of the job)."""
 
     job_name: str
-    host: str
-    hosts: tuple[str, ...]
+    name: str
+    names: tuple[str, ...]
     instance_type: str = "local"
     ifname: str = "lo"
     num_gpus: int = 0
@@ -116,12 +116,12 @@ class Instance:
 
 def resource_config(inst: Instance) -> dict[str, Any]:
     return {
-        "current_host": inst.host,
+        "current_host": inst.name,
         "current_instance_type": inst.instance_type,
         "current_group_name": INSTANCE_GROUP,
-        "hosts": list(inst.hosts),
+        "hosts": list(inst.names),
         "instance_groups": [{"instance_group_name": INSTANCE_GROUP, "instance_type": inst.instance_type,
-                             "hosts": list(inst.hosts)}],
+                             "hosts": list(inst.names)}],
         "network_interface_name": inst.ifname,
     }
 
@@ -149,19 +149,19 @@ def training_env(inst: Instance, paths: InstancePaths) -> dict[str, Any]:
     hps = decoded_hyperparameters(encoded_hyperparameters(all_hyperparameters(inst)))
     user_hps = {k: v for k, v in hps.items() if not k.startswith("sagemaker_")}
     framework = {k: v for k, v in hps.items() if k.startswith("sagemaker_") and k not in RESERVED}
-    group = {"instance_group_name": INSTANCE_GROUP, "instance_type": inst.instance_type, "hosts": list(inst.hosts)}
+    group = {"instance_group_name": INSTANCE_GROUP, "instance_type": inst.instance_type, "hosts": list(inst.names)}
     distributed = any(k.endswith("_enabled") and v for k, v in framework.items())
     return {
         "additional_framework_parameters": framework,
         "channel_input_dirs": {name: str(paths.channel(name)) for name in sorted(inst.channels)},
-        "current_host": inst.host,
+        "current_host": inst.name,
         "current_instance_group": INSTANCE_GROUP,
-        "current_instance_group_hosts": list(inst.hosts),
+        "current_instance_group_hosts": list(inst.names),
         "current_instance_type": inst.instance_type,
-        "distribution_hosts": list(inst.hosts),
+        "distribution_hosts": list(inst.names),
         "distribution_instance_groups": [INSTANCE_GROUP] if distributed else [],
         "framework_module": inst.framework_module,
-        "hosts": list(inst.hosts),
+        "hosts": list(inst.names),
         "hyperparameters": user_hps,
         "input_config_dir": str(paths.config),
         "input_data_config": input_data_config(inst.channels),
@@ -169,11 +169,11 @@ def training_env(inst: Instance, paths: InstancePaths) -> dict[str, Any]:
         "instance_groups": [INSTANCE_GROUP],
         "instance_groups_dict": {INSTANCE_GROUP: group},
         "is_hetero": False,
-        "is_master": inst.host == inst.hosts[0],
+        "is_master": inst.name == inst.names[0],
         "is_modelparallel_enabled": bool(framework.get("sagemaker_modelparallel_enabled")),
         "job_name": inst.job_name,
         "log_level": LOG_LEVEL,
-        "master_hostname": inst.hosts[0],
+        "master_hostname": inst.names[0],
         "model_dir": str(paths.model),
         "module_dir": inst.module_dir,
         "module_name": inst.entry_point.removesuffix(".py"),

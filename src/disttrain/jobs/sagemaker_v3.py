@@ -92,7 +92,7 @@ def training_env(inst: Instance, paths: InstancePaths, *, master: tuple[str, int
                  entry_script: str, distributed: Mapping[str, Any]) -> dict[str, Any]:
     """Every variable environment.py sets, as Python values (safe-serialized on the way out)."""
     channels = sorted(inst.channels)
-    hosts = sorted(inst.hosts)
+    hosts = sorted(inst.names)
     hps = decoded_hyperparameters(inst.hyperparameters)
     resources = resource_config(inst)
     inputs = input_data_config(inst.channels)
@@ -119,12 +119,12 @@ def training_env(inst: Instance, paths: InstancePaths, *, master: tuple[str, int
         env[f"SM_HP_{key.replace('-', '_').upper()}"] = value
     env["SM_HPS"] = hps
     env.update({
-        "SM_CURRENT_HOST": inst.host,
+        "SM_CURRENT_HOST": inst.name,
         "SM_CURRENT_INSTANCE_TYPE": inst.instance_type,
         "SM_HOSTS": hosts,
         "SM_NETWORK_INTERFACE_NAME": inst.ifname,
         "SM_HOST_COUNT": len(hosts),
-        "SM_CURRENT_HOST_RANK": hosts.index(inst.host),
+        "SM_CURRENT_HOST_RANK": hosts.index(inst.name),
         "SM_NUM_CPUS": inst.num_cpus,
         "SM_NUM_GPUS": inst.num_gpus,
         "SM_NUM_NEURONS": 0,
@@ -133,7 +133,7 @@ def training_env(inst: Instance, paths: InstancePaths, *, master: tuple[str, int
     })
     env["SM_TRAINING_ENV"] = {
         "channel_input_dirs": {name: env[f"SM_CHANNEL_{name.upper()}"] for name in channels},
-        "current_host": inst.host,
+        "current_host": inst.name,
         "current_instance_type": inst.instance_type,
         "hosts": hosts,
         "master_addr": master[0],

@@ -12,7 +12,7 @@ Users write the flat keys of SageMaker's estimators, in a YAML file, as ``disttr
 or through :mod:`disttrain.sagemaker`; :func:`spec_from_mapping` is the one door from those keys
 to a :class:`JobSpec` (unknown keys refused by name, old spellings accepted, relative local
 paths made absolute against the YAML file's folder, so a job runs the same from any working
-directory), and :meth:`JobSpec.to_dict` gives the same keys back (the job's record, a Slurm step).
+directory), and :meth:`JobSpec.to_dict` gives the same keys back (the job's record, a Slurm batch step).
 """
 
 from __future__ import annotations

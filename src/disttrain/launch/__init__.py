@@ -39,8 +39,8 @@ module here:
    ``tests/test_launcher_contract.py``.
 
 A batch launcher subclasses :class:`BatchLauncher`: ``script``, ``submission_argv``,
-``job_id_from``, ``command`` and ``follow``; its script runs ``disttrain launch-step``, or a
-command of its own that unpacks the :class:`~disttrain.wire.LaunchStep` and runs an agent
+``job_id_from``, ``command`` and ``follow``; its script runs ``disttrain batch-step``, or a
+command of its own that unpacks the :class:`~disttrain.wire.BatchStep` and runs an agent
 launcher there.
 
 The layering (checked by import-linter, see ``pyproject.toml``): clients (``cli``, ``jobs``)
@@ -53,10 +53,10 @@ from __future__ import annotations
 from .base import (
     AgentLauncher,
     BatchLauncher,
-    Context,
     DryRun,
     Events,
     Facts,
+    LaunchContext,
     Launcher,
     Outcome,
     RunFolderEvents,
@@ -65,5 +65,5 @@ from .base import (
 
 LAUNCHERS = ("local", "ssh", "slurm")  # what --launcher offers (mpi is a job's distribution)
 
-__all__ = ["LAUNCHERS", "AgentLauncher", "BatchLauncher", "Context", "DryRun", "Events", "Facts", "Launcher",
+__all__ = ["LAUNCHERS", "AgentLauncher", "BatchLauncher", "LaunchContext", "DryRun", "Events", "Facts", "Launcher",
            "Outcome", "RunFolderEvents", "banner"]

@@ -3,14 +3,14 @@
 Clients call two methods, the same on every launcher: :meth:`Launcher.run` (spec + context +
 an :class:`Events` sink → an :class:`~disttrain.wire.Outcome`) and :meth:`Launcher.dry_run`
 (→ a :class:`DryRun`: what would start, nothing started). Behind them, two kinds of launcher,
-each a template with its own steps (torch elastic's agent template and submitit's executors
+each a template with its own stages (torch elastic's agent template and submitit's executors
 divide theirs the same way):
 
 **Agent launchers** (:class:`AgentLauncher`: local, the job's instances, ssh, a Slurm
 allocation, mpi) know the nodes before anything starts:
 
 1. :meth:`~AgentLauncher.facts` -- ask the nodes about themselves (cores, GPUs, the route to the
-   master, a free port). The only step with side effects before the start; it may probe hosts.
+   master, a free port). The only stage with side effects before the start; it may probe hosts.
 2. :meth:`~AgentLauncher.place` -- spec + facts → :class:`~disttrain.plan.launch.LaunchPlan`. Pure:
    ``--dry-run`` prints exactly what would start.
 3. :meth:`~AgentLauncher.launch` -- plan + events → the outcome.
@@ -22,10 +22,10 @@ the plan that runs.
 
 **Batch launchers** (:class:`BatchLauncher`: Slurm's sbatch) hand a script to a scheduler,
 which picks the nodes later: the spec is shipped into the allocation (a
-:class:`~disttrain.wire.LaunchStep`), where an agent launcher places and launches it.
+:class:`~disttrain.wire.BatchStep`), where an agent launcher places and launches it.
 
 1. :meth:`~BatchLauncher.script` -- the batch script (pure);
-2. :meth:`~BatchLauncher.submit` -- the script to the scheduler, the step in the job's
+2. :meth:`~BatchLauncher.submit` -- the script to the scheduler, the batch step in the job's
    environment → the job id (hooks: :meth:`~BatchLauncher.submission_argv`,
    :meth:`~BatchLauncher.job_id_from`);
 3. :meth:`~BatchLauncher.follow` -- the job's output while it runs → the outcome.
@@ -50,11 +50,11 @@ from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
 from ..errors import UsageError
 from ..plan.launch import ContainerPlanner, LaunchPlan, NodeFacts, make_plan
-from ..wire import JobClient, LaunchStep, Outcome, RunClient
+from ..wire import BatchStep, JobClient, Outcome, RunClient
 
 
 @dataclass(frozen=True, kw_only=True)
-class Context:
+class LaunchContext:
     """Where and as what a spec is launched: what the client knows besides the spec."""
 
     run_id: str
@@ -105,7 +105,7 @@ class Events:
     def ran_on(self, where: tuple[str, ...]) -> None:
         """A batch job ended; it ran on these nodes (placed inside the allocation)."""
 
-    def step(self) -> RunClient | JobClient | None:
+    def batch_step_client(self) -> RunClient | JobClient | None:
         """How to rebuild this sink inside a batch allocation; None: the default sink."""
         return None
 
@@ -120,12 +120,12 @@ class RunFolderEvents(Events):
 
 def banner(plan: LaunchPlan, note: str = "") -> str:
     """The one start line: how many workers, of what, where, the rendezvous and the logs."""
-    where = ", ".join(node.host for node in plan.nodes)
-    kind = "TensorFlow" if plan.framework == "tensorflow" else plan.backend
+    where = ", ".join(node.name for node in plan.nodes)
+    kind = "TensorFlow" if plan.framework == "tensorflow" else plan.dist_backend
     count = f"{plan.world_size} worker{'s' if plan.world_size != 1 else ''}"
     if plan.elastic:  # --nnodes MIN:MAX: each rendezvous round decides
         per_node = plan.nodes[0].nproc
-        count = f"{per_node * plan.min_nodes} to {per_node * plan.nnodes} workers"
+        count = f"{per_node * plan.min_nnodes} to {per_node * plan.nnodes} workers"
     return (f"disttrain: {count} ({kind}) on {where}"
             f"{f' ({note})' if note else ''}, rendezvous {plan.master_addr}:{plan.master_port}; logs: {plan.run_dir}")
 
@@ -136,7 +136,7 @@ class DryRun:
 
     An agent launcher knows the nodes before anything starts: its dry run is the plan. A batch
     launcher's nodes are known only inside the allocation: its dry run is the script it would
-    submit and the spec that script's step would place there.
+    submit and the spec that script's batch step would place there.
     """
 
     launcher: str
@@ -160,11 +160,11 @@ class Launcher(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def run(self, spec: LaunchSpec, ctx: Context, events: Events) -> Outcome:
+    def run(self, spec: LaunchSpec, ctx: LaunchContext, events: Events) -> Outcome:
         """Launch ``spec`` to its end; how it ended, the same shape for every launcher."""
 
     @abstractmethod
-    def dry_run(self, spec: LaunchSpec, ctx: Context) -> DryRun:
+    def dry_run(self, spec: LaunchSpec, ctx: LaunchContext) -> DryRun:
         """What :meth:`run` would start, without starting it."""
 
 
@@ -174,10 +174,10 @@ class AgentLauncher(Launcher):
     note: str = ""  # said in the start line, e.g. "Slurm job 12"
 
     @abstractmethod
-    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+    def facts(self, spec: LaunchSpec, ctx: LaunchContext) -> Facts:
         """Ask the nodes about themselves (side effects allowed: probes, port checks)."""
 
-    def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
+    def place(self, spec: LaunchSpec, facts: Facts, ctx: LaunchContext) -> LaunchPlan:
         """spec + facts → the plan of the whole job, one node per NodeFacts; pure."""
         # An elastic range keeps its maximum (hosts may join later); a fixed count is the nodes placed.
         spec = replace(spec, nnodes=spec.nnodes if spec.elastic else len(facts.nodes), node_rank=0,
@@ -189,23 +189,23 @@ class AgentLauncher(Launcher):
                          forwarded_env=facts.forwarded_env, container=container, node_ranks=facts.node_ranks)
 
     @abstractmethod
-    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
+    def launch(self, plan: LaunchPlan, events: Events, ctx: LaunchContext) -> Outcome:
         """Start every node's agent, relay their output, stop all at the first failure."""
 
     def close(self) -> None:
         """Let go of what :meth:`facts` left open for :meth:`launch` (probe sessions)."""
 
-    def plan(self, spec: LaunchSpec, ctx: Context) -> tuple[LaunchPlan, Facts]:
+    def plan(self, spec: LaunchSpec, ctx: LaunchContext) -> tuple[LaunchPlan, Facts]:
         facts = self.facts(spec, ctx)
         return self.place(spec, facts, ctx), facts
 
-    def dry_run(self, spec: LaunchSpec, ctx: Context) -> DryRun:
+    def dry_run(self, spec: LaunchSpec, ctx: LaunchContext) -> DryRun:
         try:
             return DryRun(launcher=self.name, plan=self.plan(spec, ctx)[0])
         finally:
             self.close()
 
-    def run(self, spec: LaunchSpec, ctx: Context, events: Events) -> Outcome:
+    def run(self, spec: LaunchSpec, ctx: LaunchContext, events: Events) -> Outcome:
         """The shared pipeline: facts → place → launch."""
         try:
             plan, facts = self.plan(spec, ctx)
@@ -217,18 +217,18 @@ class AgentLauncher(Launcher):
 
 class BatchLauncher(Launcher):
     """script → submit → job id → follow: a scheduler picks the nodes after submission, and the
-    spec is placed there, by the step the script runs (a :class:`~disttrain.wire.LaunchStep`)."""
+    spec is placed there, by the batch step the script runs (a :class:`~disttrain.wire.BatchStep`)."""
 
-    nodes: int = 1  # what the step asks of the allocation
+    nodes: int = 1  # what the batch step asks of the allocation
     no_wait: bool = False  # submit, say the job id, return
     env: Mapping[str, str] | None = None  # for the scheduler's commands (None: this process's)
 
     @abstractmethod
-    def script(self, spec: LaunchSpec, ctx: Context) -> str:
+    def script(self, spec: LaunchSpec, ctx: LaunchContext) -> str:
         """The batch script for ``spec``; pure, checked inputs."""
 
-    def shipped(self, spec: LaunchSpec, ctx: Context) -> LaunchSpec:
-        """The spec the step places (the launcher may fill in what the allocation needs)."""
+    def shipped(self, spec: LaunchSpec, ctx: LaunchContext) -> LaunchSpec:
+        """The spec the batch step places (the launcher may fill in what the allocation needs)."""
         return spec
 
     @abstractmethod
@@ -244,30 +244,30 @@ class BatchLauncher(Launcher):
                 input: str | None = None) -> subprocess.CompletedProcess:
         """Run one of the scheduler's client commands (errors naming it: missing, no answer)."""
 
-    def step_env(self) -> str:
-        """The job environment's variable that carries the step."""
-        return STEP_ENV
+    def batch_step_env(self) -> str:
+        """The job environment's variable that carries the batch step."""
+        return BATCH_STEP_ENV
 
     @abstractmethod
-    def follow(self, job_id: str, events: Events, ctx: Context) -> Outcome:
-        """The job's output while it runs, then how its step ended."""
+    def follow(self, job_id: str, events: Events, ctx: LaunchContext) -> Outcome:
+        """The job's output while it runs, then how its batch step ended."""
 
-    def dry_run(self, spec: LaunchSpec, ctx: Context) -> DryRun:
+    def dry_run(self, spec: LaunchSpec, ctx: LaunchContext) -> DryRun:
         spec = self.shipped(spec, ctx)
         return DryRun(launcher=self.name, script=self.script(spec, ctx), spec=spec)
 
-    def run(self, spec: LaunchSpec, ctx: Context, events: Events) -> Outcome:
+    def run(self, spec: LaunchSpec, ctx: LaunchContext, events: Events) -> Outcome:
         spec = self.shipped(spec, ctx)
-        step = LaunchStep(spec=spec, run_id=ctx.run_id, run_dir=ctx.run_dir, cwd=ctx.cwd, python=ctx.python,
-                          paths=tuple(ctx.paths), nodes=self.nodes, client=events.step())
-        job_id = self.submit(self.script(spec, ctx), step, ctx)
+        batch_step = BatchStep(spec=spec, run_id=ctx.run_id, run_dir=ctx.run_dir, cwd=ctx.cwd, python=ctx.python,
+                               paths=tuple(ctx.paths), nodes=self.nodes, client=events.batch_step_client())
+        job_id = self.submit(self.script(spec, ctx), batch_step, ctx)
         events.submitted(job_id, ctx.run_dir)
         if self.no_wait:
             return Outcome(exit_code=0)
         return self.follow(job_id, events, ctx)
 
-    def submit(self, script: str, step: LaunchStep, ctx: Context) -> str:
-        """The script to the scheduler, the step in the job's environment (values go through its
+    def submit(self, script: str, batch_step: BatchStep, ctx: LaunchContext) -> str:
+        """The script to the scheduler, the batch step in the job's environment (values go through its
         environment, never its argv, which ``ps`` shows); the job id.
 
         The run folder must exist before the job starts (the scheduler opens the output files
@@ -280,7 +280,7 @@ class BatchLauncher(Launcher):
         run_dir.mkdir(parents=True, exist_ok=True)
         argv = self.submission_argv()
         try:
-            env = {**(os.environ if self.env is None else self.env), self.step_env(): step.to_line()}
+            env = {**(os.environ if self.env is None else self.env), self.batch_step_env(): batch_step.to_line()}
             result = self.command(argv, env=self.job_env(env), input=script)
             if result.returncode != 0:
                 raise UsageError(f"{argv[0]} refused the job: {_last_line(result.stderr)}")
@@ -300,7 +300,9 @@ class BatchLauncher(Launcher):
         """What stays in the run folder of a submitted job (the script, the id)."""
 
 
-STEP_ENV = "DISTTRAIN_LAUNCH_STEP"  # the step, in a batch job's environment (it may hold --env values)
+BATCH_STEP_ENV = "DISTTRAIN_BATCH_STEP"  # the batch step, in a batch job's environment (it may hold --env values)
+# The same, as the disttrain before the batch step had its own word named it: a job queued then still carries it.
+OLD_BATCH_STEP_ENV = "DISTTRAIN_LAUNCH_STEP"
 
 
 def _last_line(text: str) -> str:

@@ -84,12 +84,12 @@ class Membership:
     ``hosts[running[k]]``). ``join(index)``: start host ``index``'s agent with its plan (a
     DisttrainError when it does not answer), None: no host is tried again."""
 
-    def __init__(self, *, hosts: Sequence[str], running: Sequence[int], min_nodes: int, max_nodes: int,
+    def __init__(self, *, hosts: Sequence[str], running: Sequence[int], min_nnodes: int, max_nnodes: int,
                  run_dir: str, join: Callable[[int], subprocess.Popen] | None = None,
                  own_failure: Callable[[int, int, str], str | None] | None = None,
                  retry_s: float = RETRY_S, silent_s: float = SILENT_S) -> None:
         self.hosts = tuple(hosts)
-        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.say: Callable[[str], None] = print
         self._record_path = Path(run_dir) / RECORD
         self._join = join
@@ -281,9 +281,9 @@ class Membership:
                             hosts=self.member_hosts(), noticed=round(now - last_word, 2))
             self._pending.append([change, last_word, None, now])
             left = len(self.members)
-        if left >= self.min_nodes:
+        if left >= self.min_nnodes:
             self.say(f"disttrain: lost {self.hosts[host]} ({why}): the other {left} host(s) regroup "
-                     f"(--nnodes {self.min_nodes}:{self.max_nodes})")
+                     f"(--nnodes {self.min_nnodes}:{self.max_nnodes})")
         self._write()
         return sorted(self.members)
 
@@ -296,11 +296,11 @@ class Membership:
 
     def below_min(self) -> str | None:
         """The job's end, when fewer than MIN hosts are left: the block naming the hosts lost."""
-        if self.finished or len(self.members) >= self.min_nodes or not self.lost:
+        if self.finished or len(self.members) >= self.min_nnodes or not self.lost:
             return None
         lost = "; ".join(f"{self.hosts[i]}: {why}" for i, why in self.lost.items())
         return (f"disttrain: {len(self.members)} host(s) left, below the minimum of --nnodes "
-                f"{self.min_nodes}:{self.max_nodes}: stopped the job\n"
+                f"{self.min_nnodes}:{self.max_nnodes}: stopped the job\n"
                 f"  hosts lost: {lost}\n"
                 f"  still running: {', '.join(self.member_hosts()) or 'none'}")
 
@@ -340,7 +340,7 @@ class Membership:
         while not self._stop.wait(self._retry_s):
             with self._lock:
                 running = {self.agents[s] for s in self.members} | self._joining
-                room = self.max_nodes - len(running)
+                room = self.max_nnodes - len(running)
                 waiting = [i for i in range(len(self.hosts)) if i not in running
                            and next_try.get(i, 0.0) <= time.monotonic()]
             for host in waiting[:max(0, room)]:
@@ -401,22 +401,22 @@ def load_record(run_dir: str | Path) -> list[dict]:
 
 
 def starting_hosts(hosts: Sequence[Host], facts: Sequence[HostFacts | Exception], *, master_port: int,
-                   min_nodes: int, max_nodes: int) -> tuple[list[int], dict[int, str]]:
-    """Which hosts of an elastic range start: those that pass the preflight, at most ``max_nodes``,
+                   min_nnodes: int, max_nnodes: int) -> tuple[list[int], dict[int, str]]:
+    """Which hosts of an elastic range start: those that pass the preflight, at most ``max_nnodes``,
     the first one required (it hosts the rendezvous); and why each other one waits.
 
-    Fewer than ``min_nodes``: the first failure, as without a range."""
+    Fewer than ``min_nnodes``: the first failure, as without a range."""
     check_facts(hosts[:1], facts[:1], master_port=master_port)  # the rendezvous' host must answer
     starting, waiting = [0], {}
     for i in range(1, len(hosts)):
         failure = first_failure(fact_checks([hosts[0], hosts[i]], [facts[0], facts[i]], master_port=master_port))
         if failure is not None and failure.host == hosts[i].name:
             waiting[i] = failure.detail
-        elif len(starting) < max_nodes:
+        elif len(starting) < max_nnodes:
             starting.append(i)
         else:
-            waiting[i] = f"a spare: --nnodes {min_nodes}:{max_nodes} runs at most {max_nodes} hosts"
-    if len(starting) < min_nodes:
+            waiting[i] = f"a spare: --nnodes {min_nnodes}:{max_nnodes} runs at most {max_nnodes} hosts"
+    if len(starting) < min_nnodes:
         check_facts(hosts, facts, master_port=master_port)  # raises the first failure
-        raise UsageError(f"only {len(starting)} of the hosts can start, fewer than --nnodes {min_nodes}:{max_nodes}")
+        raise UsageError(f"only {len(starting)} of the hosts can start, fewer than --nnodes {min_nnodes}:{max_nnodes}")
     return starting, waiting

@@ -28,7 +28,7 @@ from ..placement import oversubscription_hint
 from ..plan.launch import LaunchPlan, NodeFacts, make_plan
 from ..preflight.facts import local_facts
 from ..wire import HostFacts, Outcome
-from .base import AgentLauncher, Context, Events, Facts
+from .base import AgentLauncher, Events, Facts, LaunchContext
 from .probe import LocalTransport, SessionLauncher, Transport
 
 
@@ -95,31 +95,31 @@ class LocalLauncher(AgentLauncher):
     def __init__(self, *, cpus: int | None = None) -> None:
         self.cpus = cpus
 
-    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+    def facts(self, spec: LaunchSpec, ctx: LaunchContext) -> Facts:
         check_entry(spec, ctx.cwd)
         port = choose_port(spec)  # the master's address is checked first
         # A node of a job started by hand finds its own address and interface toward the master.
         here = local_facts(self.cpus, toward=spec.master_addr if spec.nnodes > 1 else None)
         return Facts(nodes=(here,), master_addr=spec.master_addr or "127.0.0.1", master_port=port,
-                     where=(here.hostname,))
+                     where=(here.name,))
 
-    def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
+    def place(self, spec: LaunchSpec, facts: Facts, ctx: LaunchContext) -> LaunchPlan:
         """This node's part of ``spec.nnodes`` (torchrun-style: every node started by hand
         plans its own part, with the node rank it was given)."""
         (here,) = facts.nodes
         return make_plan(spec, here, python=ctx.python, master_port=facts.master_port, run_id=ctx.run_id,
                          run_dir=ctx.run_dir, inherited_env=ctx.environ)
 
-    def plan(self, spec: LaunchSpec, ctx: Context) -> tuple[LaunchPlan, Facts]:
+    def plan(self, spec: LaunchSpec, ctx: LaunchContext) -> tuple[LaunchPlan, Facts]:
         plan, facts = super().plan(spec, ctx)
         (here,) = facts.nodes
         if not here.cuda_devices:
-            hint = oversubscription_hint(nproc=plan.nodes[0].nproc, cpus=here.cpus, host=here.hostname)
+            hint = oversubscription_hint(nproc=plan.nodes[0].nproc, cpus=here.cpus, host=here.name)
             if hint:  # said at planning time, so --dry-run says it too
                 print(f"disttrain: note: {hint}", file=sys.stderr, flush=True)
         return plan, facts
 
-    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
+    def launch(self, plan: LaunchPlan, events: Events, ctx: LaunchContext) -> Outcome:
         from ..agent.node import run_node  # torch's elastic agent: imported only to launch
 
         here = os.getcwd()
@@ -133,7 +133,7 @@ class LocalLauncher(AgentLauncher):
 def instance_nodes(instances: Sequence[str], *, cpus: int, gpus: int) -> tuple[NodeFacts, ...]:
     """A job's instances on one machine of ``cpus`` and ``gpus``: each an equal share."""
     n = len(instances)
-    return tuple(NodeFacts(hostname=name, cpus=max(1, cpus // n), cuda_devices=gpus // n) for name in instances)
+    return tuple(NodeFacts(name=name, cpus=max(1, cpus // n), cuda_devices=gpus // n) for name in instances)
 
 
 def own_gpus(plan: LaunchPlan, per_instance: int) -> LaunchPlan:
@@ -157,32 +157,32 @@ class InstancesLauncher(SessionLauncher):
         super().__init__()
         self.instances = tuple(instances)
 
-    def rendezvous(self, spec: LaunchSpec, ctx: Context) -> tuple[str, int]:
+    def rendezvous(self, spec: LaunchSpec, ctx: LaunchContext) -> tuple[str, int]:
         return "127.0.0.1", choose_port(spec)
 
-    def transports(self, ctx: Context) -> list[Transport]:
+    def transports(self, ctx: LaunchContext) -> list[Transport]:
         return [LocalTransport(name) for name in self.instances]
 
-    def session_python(self, ctx: Context) -> str:
+    def session_python(self, ctx: LaunchContext) -> str:
         return sys.executable  # disttrain's own interpreter (the job's may be its own venv)
 
-    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+    def facts(self, spec: LaunchSpec, ctx: LaunchContext) -> Facts:
         check_entry(spec, ctx.cwd)  # one machine: what this process sees, every instance sees
         return super().facts(spec, ctx)
 
-    def probe_paths(self, ctx: Context) -> Sequence[str]:
+    def probe_paths(self, ctx: LaunchContext) -> Sequence[str]:
         return ()  # a job checks its own inputs (its folder is made only when it runs, not for --dry-run)
 
-    def forwarded(self, spec: LaunchSpec, ctx: Context) -> dict[str, str]:
+    def forwarded(self, spec: LaunchSpec, ctx: LaunchContext) -> dict[str, str]:
         return {}  # the agents inherit this process's environment, and their workers theirs
 
     def where(self, facts: Sequence[HostFacts]) -> tuple[str, ...]:
         return tuple(f.hostname for f in facts)
 
-    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
+    def node_facts(self, spec: LaunchSpec, ctx: LaunchContext, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
         first = next(iter(facts.values()))  # one machine: every instance says the same
         every = instance_nodes(self.instances, cpus=first.cpus, gpus=first.cuda_devices)
         return tuple(every[i] for i in facts)
 
-    def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
+    def place(self, spec: LaunchSpec, facts: Facts, ctx: LaunchContext) -> LaunchPlan:
         return own_gpus(super().place(spec, facts, ctx), facts.nodes[0].cuda_devices)

@@ -35,7 +35,7 @@ from ..errors import UsageError
 from ..plan.launch import LaunchPlan
 from ..preflight.facts import local_facts
 from ..wire import InstanceEnv, Outcome
-from .base import AgentLauncher, Context, Events, Facts
+from .base import AgentLauncher, Events, Facts, LaunchContext
 from .local import choose_port, instance_nodes, own_gpus
 
 STOP_GRACE_S = 15
@@ -169,7 +169,7 @@ class MpiLauncher(AgentLauncher):
         self.ranks_per_instance = ranks_per_instance
         self.custom_mpi_options = custom_mpi_options
 
-    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+    def facts(self, spec: LaunchSpec, ctx: LaunchContext) -> Facts:
         """This machine, shared by the instances as :class:`~disttrain.launch.local.InstancesLauncher`
         shares it (mpirun starts the ranks: no agent process asks)."""
         missing = [path for path in ctx.paths if not (Path(ctx.cwd) / path).exists()]
@@ -178,16 +178,16 @@ class MpiLauncher(AgentLauncher):
         here = local_facts()
         return Facts(nodes=instance_nodes(self.instances, cpus=here.cpus, gpus=here.cuda_devices),
                      master_addr="127.0.0.1", master_port=choose_port(spec),
-                     where=(here.hostname,) * len(self.instances))
+                     where=(here.name,) * len(self.instances))
 
-    def place(self, spec: LaunchSpec, facts: Facts, ctx: Context) -> LaunchPlan:
+    def place(self, spec: LaunchSpec, facts: Facts, ctx: LaunchContext) -> LaunchPlan:
         return own_gpus(super().place(spec, facts, ctx), facts.nodes[0].cuda_devices)
 
-    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
+    def launch(self, plan: LaunchPlan, events: Events, ctx: LaunchContext) -> Outcome:
         folder = Path(ctx.run_dir) / "mpi"
         envs = [write_instance_env(folder / f"{host}.env.json", plan.worker_env(node))
                 for host, node in zip(self.instances, plan.nodes)]
-        prefixes = [instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.host, say=events.say)
+        prefixes = [instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.name, say=events.say)
                     if node.opt_ml else [] for node in plan.nodes]  # the ranks run here, on this machine
         argv = mpirun_argv(mpirun=find_mpirun(), ranks_per_instance=self.ranks_per_instance, instance_envs=envs,
                            prefixes=prefixes,

@@ -56,7 +56,7 @@ from ..wire import (
     WireError,
 )
 from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
-from .base import AgentLauncher, Context, Events, Facts
+from .base import AgentLauncher, Events, Facts, LaunchContext
 from .elastic import Membership, starting_hosts
 from .flow import run_agents, start, stop
 
@@ -265,7 +265,7 @@ class _ElasticStart:
     nodes placed so far (grown by each join), every host's transport, what the master said."""
 
     spec: LaunchSpec
-    ctx: Context
+    ctx: LaunchContext
     facts: Facts
     transports: list[Transport]
     master_facts: HostFacts
@@ -289,15 +289,15 @@ class SessionLauncher(AgentLauncher):
         self._elastic: _ElasticStart | None = None
 
     @abstractmethod
-    def rendezvous(self, spec: LaunchSpec, ctx: Context) -> tuple[str, int]:
+    def rendezvous(self, spec: LaunchSpec, ctx: LaunchContext) -> tuple[str, int]:
         """The master's address and port, known before the nodes are asked (they check routes to it)."""
 
     @abstractmethod
-    def transports(self, ctx: Context) -> list[Transport]:
+    def transports(self, ctx: LaunchContext) -> list[Transport]:
         """How each node is reached, in node order (the first is the master)."""
 
     @abstractmethod
-    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
+    def node_facts(self, spec: LaunchSpec, ctx: LaunchContext, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
         """What the planner needs of each node, from what it said: ``facts`` by the node's place in
         :meth:`transports` (all of them, but for the hosts of an elastic range that wait)."""
 
@@ -305,18 +305,18 @@ class SessionLauncher(AgentLauncher):
         """The machine each node runs on (for records and messages)."""
         return tuple(session.name for session in self._sessions)
 
-    def forwarded(self, spec: LaunchSpec, ctx: Context) -> Mapping[str, str]:
+    def forwarded(self, spec: LaunchSpec, ctx: LaunchContext) -> Mapping[str, str]:
         """The launching shell's variables that travel with the plan (local workers inherit them)."""
         return forwarded_env(ctx.environ, everything=spec.forward_env)
 
-    def session_python(self, ctx: Context) -> str:
+    def session_python(self, ctx: LaunchContext) -> str:
         return ctx.python
 
-    def probe_paths(self, ctx: Context) -> Sequence[str]:
+    def probe_paths(self, ctx: LaunchContext) -> Sequence[str]:
         """What every node is asked to have (relative to ``ctx.cwd``)."""
         return ctx.paths
 
-    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+    def facts(self, spec: LaunchSpec, ctx: LaunchContext) -> Facts:
         master, port = self.rendezvous(spec, ctx)
         reach = ctx.preflight and self.reach_checks
         transports = self.transports(ctx)
@@ -330,8 +330,8 @@ class SessionLauncher(AgentLauncher):
         facts = [a if isinstance(a, Exception) else a.facts for a in answers]
         starting = list(range(len(transports)))
         if spec.elastic:  # the hosts that answer start (at least MIN); the others are tried again later
-            starting, waiting = starting_hosts(hosts, facts, master_port=port, min_nodes=spec.min_nnodes,
-                                               max_nodes=min(spec.nnodes, len(transports)))
+            starting, waiting = starting_hosts(hosts, facts, master_port=port, min_nnodes=spec.min_nnodes,
+                                               max_nnodes=min(spec.nnodes, len(transports)))
             for i, why in waiting.items():
                 print(f"disttrain: note: {hosts[i].name} does not start ({why}); it is tried again while the job "
                       "runs", file=sys.stderr, flush=True)
@@ -351,7 +351,7 @@ class SessionLauncher(AgentLauncher):
                                           master_facts=facts[0])
         return found
 
-    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
+    def launch(self, plan: LaunchPlan, events: Events, ctx: LaunchContext) -> Outcome:
         """Every session becomes its node's agent (the plan tells it where to work)."""
         sessions, self._sessions = self._sessions, []
         membership = None
@@ -359,7 +359,7 @@ class SessionLauncher(AgentLauncher):
             start = self._elastic
             membership = Membership(
                 hosts=[t.name for t in start.transports], running=start.facts.node_ranks, run_dir=plan.run_dir,
-                min_nodes=plan.min_nodes, max_nodes=min(plan.nnodes, len(start.transports)),
+                min_nnodes=plan.min_nnodes, max_nnodes=min(plan.nnodes, len(start.transports)),
                 join=lambda index: self._join(start, index, events),
                 own_failure=lambda index, code, last: start.transports[index].own_failure(code, last))
         return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript,

@@ -1,15 +1,15 @@
 """``--launcher slurm`` outside an allocation: a batch job (:class:`SlurmBatchLauncher`).
 
 Render an sbatch script, submit it, follow it, cancel it. The script is what a user would
-write by hand -- ``#SBATCH`` lines, then one command, ``disttrain launch-step``, which runs on
+write by hand -- ``#SBATCH`` lines, then one command, ``disttrain batch-step``, which runs on
 the allocation's first node and launches there with
 :class:`~disttrain.launch.slurm_alloc.SlurmAllocationLauncher` (also what ``disttrain run``
-uses inside a ``salloc`` shell). The step (:class:`~disttrain.wire.LaunchStep`: the launch
+uses inside a ``salloc`` shell). The batch step (:class:`~disttrain.wire.BatchStep`: the launch
 spec as :meth:`LaunchSpec.to_json` wrote it, not re-rendered flags, and how to rebuild the
 client's event sink there -- a job's runner adds its variables) travels in the job's
-environment (:data:`~disttrain.launch.base.STEP_ENV`), the way Slurm carries every variable of
-a job: it may hold ``--env`` values, so it is never written to the run folder. How the step
-ended comes back in the run folder (:class:`~disttrain.wire.StepEnded`).
+environment (:data:`~disttrain.launch.base.BATCH_STEP_ENV`), the way Slurm carries every variable of
+a job: it may hold ``--env`` values, so it is never written to the run folder. How the batch step
+ended comes back in the run folder (:class:`~disttrain.wire.BatchStepEnded`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import TextIO
 from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
 from ..errors import DisttrainError, UsageError
-from ..wire import Outcome, StepEnded
-from .base import STEP_ENV, BatchLauncher, Context, Events
+from ..wire import BatchStepEnded, Outcome
+from .base import BATCH_STEP_ENV, BatchLauncher, Events, LaunchContext
 from .local import check_entry
 
 SLURM_TIMEOUT_S = 60  # any one sbatch/scontrol/scancel call
@@ -108,7 +108,7 @@ class SlurmPaths:
 
     @property
     def outcome(self) -> Path:
-        """How the launch inside the allocation ended (:class:`~disttrain.wire.StepEnded`)."""
+        """How the launch inside the allocation ended (:class:`~disttrain.wire.BatchStepEnded`)."""
         return self.run_dir / "outcome.json"
 
 
@@ -128,13 +128,13 @@ def _directive(option: str) -> str:
 def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, python: str, cwd: str) -> str:
     """The batch script for ``spec``; pure, so ``--dry-run`` prints exactly what is submitted.
 
-    Its one command reads the spec from the job's environment (:data:`STEP_ENV`), where
+    Its one command reads the spec from the job's environment (:data:`BATCH_STEP_ENV`), where
     :func:`submit` puts it.
     """
     paths = SlurmPaths(Path(run_dir))
     name = re.sub(r"[^\w.-]", "_", options.job_name or Path(spec.entry).stem or "disttrain")
     # An elastic range (--nnodes MIN:MAX): Slurm may start the job on MIN to MAX nodes, and keeps
-    # it running when one of them fails (--no-kill): the step goes on with the others.
+    # it running when one of them fails (--no-kill): the batch step goes on with the others.
     nodes = f"{spec.min_nnodes}-{options.nodes}" if spec.elastic else str(options.nodes)
     directives = [
         f"--job-name={name}",
@@ -147,7 +147,7 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
         f"--output={paths.stdout}",
         f"--error={paths.stderr}",
         "--open-mode=append",  # a requeued run adds to its first run's output
-        "--export=ALL",  # the step travels in the environment, whatever SBATCH_EXPORT says
+        "--export=ALL",  # the batch step travels in the environment, whatever SBATCH_EXPORT says
     ]
     if options.requeue:
         directives.append("--requeue")
@@ -158,13 +158,13 @@ def render_sbatch(spec: LaunchSpec, options: SlurmOptions, *, run_dir: str, pyth
     if options.gpus_per_node:
         directives.append(f"--gpus-per-node={options.gpus_per_node}")
     directives.extend(options.sbatch_args)  # last: the user's own word wins
-    command = [python, "-m", "disttrain", "launch-step"]
+    command = [python, "-m", "disttrain", "batch-step"]
     lines = [
         "#!/bin/bash",
-        "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the step finds the",
+        "# Rendered by `disttrain run --launcher slurm`. Inside the allocation, the batch step finds the",
         "# nodes in Slurm's environment and starts one torch elastic agent per node with srun;",
         "# the master is the first node, at its address toward the others found on that node.",
-        f"# The launch spec is in the job's environment ({STEP_ENV}; it may hold --env values).",
+        f"# The launch spec is in the job's environment ({BATCH_STEP_ENV}; it may hold --env values).",
         *map(_directive, directives),
         f"exec {shlex.join(command)}",
         "",
@@ -381,8 +381,8 @@ class SlurmJob:
 
 
 class SlurmBatchLauncher(BatchLauncher):
-    """sbatch, then follow. The nodes are placed inside the allocation, by the step the script
-    runs (:func:`disttrain.launch.slurm_alloc.run_step`)."""
+    """sbatch, then follow. The nodes are placed inside the allocation, by the batch step the script
+    runs (:func:`disttrain.launch.slurm_alloc.run_batch_step`)."""
 
     name = "slurm"
 
@@ -395,11 +395,11 @@ class SlurmBatchLauncher(BatchLauncher):
         self.stop_on_signals = stop_on_signals  # False: the client handles SIGTERM/SIGINT itself
         self.env = env  # for the Slurm commands (a test's cluster)
 
-    def script(self, spec: LaunchSpec, ctx: Context) -> str:
+    def script(self, spec: LaunchSpec, ctx: LaunchContext) -> str:
         check_entry(spec, ctx.cwd)  # a shared filesystem is Slurm's norm: the nodes see it where we do
         return render_sbatch(spec, self.options, run_dir=ctx.run_dir, python=ctx.python, cwd=ctx.cwd)
 
-    def shipped(self, spec: LaunchSpec, ctx: Context) -> LaunchSpec:
+    def shipped(self, spec: LaunchSpec, ctx: LaunchContext) -> LaunchSpec:
         return with_requeue_checkpoints(spec, self.options, ctx.run_dir)
 
     def submission_argv(self) -> list[str]:
@@ -424,7 +424,7 @@ class SlurmBatchLauncher(BatchLauncher):
         write_atomic(paths.script, script)
         write_atomic(paths.job_id, job_id + "\n")
 
-    def follow(self, job_id: str, events: Events, ctx: Context) -> Outcome:
+    def follow(self, job_id: str, events: Events, ctx: LaunchContext) -> Outcome:
         job = SlurmJob(job_id, Path(ctx.run_dir), self.env, requeue=self.options.requeue)
         try:
             code = job.follow(out=_Tee(sys.stdout, events.transcript), err=_Tee(sys.stderr, events.transcript),
@@ -434,23 +434,23 @@ class SlurmBatchLauncher(BatchLauncher):
             events.say(f"disttrain: cancelled Slurm job {job.job_id}"
                        + ("" if gone else f" (still in the queue: check `squeue -j {job.job_id}`)"))
             raise
-        if job.interrupted:  # follow cancelled the job and said so; the step's own end is moot
+        if job.interrupted:  # follow cancelled the job and said so; the batch step's own end is moot
             return Outcome(exit_code=code)
         paths = SlurmPaths(Path(ctx.run_dir))
         if paths.outcome.exists():
-            ended = StepEnded.from_line(paths.outcome.read_text())
-            events.ran_on(ended.where)  # the nodes the step placed the job on
+            ended = BatchStepEnded.from_line(paths.outcome.read_text())
+            events.ran_on(ended.where)  # the nodes the batch step placed the job on
             return ended.outcome
         if not code:
             return Outcome(exit_code=0)
-        # The step ended before its launch did (a bad node, no disttrain there): its own words are last.
+        # The batch step ended before its launch did (a bad node, no disttrain there): its own words are last.
         lines = paths.stderr.read_text(errors="replace").strip().splitlines() if paths.stderr.exists() else []
         report = (f"Slurm job {job.job_id} exited with code {code} before its nodes ended: "
                   f"{lines[-1] if lines else 'no output'} (see {paths.stderr})")
         return Outcome(exit_code=code, report=report)
 
 
-def record_end(run_dir: str, ended: StepEnded) -> None:
+def record_end(run_dir: str, ended: BatchStepEnded) -> None:
     """Inside the allocation: how the launch ended, for the submitting side to read."""
     write_atomic(SlurmPaths(Path(run_dir)).outcome, ended.to_line() + "\n")
 

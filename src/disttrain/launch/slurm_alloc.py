@@ -1,20 +1,21 @@
 """Inside a Slurm allocation (a batch script, a ``salloc`` shell): one agent per node, each its
-own ``srun`` step, so that the first node to fail is known and the others are stopped through
+own ``srun`` job step, so that the first node to fail is known and the others are stopped through
 the shared flow.
 
-Each node's step is a probe session over :class:`~disttrain.launch.probe.SrunTransport` that
-says the node's facts and then becomes its agent (one step per node for the whole launch).
+Each node's job step is a probe session over :class:`~disttrain.launch.probe.SrunTransport` that
+says the node's facts and then becomes its agent (one job step per node for the whole launch).
 The master is the first node, at the address that node uses toward the second node's
 ``NodeAddr``, found on the first node itself (a node's own hostname often resolves to
 127.0.x.1).
 
 The environment follows the rule of every launcher (:func:`disttrain.workerenv.forwarded_env`),
-not Slurm's ``--export=ALL``: the steps export only the bootstrap names, and the forwarded
+not Slurm's ``--export=ALL``: the job steps export only the bootstrap names, and the forwarded
 values travel with the plan on the agent's stdin, as over ssh.
 
-:func:`run_step` is what a batch job's one command (``disttrain launch-step``) runs: the
-spec the submitting side shipped (:class:`~disttrain.wire.LaunchStep`), launched here, and
-how it ended written back for the submitter (:class:`~disttrain.wire.StepEnded`).
+:func:`run_batch_step` is what a batch job's one command, its batch step (``disttrain
+batch-step``), runs: the spec the submitting side shipped (:class:`~disttrain.wire.BatchStep`),
+launched here, and how it ended written back for the submitter
+(:class:`~disttrain.wire.BatchStepEnded`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from ..config.launch import LaunchSpec
 from ..errors import DisttrainError, UsageError
 from ..plan.launch import ContainerPlanner, LaunchPlan, NodeFacts
 from ..preflight.facts import route_to
-from ..wire import HostFacts, JobClient, LaunchStep, Outcome, RunClient, StepEnded
-from .base import STEP_ENV, Context, Events
+from ..wire import BatchStep, BatchStepEnded, HostFacts, JobClient, Outcome, RunClient
+from .base import BATCH_STEP_ENV, OLD_BATCH_STEP_ENV, Events, LaunchContext
 from .local import check_entry
 from .probe import SessionLauncher, SrunTransport, Transport, ask_facts, close_all, open_sessions
 from .slurm import record_end, slurm_command
@@ -87,26 +88,26 @@ class SlurmAllocationLauncher(SessionLauncher):
         self.names = alloc.nodes[: nodes or len(alloc.nodes)]
         self.note = f"Slurm job {alloc.job_id}"
 
-    def facts(self, spec: LaunchSpec, ctx: Context):
+    def facts(self, spec: LaunchSpec, ctx: LaunchContext):
         check_entry(spec, ctx.cwd)  # a shared filesystem is Slurm's norm: the nodes see it where we do
         return super().facts(spec, ctx)
 
-    def rendezvous(self, spec: LaunchSpec, ctx: Context) -> tuple[str, int]:
+    def rendezvous(self, spec: LaunchSpec, ctx: LaunchContext) -> tuple[str, int]:
         master = spec.master_addr or find_master(self.alloc, self.names, python=ctx.python, cwd=ctx.cwd,
                                                  environ=ctx.environ)
         return master, spec.master_port or job_port(self.alloc.job_id)
 
-    def transports(self, ctx: Context) -> list[Transport]:
+    def transports(self, ctx: LaunchContext) -> list[Transport]:
         cpus = self.alloc.cpus_per_node or (None,) * len(self.names)
         return [SrunTransport(name, cpus=cpus[i], environ=ctx.environ) for i, name in enumerate(self.names)]
 
-    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
+    def node_facts(self, spec: LaunchSpec, ctx: LaunchContext, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
         multi = len(self.names) > 1
         cpus = self.alloc.cpus_per_node
         gpus = self.alloc.gpus_per_node
         return tuple(
             NodeFacts(
-                hostname=self.names[i],
+                name=self.names[i],
                 cpus=cpus[i] if i < len(cpus) else f.cpus,
                 cuda_devices=gpus if gpus is not None else f.cuda_devices,
                 # One node talks over loopback; several over the route each found to the master.
@@ -116,37 +117,41 @@ class SlurmAllocationLauncher(SessionLauncher):
             for i, f in facts.items()
         )
 
-    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
+    def launch(self, plan: LaunchPlan, events: Events, ctx: LaunchContext) -> Outcome:
         outcome = super().launch(plan, events, ctx)
         if outcome.failed is not None and not outcome.report and not outcome.signal:
-            host = plan.nodes[outcome.failed].host
+            host = plan.nodes[outcome.failed].name
             events.say(f"disttrain: the agent on {host} (srun) exited with code {outcome.exit_code}; "
                        "the other nodes were stopped")
         return outcome
 
 
-def run_step(environ: MutableMapping[str, str],
-             client_for: Callable[[RunClient | JobClient | None], tuple[Events, ContainerPlanner | None]]) -> int:
+def run_batch_step(environ: MutableMapping[str, str],
+                   client_for: Callable[[RunClient | JobClient | None], tuple[Events, ContainerPlanner | None]]) -> int:
     """Inside a Slurm batch job: the spec the submitting side shipped, launched on the
     allocation (``client_for`` rebuilds the client's event sink, and what it adds to the plan,
     from what it shipped)."""
     alloc = SlurmAllocation.from_environ(environ)
     if alloc is None:
-        raise UsageError("disttrain launch-step runs inside the Slurm job that `disttrain run --launcher slurm` "
+        raise UsageError("disttrain batch-step runs inside the Slurm job that `disttrain run --launcher slurm` "
                          "or `disttrain job run` submits")
-    shipped = environ.pop(STEP_ENV, None)  # popped: not one of the user's variables to forward
+    # Popped, under both names: not one of the user's variables to forward. The old name is what a
+    # job queued before an upgrade carries (its script runs `disttrain launch-step`, the old name of
+    # the batch-step command).
+    shipped, old = environ.pop(BATCH_STEP_ENV, None), environ.pop(OLD_BATCH_STEP_ENV, None)
+    shipped = shipped or old
     if not shipped:
-        raise UsageError(f"disttrain launch-step: {STEP_ENV} is not in the job's environment: run it only as the "
+        raise UsageError(f"disttrain batch-step: {BATCH_STEP_ENV} is not in the job's environment: run it only as the "
                          "command of the batch script that `disttrain run --launcher slurm` submits")
-    step = LaunchStep.from_line(shipped)
-    run_dir = step.run_dir
+    batch_step = BatchStep.from_line(shipped)
+    run_dir = batch_step.run_dir
     if alloc.restart_count:  # a requeued job: the first run's logs stay as they were
         run_dir = str(Path(run_dir) / f"requeue_{alloc.restart_count}")
-    events, container = client_for(step.client)
-    ctx = Context(run_id=step.run_id, run_dir=run_dir, cwd=step.cwd, python=step.python, paths=step.paths,
-                  environ=dict(environ), container=container)
+    events, container = client_for(batch_step.client)
+    ctx = LaunchContext(run_id=batch_step.run_id, run_dir=run_dir, cwd=batch_step.cwd, python=batch_step.python,
+                        paths=batch_step.paths, environ=dict(environ), container=container)
     # An elastic range uses every node Slurm gave (MIN to MAX of them); a fixed count its first N.
-    launcher = SlurmAllocationLauncher(alloc, nodes=None if step.spec.elastic else step.nodes)
-    outcome = launcher.run(step.spec, ctx, events)
-    record_end(step.run_dir, StepEnded(outcome=outcome, where=launcher.names))
+    launcher = SlurmAllocationLauncher(alloc, nodes=None if batch_step.spec.elastic else batch_step.nodes)
+    outcome = launcher.run(batch_step.spec, ctx, events)
+    record_end(batch_step.run_dir, BatchStepEnded(outcome=outcome, where=launcher.names))
     return outcome.exit_code

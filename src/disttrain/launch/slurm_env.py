@@ -84,8 +84,8 @@ class SlurmAllocation:
     cpus_per_node: tuple[int, ...]
     gpus_per_node: int | None = None
     this_node: str | None = None  # SLURMD_NODENAME: unset in a salloc shell on a login node
-    in_step: bool = False  # a task started by srun, not the batch script or a salloc shell
-    step_tasks: int = 1
+    in_job_step: bool = False  # a task started by srun, not the batch script or a salloc shell
+    job_step_tasks: int = 1
     cpus_on_node: int | None = None
     restart_count: int = 0  # how many times Slurm requeued the job
 
@@ -113,8 +113,8 @@ class SlurmAllocation:
             cpus_per_node=cpus,
             gpus_per_node=gpus_from(environ.get("SLURM_GPUS_PER_NODE")),
             this_node=environ.get("SLURMD_NODENAME") or None,
-            in_step=step is not None and step not in _NOT_TASK_STEPS,
-            step_tasks=_int(environ.get("SLURM_STEP_NUM_TASKS"), 1),
+            in_job_step=step is not None and step not in _NOT_TASK_STEPS,
+            job_step_tasks=_int(environ.get("SLURM_STEP_NUM_TASKS"), 1),
             cpus_on_node=_int(environ.get("SLURM_CPUS_ON_NODE"), None),
             restart_count=_int(environ.get("SLURM_RESTART_COUNT"), 0),
         )

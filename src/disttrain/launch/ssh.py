@@ -25,7 +25,7 @@ from ..plan.launch import LaunchPlan, NodeFacts
 from ..preflight.checks import CheckResult, fact_checks
 from ..wire import HostFacts, Outcome
 from ..workerenv import BOOTSTRAP_NAMES
-from .base import Context, Events, Facts
+from .base import Events, Facts, LaunchContext
 from .probe import (
     SessionLauncher,
     SshTransport,
@@ -90,26 +90,26 @@ class SshLauncher(SessionLauncher):
         return (*self.user_options, "ControlMaster=auto", f"ControlPath={self._control_dir}/%C",
                 f"ControlPersist={CONTROL_PERSIST_S}", *(ELASTIC_OPTIONS if self.elastic else ()))
 
-    def facts(self, spec: LaunchSpec, ctx: Context) -> Facts:
+    def facts(self, spec: LaunchSpec, ctx: LaunchContext) -> Facts:
         self.elastic = spec.elastic
         if self.sync:
             sync_all(self.hosts, ctx.cwd, python=ctx.python, options=self.options, env=bootstrap_env(ctx.environ))
         return super().facts(spec, ctx)
 
-    def rendezvous(self, spec: LaunchSpec, ctx: Context) -> tuple[str, int]:
+    def rendezvous(self, spec: LaunchSpec, ctx: LaunchContext) -> tuple[str, int]:
         return (spec.master_addr or master_address(self.hosts[0], self.user_options),
                 spec.master_port or DEFAULT_MULTIHOST_PORT)
 
-    def transports(self, ctx: Context) -> list[Transport]:
+    def transports(self, ctx: LaunchContext) -> list[Transport]:
         env = bootstrap_env(ctx.environ)
         return [SshTransport(host, options=self.options, env=env) for host in self.hosts]
 
-    def node_facts(self, spec: LaunchSpec, ctx: Context, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
-        return tuple(NodeFacts(hostname=self.hosts[i].name, cpus=f.cpus, cuda_devices=f.cuda_devices,
+    def node_facts(self, spec: LaunchSpec, ctx: LaunchContext, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
+        return tuple(NodeFacts(name=self.hosts[i].name, cpus=f.cpus, cuda_devices=f.cuda_devices,
                                socket_ifname=f.ifname, address=f.address, slots=self.hosts[i].slots)
                      for i, f in facts.items())
 
-    def launch(self, plan: LaunchPlan, events: Events, ctx: Context) -> Outcome:
+    def launch(self, plan: LaunchPlan, events: Events, ctx: LaunchContext) -> Outcome:
         """A lost ssh connection (255) is named in the report."""
         outcome = super().launch(plan, events, ctx)
         if outcome.failed is not None and outcome.exit_code == 255 and not plan.elastic:  # (elastic: said already)

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..config.launch import AgentOptions, LaunchSpec
+from ..config.launch import AgentOptions, LaunchSpec, new_keys
 from ..errors import UsageError
-from ..placement import auto_nproc, choose_backend, omp_threads
+from ..placement import auto_nproc, choose_dist_backend, omp_threads
 from ..tfconfig import SHIM, tf_config, worker_addresses
 from ..workerenv import launcher_env
 from .container import ContainerSetup, InstanceSetup
@@ -25,7 +25,9 @@ from .container import ContainerSetup, InstanceSetup
 class NodeFacts:
     """What the planner needs to know about the node it plans for."""
 
-    hostname: str
+    # The node's name in messages, log prefixes and records: its host (as --hosts, Slurm or the
+    # machine names it), or a job's instance name (algo-1) where the instances share one machine.
+    name: str
     cpus: int
     cuda_devices: int = 0
     # The interface this node reaches the master through (GLOO/NCCL_SOCKET_IFNAME), found
@@ -47,7 +49,7 @@ class WorkerPlan:
 @dataclass(frozen=True, kw_only=True)
 class NodePlan:
     node_rank: int
-    host: str
+    name: str  # NodeFacts.name
     address: str | None
     nproc: int
     env: dict[str, str]
@@ -63,7 +65,7 @@ class LaunchPlan:
     run_id: str
     run_dir: str
     argv: tuple[str, ...]
-    backend: str
+    dist_backend: str
     nnodes: int
     world_size: int
     master_addr: str
@@ -84,7 +86,7 @@ class LaunchPlan:
     env_set: dict[str, str] = dataclasses.field(default_factory=dict)
     # torchrun's options (config/torchrun.py): the elastic minimum (None: nnodes), the user's
     # rendezvous id and settings, the entry as a function (--run-path), and the agent's own.
-    min_nodes: int | None = None
+    min_nnodes: int | None = None
     rdzv_id: str | None = None
     rdzv_conf: dict[str, str] = dataclasses.field(default_factory=dict)
     run_path: bool = False
@@ -97,7 +99,7 @@ class LaunchPlan:
     @property
     def elastic(self) -> bool:
         """``--nnodes MIN:MAX``: each rendezvous round decides how many nodes train."""
-        return self.min_nodes is not None and self.min_nodes < self.nnodes
+        return self.min_nnodes is not None and self.min_nnodes < self.nnodes
 
     @property
     def rendezvous_id(self) -> str:
@@ -142,7 +144,7 @@ def _nproc(spec: LaunchSpec, facts: NodeFacts) -> int:
         return facts.cpus
     if spec.nproc_per_node == "gpu":
         if facts.cuda_devices < 1:
-            raise UsageError(f"--nproc-per-node gpu: {facts.hostname} has no CUDA GPUs; give a number or auto")
+            raise UsageError(f"--nproc-per-node gpu: {facts.name} has no CUDA GPUs; give a number or auto")
         return facts.cuda_devices
     if spec.nproc_per_node != "auto":
         return int(spec.nproc_per_node)
@@ -221,9 +223,9 @@ def make_plan(
             raise UsageError(
                 f"--ranks names rank {missing[0]} but the job has ranks 0..{world_size - 1}"
             )
-    backend = choose_backend(spec.backend, cuda_available=placed[0][1].cuda_devices > 0)
-    no_gpu = [f.hostname for _, f, _, _ in placed if f.cuda_devices <= 0]
-    if spec.backend == "nccl" and no_gpu:
+    dist_backend = choose_dist_backend(spec.dist_backend, cuda_available=placed[0][1].cuda_devices > 0)
+    no_gpu = [f.name for _, f, _, _ in placed if f.cuda_devices <= 0]
+    if spec.dist_backend == "nccl" and no_gpu:
         raise UsageError(f"--dist-backend nccl needs CUDA GPUs, and {no_gpu[0]} has none: "
                          "use --dist-backend gloo (or leave it out: gloo is the default without GPUs)")
     master_addr = spec.master_addr or "127.0.0.1"
@@ -238,12 +240,12 @@ def make_plan(
     nodes = tuple(
         NodePlan(
             node_rank=node_rank,
-            host=node_facts.hostname,
+            name=node_facts.name,
             # --local-addr names the address of the one node a by-hand plan is for.
             address=(spec.local_addr if len(placed) == 1 and spec.local_addr else node_facts.address),
             nproc=nproc,
             env=launcher_env(
-                backend=backend,
+                dist_backend=dist_backend,
                 run_dir=run_dir,
                 omp_threads=omp_threads(cpus=node_facts.cpus, nproc=nproc),
                 inherited=inherited_env,
@@ -289,7 +291,7 @@ def make_plan(
         run_id=run_id,
         run_dir=run_dir,
         argv=argv,
-        backend=backend,
+        dist_backend=dist_backend,
         nnodes=nnodes,
         world_size=world_size,
         master_addr=master_addr,
@@ -304,7 +306,7 @@ def make_plan(
         framework=spec.framework,
         env_forwarded=dict(forwarded_env or {}),
         env_set=dict(spec.env),
-        min_nodes=spec.min_nnodes,
+        min_nnodes=spec.min_nnodes,
         rdzv_id=spec.rdzv_id,
         rdzv_conf=dict(spec.rdzv_conf),
         run_path=spec.run_path,
@@ -321,12 +323,18 @@ def _instances(container: ContainerSetup | None, count: int) -> tuple[InstanceSe
     return container.instances
 
 
+# An old disttrain's names for LaunchPlan's keys, still read (a plan.json it kept).
+_OLD_KEYS = {"backend": "dist_backend", "min_nodes": "min_nnodes"}  # old -> new
+_OLD_NODE_KEYS = {"host": "name"}  # old -> new
+
+
 def plan_from_json(text: str) -> LaunchPlan:
-    """The inverse of :meth:`LaunchPlan.to_private_json`: how a node's agent gets its plan."""
-    data = json.loads(text)
+    """The inverse of :meth:`LaunchPlan.to_private_json`: how a node's agent gets its plan (and
+    the ``plan.json`` of an old disttrain, read under the new names of its keys)."""
+    data = new_keys(json.loads(text), _OLD_KEYS, where="launch plan")
     nodes = tuple(
         NodePlan(
-            **{k: v for k, v in node.items() if k != "workers"},
+            **{k: v for k, v in new_keys(node, _OLD_NODE_KEYS, where="launch plan").items() if k != "workers"},
             workers=tuple(WorkerPlan(**w) for w in node["workers"]),
         )
         for node in data.pop("nodes")

@@ -75,7 +75,7 @@ def node_facts(*, master: str, port: int | None = None, paths: list[str] = (), c
 
 
 def local_facts(cpus: int | None = None, *, toward: str | None = None):
-    """This machine as a node to plan for (``cpus``: what Slurm gave a step, if it did);
+    """This machine as a node to plan for (``cpus``: what Slurm gave a job step, if it did);
     ``toward``: the master of a job whose nodes were started by hand, for this node's address
     and interface on the route to it (GLOO/NCCL_SOCKET_IFNAME, c10d's local address)."""
     import torch  # the agent needs it anyway; imported here only to count GPUs
@@ -88,7 +88,7 @@ def local_facts(cpus: int | None = None, *, toward: str | None = None):
         if ifname is not None and ipaddress.ip_address(address).is_loopback:
             ifname = None  # all on this machine: gloo finds loopback by itself
     return NodeFacts(
-        hostname=socket.gethostname(),
+        name=socket.gethostname(),
         cpus=cpus or usable_cpus(),
         cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
         socket_ifname=ifname,

@@ -44,7 +44,7 @@ __all__ = ["COMPRESSIONS", "CommSettings", "PowerSGDCheckpoint", "attach", "grad
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # Backends whose collectives return futures, which every hook needs (MPI's do not).
-HOOK_BACKENDS = ("gloo", "nccl")
+HOOK_DIST_BACKENDS = ("gloo", "nccl")
 POWERSGD_RANK = 2
 # bucket_cap_mb that holds any model in one bucket (PowerSGD on gloo, see ddp_kwargs).
 ONE_BUCKET_MB = 1 << 20
@@ -89,16 +89,16 @@ def check_launch_settings(grad_compression: str | None, bucket_mb: Any, *, dist_
     if framework != "pytorch":
         raise UsageError(f"{flag} sets how PyTorch's DDP sends gradients; it does nothing with "
                          f"--framework {framework}: remove it")
-    if name != "none" and dist_backend is not None and dist_backend not in HOOK_BACKENDS:
+    if name != "none" and dist_backend is not None and dist_backend not in HOOK_DIST_BACKENDS:
         raise UsageError(f"--grad-compression {grad_compression} cannot run on --dist-backend "
                          f"{dist_backend} (its collectives return no futures, which DDP's "
-                         f"compression hooks need): use {' or '.join(HOOK_BACKENDS)}")
+                         f"compression hooks need): use {' or '.join(HOOK_DIST_BACKENDS)}")
     if name == "powersgd":
         _check_single_bucket(bucket, dist_backend, flag="--bucket-mb")
 
 
-def _check_single_bucket(bucket_mb: float | None, backend: str | None, flag: str = "bucket_mb") -> None:
-    if bucket_mb is not None and backend == "gloo":
+def _check_single_bucket(bucket_mb: float | None, dist_backend: str | None, flag: str = "bucket_mb") -> None:
+    if bucket_mb is not None and dist_backend == "gloo":
         raise UsageError(f"{flag} {bucket_mb:g} with powersgd on gloo: gloo needs PowerSGD's "
                          "gradients in one bucket (several make the ranks' collectives "
                          f"disagree); leave {flag} unset and disttrain uses one")
@@ -145,14 +145,14 @@ class CommSettings:
         name = f"powersgd:{self.powersgd_rank}" if self.compression == "powersgd" else self.compression
         return name + (f", {self.bucket_mb:g} MB buckets" if self.bucket_mb else "")
 
-    def ddp_kwargs(self, backend: str | None) -> dict[str, Any]:
+    def ddp_kwargs(self, dist_backend: str | None) -> dict[str, Any]:
         """Keyword arguments for ``DistributedDataParallel`` itself."""
-        if self.compression == "powersgd" and backend == "gloo":
+        if self.compression == "powersgd" and dist_backend == "gloo":
             # PowerSGD issues its second all-reduce of a bucket from the first one's callback;
             # with several buckets gloo's ranks then order their collectives differently and
             # the job fails or hangs ("Received data size doesn't match"). One bucket keeps a
             # single order; PowerSGD sends so little that overlap matters less.
-            _check_single_bucket(self.bucket_mb, backend)
+            _check_single_bucket(self.bucket_mb, dist_backend)
             return {"bucket_cap_mb": ONE_BUCKET_MB}
         return {"bucket_cap_mb": self.bucket_mb} if self.bucket_mb is not None else {}
 
@@ -171,7 +171,7 @@ def gradient_bytes_seen() -> int | None:
 _powersgd: weakref.WeakKeyDictionary[Any, PowerSGDCheckpoint] = weakref.WeakKeyDictionary()
 
 
-def attach(ddp: Any, settings: CommSettings, *, backend: str | None) -> None:
+def attach(ddp: Any, settings: CommSettings, *, dist_backend: str | None) -> None:
     """Register ``settings``' communication hook on the DDP model ``ddp``.
 
     Under ``disttrain bench --comm``'s compute-only run, torch's no-op hook goes in instead
@@ -192,10 +192,10 @@ def attach(ddp: Any, settings: CommSettings, *, backend: str | None) -> None:
         raise UsageError(
             f"grad_compression={settings.compression!r} needs a DistributedDataParallel model "
             f"(got {type(ddp).__name__}): use strategy DDP, or leave grad_compression unset")
-    if backend not in HOOK_BACKENDS:
+    if dist_backend not in HOOK_DIST_BACKENDS:
         raise UsageError(
-            f"grad_compression={settings.compression!r} cannot run on the {backend!r} backend "
-            f"(its collectives return no futures): use --dist-backend {' or '.join(HOOK_BACKENDS)}, "
+            f"grad_compression={settings.compression!r} cannot run on the {dist_backend!r} backend "
+            f"(its collectives return no futures): use --dist-backend {' or '.join(HOOK_DIST_BACKENDS)}, "
             "or leave the compression unset")
     if settings.compression == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -203,7 +203,7 @@ def attach(ddp: Any, settings: CommSettings, *, backend: str | None) -> None:
         # torch's hook refuses to register unless CUDA with NCCL >= 2.10 is there, a limit of
         # NCCL's: gloo all-reduces bfloat16 on the CPU, so on gloo the same hook goes in
         # under another name.
-        hook = default_hooks.bf16_compress_hook if backend == "nccl" else _bf16_on_gloo
+        hook = default_hooks.bf16_compress_hook if dist_backend == "nccl" else _bf16_on_gloo
         ddp.register_comm_hook(None, hook)
     elif settings.compression == "powersgd":
         state = powersgd.PowerSGDState(

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DisttrainError
-from ..placement import choose_backend, choose_device
+from ..placement import choose_device, choose_dist_backend
 from ..workerenv import BENCH_FLUSH_DENORMAL, CONNECT_TIMEOUT, WorkerEnv
 from . import heartbeat
 from .state import Runtime
@@ -83,7 +83,7 @@ class Context:
     world_size: int
     local_world_size: int
     device: torch.device
-    backend: str | None  # None for a world of one: there is no process group
+    dist_backend: str | None  # None for a world of one: there is no process group
     is_main: bool
     distributed: bool
     # What the runtime remembers (prepared models, tracked loaders, the training state):
@@ -93,13 +93,18 @@ class Context:
     # environment (checkpoint folder, gradient compression...) comes from here.
     env: WorkerEnv = field(default_factory=lambda: WorkerEnv.from_environ({}), compare=False, repr=False)
 
+    @property
+    def backend(self) -> str | None:
+        """The old name of :attr:`dist_backend`, which scripts written for it still read."""
+        return self.dist_backend
+
 
 def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) -> Context:
     """The Context for ``env`` on a node with ``cuda_devices`` GPUs; pure, no side effects.
 
-    The launcher's backend (``DISTTRAIN_BACKEND``) wins over the script's ``backend``
-    argument, so that ``disttrain run --backend`` can override a script written for one
-    kind of machine.
+    The launcher's process-group backend (``DISTTRAIN_BACKEND``) wins over the script's
+    (``disttrain.init(backend=...)``), so that ``disttrain run --dist-backend`` can override a
+    script written for one kind of machine.
     """
     distributed = env.world_size > 1
     if distributed and not env.launched:
@@ -107,15 +112,15 @@ def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) ->
             f"WORLD_SIZE={env.world_size} but MASTER_ADDR is not set: start the script with "
             "`disttrain run` (or torchrun), which sets up the rendezvous"
         )
-    chosen = choose_backend(env.backend or backend, cuda_available=cuda_devices > 0)
-    device = choose_device(local_rank=env.local_rank, cuda_devices=cuda_devices, backend=chosen)
+    chosen = choose_dist_backend(env.dist_backend or backend, cuda_available=cuda_devices > 0)
+    device = choose_device(local_rank=env.local_rank, cuda_devices=cuda_devices, dist_backend=chosen)
     return Context(
         rank=env.rank,
         local_rank=env.local_rank,
         world_size=env.world_size,
         local_world_size=env.local_world_size,
         device=torch.device(device),
-        backend=chosen if distributed else None,
+        dist_backend=chosen if distributed else None,
         is_main=env.rank == 0,
         distributed=distributed,
         env=env,
@@ -169,10 +174,10 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
     """
     global _current, _atexit_registered
     if _current is not None:
-        if backend is not None and _current.backend not in (None, backend):
+        if backend is not None and _current.dist_backend not in (None, backend):
             warnings.warn(
                 f"disttrain.init(backend={backend!r}) ignored: already initialised "
-                f"with {_current.backend!r}",
+                f"with {_current.dist_backend!r}",
                 stacklevel=2,
             )
         return _current
@@ -184,20 +189,20 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     if ctx.distributed and dist.is_initialized():  # the script set up its own group
-        ctx = replace(ctx, backend=dist.get_backend())
+        ctx = replace(ctx, dist_backend=dist.get_backend())
     elif ctx.distributed:
         timeout = timedelta(seconds=env.pg_timeout_s if timeout_s is None else timeout_s)
         ctx.runtime.pg_timeout_s = timeout.total_seconds()
-        extra = {"device_id": ctx.device} if ctx.backend == "nccl" else {}
+        extra = {"device_id": ctx.device} if ctx.dist_backend == "nccl" else {}
         # torch's init_process_group makes every traceback line read "[rankN]: ..."; disttrain's
         # launcher already puts "[rankN] " before each line, so keep Python's own hook there.
         hook = sys.excepthook
         with _connect_watchdog(env):
             store = _attempt_store(env, timeout)
             if store is None:
-                dist.init_process_group(ctx.backend, init_method="env://", timeout=timeout, **extra)
+                dist.init_process_group(ctx.dist_backend, init_method="env://", timeout=timeout, **extra)
             else:
-                dist.init_process_group(ctx.backend, store=store, rank=env.rank,
+                dist.init_process_group(ctx.dist_backend, store=store, rank=env.rank,
                                         world_size=env.world_size, timeout=timeout, **extra)
         if env.run_dir:
             sys.excepthook = hook

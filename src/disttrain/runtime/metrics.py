@@ -215,7 +215,7 @@ def barrier() -> None:
     # joining them at another, is a barrier's classic use.
     every_rank(ctx, "barrier()", check_source=False)
     if ctx.distributed:
-        if ctx.backend == "nccl":
+        if ctx.dist_backend == "nccl":
             dist.barrier(device_ids=ddp_device_ids(ctx.device))
         else:
             dist.barrier()

@@ -117,20 +117,20 @@ def run_all(spec: BenchSpec) -> list[report.Measurement]:
         print(f"disttrain bench: {label}{which}, {batch} samples per process per step ...",
               file=sys.stderr, flush=True)
         try:
-            outcome = runner.run_count(spec.command(), spec.count(n), timeout_s=spec.timeout_s)
+            count_run = runner.run_count(spec.command(), spec.count(n), timeout_s=spec.timeout_s)
         except KeyboardInterrupt:
             print(f"disttrain bench: interrupted during {label}", file=sys.stderr)
             raise
-        if outcome.returncode == 2 and not any(m.ok for ms in runs.values() for m in ms):
-            usage = [line for line in outcome.stderr.splitlines() if line.startswith("disttrain: error:")]
+        if count_run.returncode == 2 and not any(m.ok for ms in runs.values() for m in ms):
+            usage = [line for line in count_run.stderr.splitlines() if line.startswith("disttrain: error:")]
             if usage:  # disttrain run refused the command: every count would
                 raise UsageError(usage[-1][len("disttrain: error: "):])
-        result = runner.measurement(outcome, nproc=n, world_size=world, batch_per_process=batch,
+        result = runner.measurement(count_run, nproc=n, world_size=world, batch_per_process=batch,
                                     timeout_s=spec.timeout_s, threads=expected_threads(spec, n),
                                     local=not spec.hosts)
         if result.ok:
             print(f"disttrain bench: {label}: {result.samples_per_s:,.0f} samples/s "
-                  f"({outcome.seconds:.0f} s)", file=sys.stderr, flush=True)
+                  f"({count_run.seconds:.0f} s)", file=sys.stderr, flush=True)
         else:
             where = f"; logs: {result.log_dir}" if result.log_dir else ""
             print(f"disttrain bench: {label}: FAILED: {result.error}{where}", file=sys.stderr,

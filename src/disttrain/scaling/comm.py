@@ -238,12 +238,12 @@ def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TR
                 warmup = max(spec.warmup, POWERSGD_START + 1) if late else spec.warmup
                 fields = ({"env": references[name]} if name in references else
                           {} if name == "plain" else {"grad_compression": name})
-                outcome = runner.run_count(spec.command(), spec.count(n, warmup=warmup, **fields),
-                                           timeout_s=spec.timeout_s)
-                parsed = runner.parse_output(outcome.stdout) if outcome.returncode == 0 else None
+                count_run = runner.run_count(spec.command(), spec.count(n, warmup=warmup, **fields),
+                                             timeout_s=spec.timeout_s)
+                parsed = runner.parse_output(count_run.stdout) if count_run.returncode == 0 else None
                 rate = parsed[1].get("samples_per_s") if parsed else None
                 if not rate:
-                    errors[name] = f"{name}: exit {outcome.returncode}, no measurement"
+                    errors[name] = f"{name}: exit {count_run.returncode}, no measurement"
                     continue
                 grad_bytes = grad_bytes or parsed[1].get("gradient_bytes")
                 name = "reference" if name in references else name

@@ -36,7 +36,7 @@ _TAIL_LINES = 3
 
 
 @dataclass(frozen=True)
-class Outcome:
+class CountRun:
     returncode: int
     stdout: str
     stderr: str
@@ -100,7 +100,7 @@ def count_argv(where: Sequence[str] = (), python: str = sys.executable) -> list[
 
 
 def run_count(argv: Sequence[str], spec: LaunchSpec, *, timeout_s: float, env: Mapping[str, str] | None = None,
-              cwd: str | None = None) -> Outcome:
+              cwd: str | None = None) -> CountRun:
     """Run ``argv`` with ``spec`` on its stdin, to completion or ``timeout_s``; nothing it
     started outlives it.
 
@@ -117,11 +117,11 @@ def run_count(argv: Sequence[str], spec: LaunchSpec, *, timeout_s: float, env: M
         stdout, stderr = proc.communicate(input=RunSpec(spec=spec).to_line() + "\n", timeout=timeout_s)
     except subprocess.TimeoutExpired:
         stdout, stderr = _stop(proc)
-        return Outcome(proc.returncode, stdout, stderr, time.perf_counter() - start, timed_out=True)
+        return CountRun(proc.returncode, stdout, stderr, time.perf_counter() - start, timed_out=True)
     except KeyboardInterrupt:
         _stop(proc)
         raise
-    return Outcome(proc.returncode, stdout, stderr, time.perf_counter() - start, others_cores=load.cores())
+    return CountRun(proc.returncode, stdout, stderr, time.perf_counter() - start, others_cores=load.cores())
 
 
 def _stop(proc: subprocess.Popen) -> tuple[str, str]:
@@ -191,23 +191,23 @@ def parse_output(stdout: str) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def measurement(outcome: Outcome, *, nproc: int, world_size: int, batch_per_process: int,
+def measurement(count_run: CountRun, *, nproc: int, world_size: int, batch_per_process: int,
                 timeout_s: float, threads: int | None = None, local: bool = True) -> Measurement:
-    """What ``outcome`` says about this count: a throughput with notes, or the error.
+    """What ``count_run`` says about this count: a throughput with notes, or the error.
 
     ``threads``: intra-op threads per process when known in advance; the step timer's
     report, which the workers make, wins. ``local``: the count ran on this machine alone, so
     the load of the rest of it applies (on other hosts it is not known)."""
-    others = (outcome.others_cores,) if local and outcome.others_cores is not None else ()
+    others = (count_run.others_cores,) if local and count_run.others_cores is not None else ()
     base: dict[str, Any] = {"nproc": nproc, "world_size": world_size,
                             "batch_per_process": batch_per_process, "threads": threads,
-                            "exit_code": outcome.returncode, "log_dir": _log_dir(outcome.stderr),
+                            "exit_code": count_run.returncode, "log_dir": _log_dir(count_run.stderr),
                             "others_cores": others}
-    if outcome.timed_out:
+    if count_run.timed_out:
         return Measurement(**base, error=f"timed out after {timeout_s:g} s (--timeout)")
-    parsed = parse_output(outcome.stdout)
-    if outcome.returncode != 0:
-        return Measurement(**base, error=f"exit {outcome.returncode}: {_reason(outcome.stderr)}")
+    parsed = parse_output(count_run.stdout)
+    if count_run.returncode != 0:
+        return Measurement(**base, error=f"exit {count_run.returncode}: {_reason(count_run.stderr)}")
     if parsed is None:
         return Measurement(**base, error=(
             "no measurement: the script neither went through the runtime's step timer (a "

@@ -32,8 +32,8 @@ class DDPStrategy(Strategy):
         autocast(model, self.precision)
         settings = self.settings or comm.CommSettings()
         ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(self.ctx.device),
-                                      **settings.ddp_kwargs(self.ctx.backend))
-        comm.attach(ddp, settings, backend=self.ctx.backend)
+                                      **settings.ddp_kwargs(self.ctx.dist_backend))
+        comm.attach(ddp, settings, dist_backend=self.ctx.dist_backend)
         return ddp
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:

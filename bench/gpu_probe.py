@@ -252,10 +252,11 @@ def _dcp_load(tdcp, model, opt, folder):
 
 
 def comm() -> None:
-    """Two ranks sharing the GPU over NCCL: each gradient compression hook trains a few steps, and
-    the metric reductions (mean, sum) give the same numbers on every rank."""
-    import disttrain
+    """Two ranks sharing the GPU over NCCL: each gradient compression hook trains a few steps with
+    the ranks' weights kept equal, and the metric reduction gives the mean of the ranks."""
     import torch.distributed as dist
+
+    import disttrain
 
     ctx = disttrain.init()
     results = {}

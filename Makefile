@@ -46,9 +46,11 @@ bench: setup-demo
 
 # The GPU check (bench/gpu_check.py): no venv and no network, the python that holds the
 # machine's own CUDA torch (GPU_PYTHON) with disttrain from src/; log and JSON under $OUT.
+# GPU_CHECK_ARGS: e.g. "--only hang" to rerun the steps that failed.
 GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
 gpu-check:
-	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

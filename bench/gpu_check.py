@@ -1,7 +1,7 @@
 """`make gpu-check`: disttrain's CUDA and NCCL paths, proven in one command of at most 8 minutes
 on a lent GPU machine (no network, the image's own python and torch, ``PYTHONPATH=src``).
 
-    python bench/gpu_check.py [--out FOLDER] [--budget-s 480]
+    python bench/gpu_check.py [--out FOLDER] [--budget-s 480] [--only WORD ...]
 
 Steps, in order, each a subprocess with its own bound, the whole within ``--budget-s``: facts;
 ``pytest tests/gpu``; the launcher (``disttrain run -n auto``, ``disttrain doctor``); the hang
@@ -105,12 +105,15 @@ def run_step(step: Step, time_left: float, log) -> dict:
     log.flush()
     record["seconds"] = round(seconds, 1)
     if rc is None:
-        return {**record, "status": "timeout", "reason": f"killed at its bound of {bound:.0f} s"}
+        return {**record, "status": "timeout", "reason": f"killed at its bound of {bound:.0f} s", "tail": out[-800:]}
     try:
         ok, figures = step.judge(rc, out)
     except Exception as err:  # a judge that trips on odd output is a failed step, not a lost run
         ok, figures = False, {"judge_error": f"{type(err).__name__}: {err}"}
-    return {**record, "status": "ok" if ok else "failed", "exit": rc, "figures": figures}
+    record.update(status="ok" if ok else "failed", exit=rc, figures=figures)
+    if not ok:
+        record["tail"] = out[-800:]  # the reason, in the JSON too, for a reader without the log
+    return record
 
 
 # ---- the steps ------------------------------------------------------------------------------
@@ -188,31 +191,33 @@ def gpu_steps(facts: dict, python: str) -> list[Step]:
     ]
 
 
-def skip_reason(facts: dict, step: Step) -> str | None:
-    """Why ``step`` cannot run on this machine, or None."""
+def skip_reason(facts: dict, step: Step, only: list[str] | None = None) -> str | None:
+    """Why ``step`` cannot (or is not to) run on this machine, or None."""
     if not facts.get("cuda_available"):
         return f"no CUDA GPU visible (torch {facts.get('torch', 'not importable')})"
     if step.name.startswith("pytest") and not facts.get("pytest"):
         return "pytest is not installed in this python: run the tests/gpu files elsewhere"
     if step.name.startswith("compression") and facts.get("shared_gpu_backend") != "nccl":
         return f"two ranks cannot share the GPU over NCCL {facts.get('nccl')} (needs 2.30 or newer)"
+    if only and not any(word in step.name for word in only):
+        return f"not among --only {' '.join(only)}"
     return None
 
 
-def check(out_dir: Path, *, budget_s: float = BUDGET_S) -> dict:
+def check(out_dir: Path, *, budget_s: float = BUDGET_S, only: list[str] | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     left = lambda: budget_s - (time.monotonic() - start)  # noqa: E731
     python = sys.executable
     with open(out_dir / "gpu-check.log", "w") as log:
         first = run_step(Step("facts", [python, PROBE, "facts"], 60, judge_json("torch")), left(), log)
-        facts = first.get("figures", {})
+        facts = first.pop("figures", {})
         if facts:
             facts["pytest"] = importlib.util.find_spec("pytest") is not None
         shared = facts.get("shared_gpu_backend", "gloo")
         steps = [first]
         for step in gpu_steps(facts, python):
-            reason = skip_reason(facts, step)
+            reason = skip_reason(facts, step, only)
             steps.append({"name": step.name, "bound_s": step.bound_s, "status": "skipped", "reason": reason}
                          if reason else run_step(step, left(), log))
     result = {
@@ -232,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "build" / "gpu-check"))
     parser.add_argument("--budget-s", type=float, default=BUDGET_S)
+    parser.add_argument("--only", action="append", metavar="WORD",
+                        help="run only the steps whose name holds WORD (a rerun of those that failed); repeatable")
     args = parser.parse_args(argv)
-    result = check(args.out, budget_s=args.budget_s)
+    result = check(args.out, budget_s=args.budget_s, only=args.only)
     for step in result["steps"]:
         print(f"{step['status']:8} {step.get('seconds', 0):6.1f} s  {step['name']}"
               + (f"  ({step['reason']})" if step.get("reason") else ""), flush=True)

@@ -82,6 +82,9 @@ def test_the_shared_gpu_steps_take_their_mode_from_the_nccl_version(gpu_check):
     assert "needs 2.30 or newer" in gpu_check.skip_reason(gpu_facts((2, 27, 3)), old[comm])
     assert gpu_check.skip_reason(gpu_facts((2, 30, 0)), new[comm]) is None
     assert all(gpu_check.skip_reason(gpu_facts((2, 30, 0)), s) is None for s in new.values())
+    rerun = [s.name for s in new.values() if gpu_check.skip_reason(gpu_facts((2, 30, 0)), s, ["hang", "dcp"]) is None]
+    assert rerun == ["hang: stalled stream, NCCL", "hang: a skipped collective, 2 ranks on one GPU over nccl",
+                     "dcp async save of CUDA state"]  # --only: a rerun of what failed
 
 
 def test_without_a_gpu_every_gpu_step_is_skipped_with_its_reason(gpu_check):
@@ -126,6 +129,7 @@ def test_a_judge_that_trips_is_a_failed_step_not_a_lost_run(gpu_check, tmp_path)
     with open(tmp_path / "log", "w") as log:
         record = gpu_check.run_step(step, 100, log)
     assert record["status"] == "failed" and record["figures"] == {"judge_error": "ZeroDivisionError: division by zero"}
+    assert record["tail"] == "x\n"  # a failed step's output travels in the JSON too
 
 
 def test_the_judges_read_what_the_programs_print(gpu_check):
@@ -165,7 +169,7 @@ def test_make_gpu_check_on_a_cpu_machine_skips_every_gpu_step_and_exits_0(tmp_pa
     assert result["ok"] is True and result["budget_s"] == 480
     assert result["facts"]["torch"] == torch.__version__ and result["facts"]["cuda_available"] is False
     facts, *rest = result["steps"]
-    assert facts["name"] == "facts" and facts["status"] == "ok"
+    assert facts == {"name": "facts", "bound_s": 60, "status": "ok", "exit": 0, "seconds": facts["seconds"]}
     assert len(rest) == 9
     assert all(s["status"] == "skipped" and s["reason"].startswith("no CUDA GPU visible") for s in rest)
     assert "===== facts" in (out / "gpu-check.log").read_text()

@@ -172,7 +172,7 @@ def gpu_steps(facts: dict, python: str) -> list[Step]:
     shared_args = [] if shared == "nccl" else ["--dist-backend", "gloo"]
     shared_env = facts.get("shared_gpu_env") or {}
     return [
-        Step("pytest tests/gpu", [python, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider"], 150,
+        Step("pytest tests/gpu", [python, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider"], 180,
              judge_pytest),
         Step("launcher -n auto", [*run, "-n", "auto", PROBE, "launch"], 60, judge_launch),
         Step("doctor", [python, "-m", "disttrain", "doctor"], 45, judge_doctor),

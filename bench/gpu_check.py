@@ -26,6 +26,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ PROBE = str(ROOT / "bench" / "gpu_probe.py")
 BUDGET_S = 480
 HANG_S = 15  # --hang-timeout of the hang steps: far below NCCL's own watchdog (300 s or more)
 MIN_STEP_S = 10  # a step with less time left than this is skipped, not started
-KILL_GRACE_S = 5  # SIGTERM to the step's process group, then SIGKILL
+KILL_GRACE_S = 10  # SIGTERM to the step's process group, then SIGKILL (a launcher stops its workers first)
 
 
 @dataclass(frozen=True)
@@ -65,31 +66,48 @@ def last_json(output: str) -> dict:
 
 def run_bounded(argv: list[str], bound_s: float, *, env: dict[str, str] | None = None) -> tuple[int | None, str, float]:
     """Run ``argv`` in its own process group for at most ``bound_s``: (exit code or None when it
-    was killed at its bound, stdout and stderr together, seconds)."""
+    was killed at its bound, stdout and stderr together, seconds). The output goes to a file, not
+    a pipe: a process left behind that still holds a pipe would keep its reader waiting."""
     start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True, env={**os.environ, **(env or {})})
-    try:
-        out, _ = proc.communicate(timeout=bound_s)
-        return proc.returncode, out, time.monotonic() - start
-    except subprocess.TimeoutExpired:
-        _stop_group(proc)
-        out, _ = proc.communicate()
-        return None, out, time.monotonic() - start
+    with tempfile.TemporaryFile("w+", errors="replace") as sink:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, **(env or {})})
+        try:
+            rc = proc.wait(timeout=bound_s)
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+            rc = None
+        sink.seek(0)
+        return rc, sink.read(), time.monotonic() - start
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM lets a launcher stop its workers (they run in sessions of their own); SIGKILL after."""
+    """SIGTERM lets a launcher stop its workers; SIGKILL after a grace. Workers run in sessions of
+    their own, outside the group: what is left of the tree seen before the SIGTERM is killed too,
+    so that no rank of a step holds the GPU in the next one (psutil: in the image, and disttrain's)."""
+    try:
+        import psutil
+
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # psutil missing, or the step just ended
+        tree = []
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(KILL_GRACE_S)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    for child in tree:
+        try:
+            child.kill()
+        except Exception:  # gone already
+            pass
+    if tree:
+        psutil.wait_procs(tree, timeout=KILL_GRACE_S)
 
 
 def run_step(step: Step, time_left: float, log) -> dict:
@@ -204,7 +222,13 @@ def skip_reason(facts: dict, step: Step, only: list[str] | None = None) -> str |
     return None
 
 
-def check(out_dir: Path, *, budget_s: float = BUDGET_S, only: list[str] | None = None) -> dict:
+def line(step: dict) -> str:
+    return (f"{step['status']:8} {step.get('seconds', 0):6.1f} s  {step['name']}"
+            + (f"  ({step['reason']})" if step.get("reason") else ""))
+
+
+def check(out_dir: Path, *, budget_s: float = BUDGET_S, only: list[str] | None = None, say=print) -> dict:
+    """Run the steps; ``say`` gets a line as each ends (the facts' first: the NCCL version)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     left = lambda: budget_s - (time.monotonic() - start)  # noqa: E731
@@ -215,17 +239,22 @@ def check(out_dir: Path, *, budget_s: float = BUDGET_S, only: list[str] | None =
         if facts:
             facts["pytest"] = importlib.util.find_spec("pytest") is not None
         shared = facts.get("shared_gpu_backend", "gloo")
+        two_ranks = (f"over NCCL {facts.get('nccl')} with NCCL_MULTI_RANK_GPU_ENABLE=1" if shared == "nccl"
+                     else f"over gloo with CUDA tensors: NCCL {facts.get('nccl') or '(none here)'} refuses a GPU "
+                          "shared by two ranks before 2.30")
+        say(line(first))
+        say(f"gpu-check: torch {facts.get('torch')}, CUDA {facts.get('cuda')}, NCCL {facts.get('nccl')}, "
+            f"{facts.get('gpu')}; two ranks on one GPU {two_ranks}")
         steps = [first]
         for step in gpu_steps(facts, python):
             reason = skip_reason(facts, step, only)
             steps.append({"name": step.name, "bound_s": step.bound_s, "status": "skipped", "reason": reason}
                          if reason else run_step(step, left(), log))
+            say(line(steps[-1]))
     result = {
         "check": "gpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
         "budget_s": budget_s, "seconds": round(time.monotonic() - start, 1), "facts": facts,
-        "two_ranks_on_one_gpu": (f"over NCCL {facts.get('nccl')} with NCCL_MULTI_RANK_GPU_ENABLE=1" if shared == "nccl"
-                                 else f"over gloo with CUDA tensors: NCCL {facts.get('nccl') or '(none here)'} "
-                                      "refuses a GPU shared by two ranks before 2.30"),
+        "two_ranks_on_one_gpu": two_ranks,
         "steps": steps,
         "ok": all(s["status"] in ("ok", "skipped") for s in steps),
     }
@@ -240,10 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", metavar="WORD",
                         help="run only the steps whose name holds WORD (a rerun of those that failed); repeatable")
     args = parser.parse_args(argv)
-    result = check(args.out, budget_s=args.budget_s, only=args.only)
-    for step in result["steps"]:
-        print(f"{step['status']:8} {step.get('seconds', 0):6.1f} s  {step['name']}"
-              + (f"  ({step['reason']})" if step.get("reason") else ""), flush=True)
+    result = check(args.out, budget_s=args.budget_s, only=args.only, say=lambda text: print(text, flush=True))
     print(json.dumps(result), flush=True)
     print(f"gpu-check: {'ok' if result['ok'] else 'FAILED'} in {result['seconds']} s; "
           f"log and JSON in {args.out}", flush=True)

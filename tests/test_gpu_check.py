@@ -96,8 +96,9 @@ def test_without_a_gpu_every_gpu_step_is_skipped_with_its_reason(gpu_check):
 
 
 def sleeper_with_a_child() -> list[str]:
+    """A step whose child left its process group, as a launcher's workers do."""
     code = ("import subprocess, sys, time; "
-            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
             "print('CHILD_PID', child.pid, flush=True); time.sleep(120)")
     return [sys.executable, "-c", code]
 

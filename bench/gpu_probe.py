@@ -183,7 +183,7 @@ def dcp() -> None:
     import disttrain
 
     ctx = disttrain.init()
-    width = 256 if sys.argv[2:] == ["small"] else 4096
+    width = 64 if sys.argv[2:] == ["small"] else 4096
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-dcp-"))
     model = _model(0, width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

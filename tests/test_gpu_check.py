@@ -180,7 +180,7 @@ def test_make_gpu_check_on_a_cpu_machine_skips_every_gpu_step_and_exits_0(tmp_pa
 @pytest.mark.timeout(120)
 def test_the_checkpoint_probe_resumes_bit_exact_on_cpu_too(gpu_check):
     """The DCP step's program with a small model on CPU (no pinned staging): both saves load back exactly."""
-    rc, out, _ = gpu_check.run_bounded([sys.executable, gpu_check.PROBE, "dcp", "small"], 100)
+    rc, out, _ = gpu_check.run_bounded([sys.executable, gpu_check.PROBE, "dcp", "small"], 100, env={"OMP_NUM_THREADS": "1"})
     ok, figures = gpu_check.judge_dcp(rc, out)
     assert ok, out[-3000:]
     assert len(figures["disttrain"]["blocked_ms"]) == len(figures["dcp_async_save_pinned"]["blocked_ms"]) == 2

@@ -177,6 +177,14 @@ def judge_dcp(rc: int, out: str) -> tuple[bool, dict]:
     return rc == 0 and exact == [True, True], found
 
 
+def judge_comm(rc: int, out: str) -> tuple[bool, dict]:
+    found = last_json(out)
+    expected = {"reduce_mean": 0.5, "reduce_sum": 3, "reduce_max": 0.5}  # ranks 0 and 1
+    ok = rc == 0 and found.get("backend") == "nccl" and all((found.get("hooks_agree") or {"": False}).values()) \
+        and all(found.get(k) == v for k, v in expected.items())
+    return ok, found
+
+
 def judge_bench(rc: int, out: str) -> tuple[bool, dict]:
     found = last_json(out)
     return rc == 0 and "ratio" in found, found  # the ratio against its goal is a figure, not a pass
@@ -205,7 +213,7 @@ def gpu_steps(facts: dict, python: str) -> list[Step]:
              [python, "bench/gpu.py", "--mixed-precision", "bf16", "--repeats", "2", "--steps", "30"], 180,
              judge_bench),
         Step("compression hooks and metric reduction on NCCL", [*run, "-n", "2", PROBE, "comm"], 90,
-             judge_json("hooks_agree", "reduce_mean"), env=shared_env, optional=True),
+             judge_comm, env=shared_env, optional=True),
     ]
 
 

@@ -260,7 +260,7 @@ def _dcp_load(tdcp, model, opt, folder):
 
 def comm() -> None:
     """Two ranks sharing the GPU over NCCL: each gradient compression hook trains a few steps with
-    the ranks' weights kept equal, and the metric reduction gives the mean of the ranks."""
+    the ranks' weights kept equal; the metric reductions and the barrier on the NCCL branch."""
     import torch.distributed as dist
 
     import disttrain
@@ -281,9 +281,12 @@ def comm() -> None:
         seen = [torch.zeros_like(first) for _ in range(ctx.world_size)]
         dist.all_gather(seen, first)
         results[hook] = all(torch.equal(seen[0], s) for s in seen)
-    mean = float(disttrain.reduce_mean(torch.tensor(float(ctx.rank), device=ctx.device)))
+    # The metric reductions on the context's device (numbers too: NCCL reduces GPU memory only).
+    reduced = {"reduce_mean": float(disttrain.reduce_mean(torch.tensor(float(ctx.rank), device=ctx.device))),
+               "reduce_sum": disttrain.reduce_sum(ctx.rank + 1), "reduce_max": disttrain.reduce_max(ctx.rank / 2)}
+    disttrain.barrier()  # NCCL's barrier names the rank's device
     if ctx.rank == 0:
-        say(backend=ctx.dist_backend, world_size=ctx.world_size, hooks_agree=results, reduce_mean=mean)
+        say(backend=ctx.dist_backend, world_size=ctx.world_size, hooks_agree=results, **reduced)
     disttrain.shutdown()
 
 

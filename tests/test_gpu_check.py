@@ -143,6 +143,10 @@ def test_the_judges_read_what_the_programs_print(gpu_check):
     launched = '[rank0] {"world_size": 1, "device": "cuda:0", "current_device": 0, "launcher_backend": "nccl"}'
     assert gpu_check.judge_launch(0, "disttrain: 1 worker (nccl)\n" + launched)[0]
     assert not gpu_check.judge_launch(0, launched.replace("nccl", "gloo"))[0]
+    comm = {"backend": "nccl", "hooks_agree": {"fp16": True, "powersgd": True}, "reduce_mean": 0.5, "reduce_sum": 3, "reduce_max": 0.5}
+    assert gpu_check.judge_comm(0, "[rank0] " + json.dumps(comm))[0]
+    assert not gpu_check.judge_comm(0, "[rank0] " + json.dumps({**comm, "hooks_agree": {"fp16": False}}))[0]
+    assert not gpu_check.judge_comm(0, "[rank0] " + json.dumps({**comm, "backend": "gloo"}))[0]
     assert gpu_check.judge_dcp(0, json.dumps({"disttrain": {"resume_bit_exact": True},
                                               "dcp_async_save_pinned": {"error": "AttributeError"}}))[0] is False
 

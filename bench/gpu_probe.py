@@ -80,11 +80,11 @@ def stall() -> None:
 def skip() -> None:
     """Two ranks on one GPU (NCCL >= 2.30, or gloo with CUDA tensors): rank 1 skips a collective
     and stays in its own code; rank 0 waits in it."""
+    import torch.distributed as dist
+
     import disttrain
 
     ctx = disttrain.init()
-    import torch.distributed as dist
-
     t = torch.ones(4, device=ctx.device)
     for _ in range(5):
         dist.all_reduce(t)

@@ -113,7 +113,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
 def run_step(step: Step, time_left: float, log) -> dict:
     """The step's record for the JSON: status ok | failed | timeout | skipped, seconds, figures."""
     record = {"name": step.name, "bound_s": step.bound_s}
-    bound = min(step.bound_s, time_left)
+    bound = min(step.bound_s, time_left - 3 * KILL_GRACE_S)  # room to stop it, within the budget
     if bound < MIN_STEP_S or (step.optional and time_left < step.bound_s):
         return {**record, "status": "skipped", "reason": f"{time_left:.0f} s of the budget left"}
     log.write(f"\n===== {step.name}: {' '.join(step.argv)} (bound {bound:.0f} s)\n")

@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install --progress-bar off --disable-pip-version-check
 TORCH ?= torch==2.13.0
 DEMO_ARGS ?=
 
-.PHONY: setup setup-demo demo test bench clean
+.PHONY: setup setup-demo demo test bench gpu-check clean
 
 # The demo needs torch and the package alone (~1 min); the test suite adds the extras it exercises.
 setup-demo: $(VENV)/.demo
@@ -43,6 +43,14 @@ test: setup
 
 bench: setup-demo
 	$(PY) bench/overhead.py
+
+# The GPU check (bench/gpu_check.py): no venv and no network, the python that holds the
+# machine's own CUDA torch (GPU_PYTHON) with disttrain from src/; log and JSON under $OUT.
+# GPU_CHECK_ARGS: e.g. "--only hang" to rerun the steps that failed.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -58,11 +58,29 @@ def choose_dist_backend(requested: str | None, *, cuda_available: bool) -> str:
     return "nccl" if cuda_available else "gloo"
 
 
-def choose_device(*, local_rank: int, cuda_devices: int, dist_backend: str) -> str:
+# NCCL refuses two ranks on one GPU ("Duplicate GPU detected") unless it is 2.30 or newer and
+# this variable is 1; gloo has no such rule (it reduces CUDA tensors through host memory).
+NCCL_MULTI_RANK_GPU = (2, 30)
+NCCL_MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
+
+
+def shared_gpu_backend(nccl_version: tuple[int, ...] | None) -> str:
+    """The backend with which several ranks may share one GPU: ``nccl`` from NCCL 2.30 on
+    (with :data:`NCCL_MULTI_RANK_GPU_ENV` set to 1), else ``gloo`` with CUDA tensors."""
+    if nccl_version is not None and tuple(nccl_version[:2]) >= NCCL_MULTI_RANK_GPU:
+        return "nccl"
+    return "gloo"
+
+
+def choose_device(*, local_rank: int, cuda_devices: int, dist_backend: str,
+                  nccl_version: tuple[int, ...] | None = None, nccl_multi_rank_gpu: bool = False) -> str:
     """``cuda:<local_rank>`` when this node has GPUs, else ``cpu``.
 
     A gloo job on a GPU machine still trains on the GPU (gloo can reduce CUDA tensors);
-    an explicit NCCL job without GPUs is a mistake worth naming.
+    an explicit NCCL job without GPUs is a mistake worth naming. More ranks than GPUs share
+    them in turn (``cuda:<local_rank % GPUs>``) where the backend allows it: gloo always
+    (chosen explicitly: NCCL is the default with GPUs), NCCL only from 2.30 on and with
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (``nccl_multi_rank_gpu``), which says the user meant it.
     """
     if cuda_devices <= 0:
         if dist_backend == "nccl":
@@ -71,8 +89,13 @@ def choose_device(*, local_rank: int, cuda_devices: int, dist_backend: str) -> s
             )
         return "cpu"
     if local_rank >= cuda_devices:
+        nccl_shares = nccl_multi_rank_gpu and shared_gpu_backend(nccl_version) == "nccl"
+        if dist_backend == "gloo" or (dist_backend == "nccl" and nccl_shares):
+            return f"cuda:{local_rank % cuda_devices}"
+        version = ".".join(map(str, nccl_version)) if nccl_version else "unknown"
         raise UsageError(
             f"LOCAL_RANK={local_rank} has no GPU: only {cuda_devices} visible on this node; "
-            "start at most that many processes per node (-n auto does)"
+            "start at most that many processes per node (-n auto does), or let ranks share a GPU: "
+            f"--dist-backend gloo, or {NCCL_MULTI_RANK_GPU_ENV}=1 with NCCL >= 2.30 (here {version})"
         )
     return f"cuda:{local_rank}"

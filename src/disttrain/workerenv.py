@@ -252,6 +252,8 @@ class WorkerEnv:
     grad_compression: str | None = None
     bucket_mb: str | None = None
     bench_no_sync: bool = False
+    # NCCL's own NCCL_MULTI_RANK_GPU_ENABLE=1: ranks may share a GPU (placement.choose_device).
+    nccl_multi_rank_gpu: bool = False
 
     @property
     def launched(self) -> bool:
@@ -283,4 +285,5 @@ class WorkerEnv:
             grad_compression=environ.get(GRAD_COMPRESSION) or None,
             bucket_mb=environ.get(BUCKET_MB) or None,
             bench_no_sync=environ.get(BENCH_NO_SYNC) == "1",
+            nccl_multi_rank_gpu=environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1",
         )

@@ -9,18 +9,22 @@ play (dropout on the GPU).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _launch import run_ranks, run_single
+from _launch import kill_tree, run_ranks, run_single, worker_env
+from disttrain.placement import NCCL_MULTI_RANK_GPU_ENV, shared_gpu_backend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TRAIN = SCRIPTS / "sharded_train.py"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NCCL = tuple(torch.cuda.nccl.version()) if torch.cuda.is_available() else None
 
 
 def steps(out: Path, rank: int = 0) -> list[dict]:
@@ -111,6 +115,38 @@ def test_two_gpus_fsdp_and_ddp_reach_the_same_loss_over_nccl(tmp_path):
                                 "--dropout", "0"], timeout=250))
     for a, b in zip(steps(tmp_path / "ddp"), steps(tmp_path / "fsdp")):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+
+
+def run_sharing_one_gpu(args: list, backend: str) -> subprocess.CompletedProcess:
+    """``disttrain run -n 2`` with both ranks on GPU 0, over ``backend``."""
+    launcher, env = (([], {NCCL_MULTI_RANK_GPU_ENV: "1"}) if backend == "nccl" else (["--dist-backend", "gloo"], {}))
+    env["CUDA_VISIBLE_DEVICES"] = "0"
+    proc = subprocess.Popen([sys.executable, "-m", "disttrain", "run", "-n", "2", *launcher, str(TRAIN), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(env))
+    try:
+        out, err = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_share_one_gpu_in_the_mode_the_nccl_version_allows(tmp_path):
+    """NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE=1): FSDP sharded for real over NCCL; before, NCCL
+    refuses a shared GPU and DDP runs over gloo with CUDA tensors. Either way a resume is bit-exact."""
+    backend = shared_gpu_backend(NCCL)
+    args = ["--strategy", "fsdp" if backend == "nccl" else "ddp", "--dropout", "0.2"]
+    ok(run_sharing_one_gpu([tmp_path / "reference", *args], backend))
+    ckpt = ["--ckpt", tmp_path / "ckpt", "--every", "3"]
+    assert run_sharing_one_gpu([tmp_path / "run", *args, *ckpt, "--die-at", "11"], backend).returncode != 0
+    again = run_sharing_one_gpu([tmp_path / "run", *args, *ckpt], backend)
+    ok(again)
+    assert "resuming from step 9" in again.stdout + again.stderr
+    assert f"({backend})" in again.stderr  # the launcher's first line names the process group's backend
+    a, b = weights(tmp_path / "reference"), weights(tmp_path / "run")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_fp16_is_refused_on_cpu_even_with_a_gpu_present():

@@ -99,8 +99,10 @@ class Context:
         return self.dist_backend
 
 
-def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) -> Context:
-    """The Context for ``env`` on a node with ``cuda_devices`` GPUs; pure, no side effects.
+def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None,
+            nccl_version: tuple[int, ...] | None = None) -> Context:
+    """The Context for ``env`` on a node with ``cuda_devices`` GPUs (and NCCL ``nccl_version``,
+    which says whether ranks may share a GPU); pure, no side effects.
 
     The launcher's process-group backend (``DISTTRAIN_BACKEND``) wins over the script's
     (``disttrain.init(backend=...)``), so that ``disttrain run --dist-backend`` can override a
@@ -113,7 +115,8 @@ def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) ->
             "`disttrain run` (or torchrun), which sets up the rendezvous"
         )
     chosen = choose_dist_backend(env.dist_backend or backend, cuda_available=cuda_devices > 0)
-    device = choose_device(local_rank=env.local_rank, cuda_devices=cuda_devices, dist_backend=chosen)
+    device = choose_device(local_rank=env.local_rank, cuda_devices=cuda_devices, dist_backend=chosen,
+                           nccl_version=nccl_version, nccl_multi_rank_gpu=env.nccl_multi_rank_gpu)
     return Context(
         rank=env.rank,
         local_rank=env.local_rank,
@@ -125,6 +128,17 @@ def resolve(env: WorkerEnv, *, cuda_devices: int, backend: str | None = None) ->
         distributed=distributed,
         env=env,
     )
+
+
+def _nccl_version(cuda_devices: int) -> tuple[int, ...] | None:
+    """This build's NCCL version, e.g. ``(2, 27, 3)``, or None without GPUs or NCCL."""
+    if cuda_devices <= 0 or not dist.is_nccl_available():
+        return None
+    try:
+        found = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError):  # a CUDA build without NCCL
+        return None
+    return tuple(found)
 
 
 # The one module global of the runtime: the context, which owns all other state.
@@ -185,7 +199,7 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
         torch.set_flush_denormal(True)
     env = WorkerEnv.from_environ()
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    ctx = resolve(env, cuda_devices=cuda_devices, backend=backend)
+    ctx = resolve(env, cuda_devices=cuda_devices, backend=backend, nccl_version=_nccl_version(cuda_devices))
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     if ctx.distributed and dist.is_initialized():  # the script set up its own group

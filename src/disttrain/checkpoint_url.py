@@ -115,6 +115,10 @@ class RemoteLayout:
     :class:`~disttrain.checkpoint_layout.CheckpointLayout` is for a local one)."""
 
     rank_file = staticmethod(CheckpointLayout.rank_file)
+    # The step folders this process last saw under each root (listed, written or removed by it), so
+    # that a save of a step known to be absent skips the deletes of begin(): they are requests to
+    # the store on the path that blocks the training step. Only one job writes a folder at a time.
+    _seen: dict[str, set[int]] = {}
 
     def __init__(self, root: RemotePath) -> None:
         self.root = root
@@ -143,6 +147,7 @@ class RemoteLayout:
             match = _STEP_DIR.fullmatch(marker.rstrip("/").rsplit("/", 2)[-2])
             if match:
                 steps[int(match.group(1))] = True
+        self._seen[str(self.root)] = set(steps)
         return steps
 
     def complete(self) -> list[tuple[int, RemotePath]]:
@@ -214,7 +219,10 @@ class RemoteLayout:
         """The folder of ``step``, emptied: a checkpoint already there (a resumed run saving the
         same step again, or an upload cut short) loses its marker first, then its objects."""
         folder = self.step_dir(step)
-        self.discard(folder)
+        seen = self._seen.get(str(self.root))
+        if seen is None or step in seen:
+            self.discard(folder)
+        self._seen.setdefault(str(self.root), set()).add(step)
         return folder
 
     def discard(self, folder: RemotePath | None) -> None:
@@ -252,4 +260,5 @@ class RemoteLayout:
         for step in sorted(doomed):
             self.discard(self.step_dir(step))
             removed.append(self.step_dir(step))
+            self._seen[str(self.root)].discard(step)
         return removed

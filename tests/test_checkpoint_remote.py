@@ -203,3 +203,30 @@ def test_save_and_load_latest_on_memory_url(ctx):
     disttrain.checkpoint.save("memory://whole", step=5, asynchronous=True, model=model)  # uploads meanwhile
     disttrain.checkpoint.wait()
     assert disttrain.checkpoint.latest("memory://whole").endswith("step_00000005")
+
+
+def test_export_to_a_url_is_read_back_whole(ctx):
+    import io
+
+    import disttrain
+
+    model = torch.nn.Linear(3, 2)
+    assert disttrain.checkpoint.export("memory://exported/best.pt", model) == "memory://exported/best.pt"
+    fs = open_url("memory://exported").fs
+    saved = torch.load(io.BytesIO(fs.cat_file("/exported/best.pt")), weights_only=True)
+    assert torch.equal(saved["weight"], model.weight)
+
+
+def test_checkpoint_dir_url_reaches_the_workers_as_it_is_and_credentials_in_it_are_refused(tmp_path):
+    from conftest import cli_env, disttrain
+
+    script = Path(__file__).parent / "scripts" / "sleeper.py"
+    plan = disttrain("run", "-n", "1", "--dry-run", "--checkpoint-dir", "s3://bucket/run", str(script),
+                     env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+    assert plan.returncode == 0, plan.stderr
+    assert '"DISTTRAIN_CHECKPOINT_DIR": "s3://bucket/run"' in plan.stdout
+    refused = disttrain("run", "-n", "1", "--dry-run", "--checkpoint-dir", "s3://AKIA:topsecret@bucket/run",
+                        str(script), env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+    assert refused.returncode == 2
+    assert "topsecret" not in refused.stdout + refused.stderr
+    assert "take the user and password out of the URL" in refused.stderr and "Traceback" not in refused.stderr

@@ -22,10 +22,12 @@ like :mod:`disttrain.checkpoint_layout`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,24 @@ def open_url(url: str) -> RemotePath:
     return RemotePath(fs, path.rstrip("/") or path)
 
 
+def _store_op(method: Callable) -> Callable:
+    """The store's client raises its own errors (botocore's ``EndpointConnectionError``,
+    ``NoCredentialsError``...): told as an ``OSError`` of one line, which the checkpoint's
+    reader and writer already turn into one line on every rank."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except OSError:
+            raise
+        except Exception as err:
+            text = str(err).strip().splitlines()
+            raise OSError(f"{type(err).__name__}: {text[0] if text else 'no detail'}") from err
+
+    return wrapper
+
+
 def digest_bytes(data: bytes) -> FileDigest:
     return {DIGEST: hashlib.new(DIGEST, data).hexdigest(), "bytes": len(data)}
 
@@ -131,6 +151,7 @@ class RemoteLayout:
     def step_dir(self, step: int) -> RemotePath:
         return self.root / f"step_{step:08d}"
 
+    @_store_op
     def _steps(self) -> dict[int, bool]:
         """Every step folder in the root, and whether it holds the marker."""
         self.fs.invalidate_cache()  # another host may have written or pruned since
@@ -156,6 +177,7 @@ class RemoteLayout:
 
     # -- reading (the three operations checkpoint_read asks of a layout) ------------------------
 
+    @_store_op
     def marker(self, path: RemotePath) -> dict:
         meta = json.loads(self.fs.cat_file((path / MARKER).path))
         if not isinstance(meta, dict) or not isinstance(meta.get("digests", {}), dict):
@@ -176,12 +198,14 @@ class RemoteLayout:
             return f"{name} does not match its {DIGEST} digest (changed after it was written)"
         return None
 
+    @_store_op
     def source(self, path: RemotePath, name: str) -> io.BytesIO:
         """The object ``path/name`` read whole, for ``torch.load``."""
         return io.BytesIO(self.fs.cat_file((path / name).path))
 
     # -- writing --------------------------------------------------------------------------------
 
+    @_store_op
     def digest(self, target: RemotePath) -> FileDigest:
         """The size and digest of the object as the store gives it back (streamed)."""
         digest = hashlib.new(DIGEST)
@@ -192,6 +216,7 @@ class RemoteLayout:
                 size += len(chunk)
         return {DIGEST: digest.hexdigest(), "bytes": size}
 
+    @_store_op
     def files_under(self, folder: RemotePath) -> list[str]:
         """Every object below ``folder``, as paths relative to it, sorted."""
         self.fs.invalidate_cache(folder.path)
@@ -202,6 +227,7 @@ class RemoteLayout:
             return []
         return sorted(p[len(prefix):] for p in found if p.startswith(prefix))
 
+    @_store_op
     def put(self, folder: RemotePath, name: str, data: bytes) -> FileDigest:
         """Upload ``data`` as ``folder/name`` and read it back: its digest once the store holds
         exactly these bytes, else an ``OSError`` naming the object."""
@@ -225,6 +251,7 @@ class RemoteLayout:
         self._seen.setdefault(str(self.root), set()).add(step)
         return folder
 
+    @_store_op
     def discard(self, folder: RemotePath | None) -> None:
         if folder is None:
             return

@@ -69,7 +69,8 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     ``objects`` are what has a ``state_dict()``: model (DDP or not), optimizer, LR
     scheduler, ``GradScaler``...; None values are skipped (``scaler=None`` without AMP).
     ``directory`` defaults to ``$DISTTRAIN_CHECKPOINT_DIR``; without either nothing is
-    saved or loaded and the state only counts. ``every`` is the number of steps between
+    saved or loaded and the state only counts. It may be an fsspec URL (``s3://bucket/run``),
+    which every host reads and writes directly (see :func:`checkpoint.save`). ``every`` is the number of steps between
     checkpoints (default ``$DISTTRAIN_CHECKPOINT_EVERY``, else 0: at the end of each
     epoch); ``keep_last`` and ``weights_only`` are :func:`checkpoint.save`'s and
     :func:`checkpoint.load_latest`'s; so is ``asynchronous`` (sharded models: training goes

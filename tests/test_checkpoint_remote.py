@@ -60,22 +60,39 @@ def model(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "model.pt", weights_only=True)
 
 
-@pytest.fixture
-def killed_ddp(store, tmp_path):
-    """2 ranks saved steps 3, 6, 9 to s3:// (64 samples, 8 steps an epoch), then rank 0 was SIGKILLed."""
-    fs, bucket = store
-    url = f"s3://{bucket}/run"
-    result = train(2, tmp_path / "two", "--ckpt", url, "--every", "3", "--die-at", "11", "--dropout", "0")
+@pytest.fixture(scope="module")
+def killed_once(s3_endpoint, tmp_path_factory):
+    """2 ranks saved steps 3, 6, 9 to s3:// (64 samples, 8 steps an epoch), then rank 0 was SIGKILLed:
+    the bucket, and the folder of the ranks' logs."""
+    import s3fs
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": SECRET,
+                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}.items():
+            env.setenv(key, value)
+        fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+        bucket = "killed-once"
+        fs.mkdir(bucket)
+        logs = tmp_path_factory.mktemp("two")
+        result = train(2, logs, "--ckpt", f"s3://{bucket}/run", "--every", "3", "--die-at", "11", "--dropout", "0")
     assert result.returncode != 0
     assert steps_on(fs, f"{bucket}/run") == {f"step_0000000{n}": True for n in (3, 6, 9)}
-    return fs, bucket, url
+    return bucket, logs
+
+
+@pytest.fixture
+def killed_ddp(killed_once, store, tmp_path):
+    """killed_once's checkpoints, copied to this test's own bucket: (fs, bucket, URL, the logs)."""
+    fs, bucket = store
+    fs.copy(f"{killed_once[0]}/run", f"{bucket}/run", recursive=True)
+    return fs, bucket, f"s3://{bucket}/run", killed_once[1]
 
 
 @pytest.mark.timeout(600)
 def test_two_ranks_save_to_s3_then_one_and_three_ranks_resume_every_sample_once(killed_ddp, tmp_path):
-    fs, bucket, url = killed_ddp
+    fs, bucket, url, two = killed_ddp
     fs.copy(f"{bucket}/run", f"{bucket}/copy", recursive=True)  # the same checkpoints for the 3-rank run
-    before = [s for s in logged(tmp_path / "two") if s["step"] < 9]
+    before = [s for s in logged(two) if s["step"] < 9]
     consumed = sum(len(s["idx"]) for s in before if s["epoch"] == 1)  # of epoch 1, when step 9 was saved
     for nproc, where in ((1, url), (3, f"s3://{bucket}/copy")):
         out = tmp_path / f"on{nproc}"
@@ -97,7 +114,7 @@ def test_two_ranks_save_to_s3_then_one_and_three_ranks_resume_every_sample_once(
 
 @pytest.mark.timeout(400)
 def test_damaged_object_on_s3_is_skipped_for_the_checkpoint_before(killed_ddp, tmp_path):
-    fs, bucket, url = killed_ddp
+    fs, bucket, url, _ = killed_ddp
     key = f"{bucket}/run/step_00000009/state.pt"
     raw = bytearray(fs.cat_file(key))
     raw[len(raw) // 2] ^= 0x40  # same size, one bit changed: only the digest can tell
@@ -187,7 +204,8 @@ def test_object_changed_after_upload_is_named(tmp_path):
     digest = layout.put(folder, "state.pt", b"abcdef")
     assert layout.check(folder, "state.pt", digest) is None
     (tmp_path / "c" / "step_00000001" / "state.pt").write_bytes(b"abc")
-    assert layout.check(folder, "state.pt", digest) == "state.pt has 3 bytes, 6 were written"
+    again = RemoteLayout.at(f"file://{tmp_path}/c")  # each load looks afresh
+    assert again.check(folder, "state.pt", digest) == "state.pt has 3 bytes, 6 were written"
 
 
 def test_save_and_load_latest_on_memory_url(ctx):

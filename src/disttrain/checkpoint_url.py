@@ -27,13 +27,14 @@ import hashlib
 import io
 import json
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .checkpoint_layout import DIGEST, FORMAT, MARKER, CheckpointLayout, FileDigest
+from .checkpoint_layout import DIGEST, FORMAT, MARKER, SHARDED_DIR, CheckpointLayout, FileDigest
 from .errors import UsageError
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
@@ -130,6 +131,14 @@ def digest_bytes(data: bytes) -> FileDigest:
     return {DIGEST: hashlib.new(DIGEST, data).hexdigest(), "bytes": len(data)}
 
 
+def _mismatch(name: str, actual: FileDigest, expected: FileDigest) -> str | None:
+    if actual["bytes"] != expected.get("bytes"):
+        return f"{name} has {actual['bytes']} bytes, {expected.get('bytes')} were written"
+    if actual[DIGEST] != expected.get(DIGEST):
+        return f"{name} does not match its {DIGEST} digest (changed after it was written)"
+    return None
+
+
 class RemoteLayout:
     """The names and the operations of a checkpoint folder on a store (what
     :class:`~disttrain.checkpoint_layout.CheckpointLayout` is for a local one)."""
@@ -143,6 +152,11 @@ class RemoteLayout:
     def __init__(self, root: RemotePath) -> None:
         self.root = root
         self.fs = root.fs
+        # What load reads whole (rank 0's file, a rank file): fetched once, for its digest check
+        # and for torch.load both, which run on two threads at once.
+        self._fetched: dict[str, bytes] = {}
+        self._fetching: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def at(cls, url: str) -> RemoteLayout:
@@ -185,23 +199,33 @@ class RemoteLayout:
         return meta
 
     def check(self, path: RemotePath, name: str, expected: FileDigest) -> str | None:
-        """Why the object ``path/name`` is not the one its digest describes, or None when it is."""
+        """Why the object ``path/name`` is not the one its digest describes, or None when it is.
+        A shard is streamed through the digest (DCP reads it again itself); a file that load
+        reads whole is fetched once, for both."""
         try:
-            actual = self.digest(path / name)
+            if name.startswith(f"{SHARDED_DIR}/"):
+                actual = self.digest(path / name)
+            else:
+                actual = digest_bytes(self._whole(path / name))
         except FileNotFoundError:
             return f"{name} is missing"
         except OSError as err:
             return f"{name} is unreadable: {err}"
-        if actual["bytes"] != expected.get("bytes"):
-            return f"{name} has {actual['bytes']} bytes, {expected.get('bytes')} were written"
-        if actual[DIGEST] != expected.get(DIGEST):
-            return f"{name} does not match its {DIGEST} digest (changed after it was written)"
-        return None
+        return _mismatch(name, actual, expected)
 
     @_store_op
     def source(self, path: RemotePath, name: str) -> io.BytesIO:
         """The object ``path/name`` read whole, for ``torch.load``."""
-        return io.BytesIO(self.fs.cat_file((path / name).path))
+        return io.BytesIO(self._whole(path / name))
+
+    @_store_op
+    def _whole(self, target: RemotePath) -> bytes:
+        with self._lock:
+            once = self._fetching.setdefault(target.path, threading.Lock())
+        with once:
+            if target.path not in self._fetched:
+                self._fetched[target.path] = self.fs.cat_file(target.path)
+        return self._fetched[target.path]
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -236,7 +260,7 @@ class RemoteLayout:
         self.fs.makedirs(folder.path, exist_ok=True)  # a local or memory store needs the folder
         self.fs.pipe_file(target.path, data)
         self.fs.invalidate_cache(target.path)
-        problem = self.check(folder, name, expected)
+        problem = _mismatch(name, self.digest(target), expected)  # read back from the store
         if problem is not None:
             raise OSError(f"{target} was not stored whole: {problem}")
         return expected

@@ -248,3 +248,28 @@ def test_checkpoint_dir_url_reaches_the_workers_as_it_is_and_credentials_in_it_a
     assert refused.returncode == 2
     assert "topsecret" not in refused.stdout + refused.stderr
     assert "take the user and password out of the URL" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_trainer_checkpoints_and_best_model_at_a_url(ctx, tmp_path):
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from disttrain.trainer import BEST_MODEL, Trainer
+
+    def trainer() -> Trainer:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(48, 4, generator=g)
+        y = (x[:, 0] > 0).long()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        train = DataLoader(TensorDataset(x[:32], y[:32]), batch_size=8, shuffle=True,
+                           generator=torch.Generator().manual_seed(3))
+        val = DataLoader(TensorDataset(x[32:], y[32:]), batch_size=8)
+        return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.3), train, val, F.cross_entropy,
+                       checkpoint_dir=f"memory://{tmp_path.name}", run_dir=tmp_path / "run", progress=False)
+
+    trainer().fit(2)
+    again = trainer()
+    assert [r["epoch"] for r in again.fit(3)] == [2]  # resumed from the store
+    fs = open_url(f"memory://{tmp_path.name}").fs
+    assert fs.exists(f"/{tmp_path.name}/{BEST_MODEL}") and fs.exists(f"/{tmp_path.name}/step_00000003/{MARKER}")

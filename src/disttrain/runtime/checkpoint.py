@@ -5,7 +5,9 @@ can resume from.
 rank (rank 0 writes), then at start-up ``disttrain.checkpoint.load_latest(dir,
 model=model, optimizer=opt)``. The layout is described in :mod:`disttrain.checkpoint_layout`;
 writing is :mod:`.checkpoint_write`, reading :mod:`.checkpoint_read`; what differs between
-DDP and FSDP, the model's strategy (:mod:`.strategies`) says.
+DDP and FSDP, the model's strategy (:mod:`.strategies`) says. ``dir`` may be an fsspec URL
+(``s3://bucket/run``): the same layout on the store (:mod:`disttrain.checkpoint_url`), written
+by :mod:`.checkpoint_write_remote` and read by the same reader.
 """
 
 from __future__ import annotations

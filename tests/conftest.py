@@ -94,19 +94,48 @@ def assert_all_gone(procs: list[psutil.Process], timeout: float = 10) -> None:
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint():
-    """A real S3-protocol server (moto) on loopback, for jobs' s3:// channels, outputs and checkpoints."""
+def s3_endpoint(tmp_path_factory):
+    """A real S3-protocol server on loopback, as a process of its own (moto's ``moto_server``), for
+    jobs' s3:// channels, outputs and checkpoints; always stopped, whatever the tests did."""
     pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
+    pytest.importorskip("moto.server")
     from disttrain.net import free_port
 
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
+    server = Path(sys.executable).with_name("moto_server")
+    if not server.exists():
+        pytest.skip(f"no moto_server next to {sys.executable}: pip install 'moto[server]'")
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto_server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        host, port = server._server.server_address[:2]
-        yield f"http://{host}:{port}"
+        _wait_listening(proc, port, log)
+        yield f"http://127.0.0.1:{port}"
     finally:
-        server.stop()
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _wait_listening(proc: subprocess.Popen, port: int, log: Path, timeout: float = 60) -> None:
+    """Until ``proc`` answers on ``port``; fails naming the port and the server's log otherwise."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"moto_server on 127.0.0.1:{port} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    pytest.fail(f"moto_server did not listen on 127.0.0.1:{port} within {timeout:.0f} s: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture

@@ -103,6 +103,16 @@ class CheckpointLayout:
                 found.append((int(match.group(1)), path))
         return sorted(found)
 
+    # The three reads checkpoint_read asks of a layout (a store's is disttrain.checkpoint_url's).
+    def marker(self, path: Path) -> dict:
+        return read_marker(path)
+
+    def check(self, path: Path, name: str, expected: FileDigest) -> str | None:
+        return check_file(path, name, expected)
+
+    def source(self, path: Path, name: str) -> Path:
+        return path / name
+
     def leftovers(self) -> list[Path]:
         """Temporary directories left by writers that died before renaming."""
         try:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint_url import join, location
 from .errors import UsageError
 from .runtime import checkpoint, strategies
 from .runtime.accumulate import Accumulator
@@ -104,7 +105,7 @@ class Trainer:
         self.val_loader = prepared[1] if val_loader is not None else None
         self.loss_fn, self.scheduler = loss_fn, scheduler
         directory = checkpoint_dir or env.checkpoint_dir
-        self.checkpoint_dir = Path(directory) if directory else None
+        self.checkpoint_dir = location(directory) if directory else None  # a local Path or a URL
         where = run_dir or env.run_dir
         self.run_dir = Path(where) if where else None
         self.log_every, self.progress = log_every, progress
@@ -222,7 +223,7 @@ class Trainer:
         self.best = score
         if self.checkpoint_dir is not None:
             # Whole or not at all; a sharded model is gathered first (every rank calls it).
-            checkpoint.export(self.checkpoint_dir / BEST_MODEL, self.ddp_model)
+            checkpoint.export(join(self.checkpoint_dir, BEST_MODEL), self.ddp_model)
         return True
 
     def _checkpoint(self, epoch: int) -> None:

@@ -75,8 +75,12 @@ def main():
     p.add_argument("--asynchronous", action="store_true")
     p.add_argument("--die-at", type=int, default=None, help="SIGKILL rank 0 after this step")
     p.add_argument("--model", default="net", choices=["net", "wide"])
+    p.add_argument("--die-in-upload", type=int, default=None,
+                   help="SIGKILL rank 0 while it uploads this step to a store: state.pt is there, no marker")
     args = p.parse_args()
     ctx = disttrain.init()
+    if args.die_in_upload is not None:
+        die_in_upload(f"step_{args.die_in_upload:08d}")
     torch.manual_seed(0)
     width = args.width * (2 if args.model == "wide" else 1)
     model = Net(width=width, dropout=args.dropout)
@@ -105,6 +109,20 @@ def main():
             if args.die_at is not None and state.step + 1 == args.die_at and ctx.rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
     disttrain.checkpoint.export(args.out / "model.pt", model)
+
+
+def die_in_upload(folder_name):
+    """Stands for a host lost mid-upload: the process dies between two objects of the step."""
+    from disttrain.checkpoint_url import RemoteLayout
+
+    put = RemoteLayout.put
+
+    def put_then_die(self, folder, name, data):
+        if folder.name == folder_name and name.startswith("rank_"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return put(self, folder, name, data)
+
+    RemoteLayout.put = put_then_die
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..checkpoint_url import check_url, is_url
 from ..config import torchrun
 from ..config.launch import (
     DEFAULT_RDZV_TIMEOUT_S,
@@ -64,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="stop the job, with every rank's stack, when no rank made progress for S "
                    "seconds (ranks using disttrain's runtime; default 0: off)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                   help="where disttrain.resume() saves and finds checkpoints (DISTTRAIN_CHECKPOINT_DIR)")
+                   help="where disttrain.resume() saves and finds checkpoints (DISTTRAIN_CHECKPOINT_DIR): a "
+                   "folder, or an fsspec URL such as s3://bucket/run (credentials from the AWS chain)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="steps between checkpoints for disttrain.resume() (0: at each epoch's end)")
     p.add_argument("--grad-compression", default=None, metavar="none|fp16|bf16|powersgd[:R]",
@@ -248,13 +250,20 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         run_path=bool(values["run_path"]),
         stop_grace_s=args.stop_grace_s,
         hang_timeout_s=args.hang_timeout,
-        checkpoint_dir=os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_dir=_checkpoint_dir(args.checkpoint_dir),
         checkpoint_every=args.checkpoint_every,
         framework=args.framework,
         forward_env=args.forward_env,
         agent=agent_options(values, values["log_dir"]),
         **comm_settings(args),
     )
+
+
+def _checkpoint_dir(value: str | None) -> str | None:
+    """An absolute local folder (workers on other hosts start elsewhere), or a URL as it is."""
+    if not value:
+        return None
+    return check_url(value) if is_url(value) else os.path.abspath(value)
 
 
 def comm_settings(args: argparse.Namespace) -> dict:

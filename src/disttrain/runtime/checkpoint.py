@@ -5,7 +5,9 @@ can resume from.
 rank (rank 0 writes), then at start-up ``disttrain.checkpoint.load_latest(dir,
 model=model, optimizer=opt)``. The layout is described in :mod:`disttrain.checkpoint_layout`;
 writing is :mod:`.checkpoint_write`, reading :mod:`.checkpoint_read`; what differs between
-DDP and FSDP, the model's strategy (:mod:`.strategies`) says.
+DDP and FSDP, the model's strategy (:mod:`.strategies`) says. ``dir`` may be an fsspec URL
+(``s3://bucket/run``): the same layout on the store (:mod:`disttrain.checkpoint_url`), written
+by :mod:`.checkpoint_write_remote` and read by the same reader.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint_layout import CheckpointLayout, write_durably
+from ..checkpoint_url import RemoteLayout, is_url, open_url
 from ..errors import DisttrainError, UsageError
-from . import checkpoint_read, checkpoint_write, strategies
+from . import checkpoint_read, checkpoint_write, checkpoint_write_remote, strategies
 from .context import Context, context
 
 __all__ = ["save", "load_latest", "latest", "export", "wait", "CheckpointLayout"]
@@ -34,7 +37,7 @@ _PLAIN_CONTAINERS = {dict, OrderedDict, list, tuple}
 
 def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3,
          rank_state: dict[str, Any] | None = None, asynchronous: bool = False,
-         **state: Any) -> Path | None:
+         **state: Any) -> Path | str | None:
     """Save ``state`` as the checkpoint for ``step``; call it on every rank.
 
     Objects with ``state_dict()`` (model -- DDP or compiled --, optimizer, scheduler) are
@@ -55,6 +58,12 @@ def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3
     returns once the state is copied, and the files are written while training goes on;
     the checkpoint counts (gets its marker) when all are written. The next save, and the
     end of the process, wait for it; so does :func:`wait`.
+
+    ``directory`` may be an fsspec URL (``s3://bucket/run``, ``gs://``, ``file://``,
+    ``memory://``): the same checkpoint, written to the store under its final names, each
+    object read back and checked before the marker is written last (:mod:`disttrain.checkpoint_url`);
+    the URL is returned. There ``asynchronous=True`` works for every model: the call returns
+    once the state is copied into memory, and the upload goes on meanwhile.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise UsageError(f"checkpoint.save(step={step!r}): step must be an integer >= 0")
@@ -68,14 +77,18 @@ def save(directory: str | PathLike[str], *, step: int, keep_last: int | None = 3
     if rank_state is not None:
         _check_saveable("rank_state", rank_state, strategy, plain_only=True)
     shards = strategy.shard_objects(state)
-    if asynchronous and not shards:
-        raise UsageError("checkpoint.save(asynchronous=True) writes sharded models only "
-                         "(prepare(..., strategy='fsdp')); drop it for this model")
+    layout = _layout(directory)
+    remote = isinstance(layout, RemoteLayout)
+    if asynchronous and not shards and not remote:
+        raise UsageError("checkpoint.save(asynchronous=True) writes sharded models "
+                         "(prepare(..., strategy='fsdp')) or checkpoints at a URL (s3://...); "
+                         "drop it for this model and folder")
     rank_states = _gather(ctx, rank_state)
     wait()  # an asynchronous checkpoint still being written comes first
     plain = {name: value for name, value in state.items() if name not in shards}
-    return checkpoint_write.save(CheckpointLayout(Path(directory)), step, keep_last, plain, shards,
-                                 rank_states, strategy, ctx, asynchronous=asynchronous)
+    write = checkpoint_write_remote.save if remote else checkpoint_write.save
+    return write(layout, step, keep_last, plain, shards, rank_states, strategy, ctx,  # type: ignore[arg-type]
+                 asynchronous=asynchronous)
 
 
 def load_latest(directory: str | PathLike[str], *, map_location: Any = None,
@@ -98,7 +111,7 @@ def load_latest(directory: str | PathLike[str], *, map_location: Any = None,
     wait()  # a checkpoint this process is still writing must not be half-read
     strategy = strategies.for_checkpoint(objects, ctx)
     location = "cpu" if map_location is None else map_location
-    return checkpoint_read.load(CheckpointLayout(Path(directory)), objects, strategy, ctx,
+    return checkpoint_read.load(_layout(directory), objects, strategy, ctx,
                                 location=location, weights_only=weights_only)
 
 
@@ -107,16 +120,23 @@ def holds_sharded(objects: dict[str, Any]) -> bool:
     return bool(strategies.for_checkpoint(objects, context()).shard_objects(objects))
 
 
-def latest(directory: str | PathLike[str]) -> Path | None:
-    """The newest complete checkpoint directory, or None; loads nothing, checks no
-    digest, not a collective."""
-    layout = CheckpointLayout(Path(directory))
+def latest(directory: str | PathLike[str]) -> Path | str | None:
+    """The newest complete checkpoint directory (its URL on a store), or None; loads
+    nothing, checks no digest, not a collective."""
+    layout = _layout(directory)
     try:
         complete = layout.complete()
     except OSError as err:
         raise DisttrainError(
             f"cannot read checkpoint directory {layout.root}: {err.strerror or err}") from err
-    return complete[-1][1] if complete else None
+    if not complete:
+        return None
+    return str(complete[-1][1]) if isinstance(layout, RemoteLayout) else complete[-1][1]
+
+
+def _layout(directory: str | PathLike[str]) -> CheckpointLayout | RemoteLayout:
+    """A local folder keeps its own layout (rename-committed); a URL, the store's."""
+    return RemoteLayout.at(str(directory)) if is_url(directory) else CheckpointLayout(Path(directory))
 
 
 def wait() -> None:
@@ -127,14 +147,17 @@ def wait() -> None:
         pending.wait()
 
 
-def export(path: str | PathLike[str], model: Any) -> Path | None:
+def export(path: str | PathLike[str], model: Any) -> Path | str | None:
     """Write ``model``'s whole state dict to the single file ``path`` (for inference);
     call it on every rank: a sharded model is gathered, rank 0 writes. Returns ``path`` on
     rank 0. The file is written under a temporary name and renamed, so a crash leaves no
-    half-written file; ``torch.load(path, weights_only=True)`` reads it back."""
+    half-written file; ``torch.load(path, weights_only=True)`` reads it back. A URL is
+    uploaded whole in one put and read back (an object store shows no half-written object)."""
     ctx = context()
-    target = Path(path)
     full = strategies.of(model, ctx).full_model_state(model)
+    if is_url(path):
+        return _export_remote(str(path), full, ctx)
+    target = Path(path)
     error = None
     if ctx.is_main:
         temp = target.with_name(f".{target.name}.tmp")
@@ -152,6 +175,21 @@ def export(path: str | PathLike[str], model: Any) -> Path | None:
     if error is not None:
         raise DisttrainError(error)
     return target if ctx.is_main else None
+
+
+def _export_remote(url: str, full: dict, ctx: Context) -> str | None:
+    error = None
+    if ctx.is_main:
+        target = open_url(url)
+        layout = RemoteLayout(target.parent)
+        try:
+            layout.put(target.parent, target.name, checkpoint_write_remote.to_bytes(full))
+        except Exception as err:
+            error = f"cannot write {url}: {type(err).__name__}: {err}"
+    error = checkpoint_write.from_main(ctx, error)
+    if error is not None:
+        raise DisttrainError(error)
+    return url if ctx.is_main else None
 
 
 def _check_saveable(name: str, value: Any, strategy: strategies.Strategy, *,

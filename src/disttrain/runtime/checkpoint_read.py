@@ -19,14 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_layout import (
-    MARKER,
-    SHARDED_DIR,
-    STATE_FILE,
-    CheckpointLayout,
-    check_file,
-    read_marker,
-)
+from ..checkpoint_layout import MARKER, SHARDED_DIR, STATE_FILE, CheckpointLayout
+from ..checkpoint_url import RemoteLayout
 from ..errors import DisttrainError, UsageError
 from .context import Context
 from .strategies import Strategy
@@ -42,7 +36,7 @@ class Damaged(Exception):
     """A file of the checkpoint cannot be used; the message names it and says why."""
 
 
-def load(layout: CheckpointLayout, objects: dict[str, Any], strategy: Strategy, ctx: Context, *,
+def load(layout: CheckpointLayout | RemoteLayout, objects: dict[str, Any], strategy: Strategy, ctx: Context, *,
          location: Any, weights_only: bool) -> dict[str, Any] | None:
     """Restore ``objects`` from the newest whole checkpoint in ``layout``; what it holds, or
     None when there is none. A collective."""
@@ -52,7 +46,7 @@ def load(layout: CheckpointLayout, objects: dict[str, Any], strategy: Strategy, 
         path = layout.step_dir(step)
         state, problem, refusal = None, None, None
         try:
-            state = _examine(path, ctx, strategy, location, weights_only)
+            state = _examine(layout, path, ctx, strategy, location, weights_only)
         except Damaged as err:
             problem = str(err)
         except Refused as err:
@@ -78,7 +72,7 @@ def load(layout: CheckpointLayout, objects: dict[str, Any], strategy: Strategy, 
     return None
 
 
-def _agreed_steps(ctx: Context, layout: CheckpointLayout) -> list[int]:
+def _agreed_steps(ctx: Context, layout: CheckpointLayout | RemoteLayout) -> list[int]:
     """Rank 0's complete checkpoints, newest first; refused when some ranks see none while
     others see some (the folder is not shared)."""
     try:
@@ -109,14 +103,16 @@ def _worst(ctx: Context, problem: str | None, refusal: str | None) -> tuple[str 
     return (problems[0] if problems else None), (refusals[0] if refusals else None)
 
 
-def _examine(path: Path, ctx: Context, strategy: Strategy, location: Any, weights_only: bool) -> dict:
-    """What this rank loads from ``path``, once its share of the files matches the digests.
+def _examine(layout: CheckpointLayout | RemoteLayout, path: Any, ctx: Context, strategy: Strategy,
+             location: Any, weights_only: bool) -> dict:
+    """What this rank loads from ``path`` (a step of ``layout``, whose reads it uses), once its
+    share of the files matches the digests.
 
     Raises :class:`Damaged` or :class:`Refused`; :class:`UsageError` for a checkpoint of
     another strategy (every rank reads the same marker, so all raise alike).
     """
     try:
-        meta = read_marker(path)
+        meta = layout.marker(path)
     except FileNotFoundError as err:
         raise Damaged(f"{MARKER} is missing on rank {ctx.rank} (the checkpoint directory must be "
                       "on a filesystem every node shares)") from err
@@ -133,15 +129,15 @@ def _examine(path: Path, ctx: Context, strategy: Strategy, location: Any, weight
         checks = [*mine, *shard_files[ctx.rank::ctx.world_size]]
     if not weights_only:  # the files must be whole before anything trusted is unpickled
         for name in checks:
-            _check(path, name, digests)
+            _check(layout, path, name, digests)
         checks = []
     # weights_only loading runs no code, whatever the bytes: it goes on while the digests
     # are checked, and their verdict decides after -- except that a file holding code is
     # refused whatever its digest says (not skipped: the user must decide).
-    checking = _Checking(path, checks, digests)
+    checking = _Checking(layout, path, checks, digests)
     try:
-        state = _load_file(path, STATE_FILE, location, weights_only)
-        values = _load_file(path, own, location, weights_only) if own in rank_files else None
+        state = _load_file(layout, path, STATE_FILE, location, weights_only)
+        values = _load_file(layout, path, own, location, weights_only) if own in rank_files else None
     except Damaged as err:
         raise Damaged(checking.problem() or str(err)) from err
     finally:
@@ -163,16 +159,16 @@ class _Checking:
     """This rank's files checked against their digests on a thread of its own (hashlib lets
     go of the GIL), while the main thread loads."""
 
-    def __init__(self, path: Path, names: list[str], digests: dict | None) -> None:
+    def __init__(self, layout: Any, path: Any, names: list[str], digests: dict | None) -> None:
         self._problems: list[str | None] = []
-        self._thread = threading.Thread(target=self._run, args=(path, names, digests or {}), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(layout, path, names, digests or {}), daemon=True,
                                         name="disttrain-digest-check")
         self._thread.start()
 
-    def _run(self, path: Path, names: list[str], digests: dict) -> None:
+    def _run(self, layout: Any, path: Any, names: list[str], digests: dict) -> None:
         try:
             for name in names:
-                _check(path, name, digests)
+                _check(layout, path, name, digests)
         except Damaged as err:
             self._problems.append(str(err))
         else:
@@ -184,17 +180,17 @@ class _Checking:
         return self._problems[0]
 
 
-def _check(path: Path, name: str, digests: dict) -> None:
+def _check(layout: Any, path: Any, name: str, digests: dict) -> None:
     expected = digests.get(name)
-    problem = f"its marker lists no digest for {name}" if expected is None else check_file(path, name, expected)
+    problem = f"its marker lists no digest for {name}" if expected is None else layout.check(path, name, expected)
     if problem is not None:
         raise Damaged(problem)
 
 
-def _load_file(path: Path, name: str, location: Any, weights_only: bool) -> Any:
+def _load_file(layout: Any, path: Any, name: str, location: Any, weights_only: bool) -> Any:
     """What ``path/name`` holds; :class:`Damaged` when it cannot be read."""
     try:
-        return torch.load(path / name, map_location=location, weights_only=weights_only)
+        return torch.load(layout.source(path, name), map_location=location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         message = str(err)
         # A pickle runs code only through a global it imports: naming one is a refusal, not

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,9 @@ def save(layout: CheckpointLayout, step: int, keep_last: int | None, plain: dict
             discard(temp)
             temp, failure = None, err
     # The broadcast is also the barrier: no rank goes on before rank 0's part is written.
-    told = _from_main(ctx, (None if temp is None else str(temp), describe(layout.root, failure)))
+    told = from_main(ctx, (None if temp is None else str(temp), describe(layout.root, failure)))
     if told[1] is not None:
-        _fail(ctx, layout.root, told[1], failure)
+        fail(ctx, layout.root, told[1], failure)
     temp = Path(told[0])
 
     def finish(shard_digests: dict[str, FileDigest]) -> Path | None:
@@ -71,9 +72,11 @@ def save(layout: CheckpointLayout, step: int, keep_last: int | None, plain: dict
         return _finish_on_main(ctx, layout.root, lambda: finish({}), temp)
     target = temp / SHARDED_DIR
     if asynchronous:
-        group = _async_group(ctx)
+        group = async_group(ctx)
         future = strategy.write_shards_async(shards, target, group)
-        ctx.runtime.pending_save = PendingSave(ctx, future, finish, temp, group)
+        ctx.runtime.pending_save = PendingSave(
+            ctx, future, lambda written: gather_shard_digests(ctx, target, written, group), finish,
+            abandon=lambda: discard(temp), describe=lambda err: describe(layout.root, err))
         return layout.step_dir(step) if ctx.is_main else None
     written = None
     try:
@@ -112,9 +115,9 @@ def _finish_on_main(ctx: Context, root: Path, finish: Any, temp: Path) -> Path |
         except Exception as err:
             discard(temp)
             failure = err
-    error = _from_main(ctx, describe(root, failure))
+    error = from_main(ctx, describe(root, failure))
     if error is not None:
-        _fail(ctx, root, error, failure)
+        fail(ctx, root, error, failure)
     return path
 
 
@@ -135,7 +138,7 @@ def describe(root: Path, failure: BaseException | None) -> str | None:
     return f"cannot write checkpoint directory {root}{where}: {error.strerror or first_line(error)}"
 
 
-def _fail(ctx: Context, root: Path, error: str, failure: BaseException | None) -> None:
+def fail(ctx: Context, root: Path, error: str, failure: BaseException | None) -> None:
     """Raise rank 0's failure on every rank: as it is on rank 0 when it is not about the
     files (a ``state_dict()`` that raised: its traceback helps), as one line elsewhere."""
     if failure is not None and os_error(failure) is None:
@@ -145,7 +148,7 @@ def _fail(ctx: Context, root: Path, error: str, failure: BaseException | None) -
     raise DisttrainError(f"rank 0 failed to save a checkpoint: {error}")
 
 
-def _from_main(ctx: Context, value: Any) -> Any:
+def from_main(ctx: Context, value: Any) -> Any:
     """Rank 0's ``value`` (any picklable value) on every rank; also a barrier."""
     if not ctx.distributed:
         return value
@@ -156,24 +159,29 @@ def _from_main(ctx: Context, value: Any) -> Any:
 
 # -- the shards' digests ----------------------------------------------------------------
 
-def own_shard_files(directory: Path, rank: int) -> list[str]:
+def own_shard_files(directory: Any, rank: int, list_files: Callable[[Any], list[str]] = files_under) -> list[str]:
     """The files of ``directory`` this rank wrote: torch.distributed.checkpoint names a
     rank's files ``__<rank>_<n>.distcp``. Rank 0 digests whatever no rank claimed
     (``.metadata``, or every file should DCP ever name them otherwise), so a change of
     naming costs time, never a file without a digest."""
     prefix = f"__{rank}_"
-    return [name for name in files_under(directory) if name.startswith(prefix)]
+    return [name for name in list_files(directory) if name.startswith(prefix)]
 
 
-def gather_shard_digests(ctx: Context, directory: Path, written: BaseException | None,
-                         group: Any) -> dict[str, FileDigest] | str:
+def gather_shard_digests(ctx: Context, directory: Any, written: BaseException | None,
+                         group: Any, *, list_files: Callable[[Any], list[str]] = files_under,
+                         digest: Callable[[Any], FileDigest] = sync_and_digest,
+                         settle: Callable[[Any, dict[str, FileDigest]], None] = lambda d, _: sync_dir(d),
+                         ) -> dict[str, FileDigest] | str:
     """Every shard file's digest on rank 0, keyed ``sharded/<name>`` (``{}`` elsewhere), or
     the one line saying why not. A collective on ``group``; each rank fsyncs and digests its
-    own files (DCP wrote them without fsync), which its page cache still holds."""
+    own files (DCP wrote them without fsync), which its page cache still holds. On a store,
+    ``list_files``/``digest`` read the objects back from it instead, and ``settle`` checks
+    them against what DCP recorded writing."""
     mine: dict[str, FileDigest] | str = {}
     if written is None:
         try:
-            mine = {name: sync_and_digest(directory / name) for name in own_shard_files(directory, ctx.rank)}
+            mine = {name: digest(directory / name) for name in own_shard_files(directory, ctx.rank, list_files)}
         except OSError as err:
             mine = f"rank {ctx.rank} cannot read back its shard: {err.strerror or err} ({err.filename})"
     everyone: list[Any] = [mine]
@@ -189,10 +197,10 @@ def gather_shard_digests(ctx: Context, directory: Path, written: BaseException |
     for part in everyone:
         merged.update(part)
     try:
-        for name in files_under(directory):
+        for name in list_files(directory):
             if name not in merged:
-                merged[name] = sync_and_digest(directory / name)
-        sync_dir(directory)
+                merged[name] = digest(directory / name)
+        settle(directory, merged)
     except OSError as err:
         return f"cannot read back the shards in {directory}: {err.strerror or err}"
     return {f"{SHARDED_DIR}/{name}": digest for name, digest in merged.items()}
@@ -201,39 +209,41 @@ def gather_shard_digests(ctx: Context, directory: Path, written: BaseException |
 # -- asynchronous shards ----------------------------------------------------------------
 
 class PendingSave:
-    """A sharded checkpoint being written in the background: DCP's future, then on every
-    rank a thread that digests the rank's own shards and sends them to rank 0, where the
-    marker is written -- as soon as the files are, so that a run killed before its next
-    save keeps this checkpoint. Its own gloo group, so that none of this meets the
-    training's collectives."""
+    """A checkpoint being written in the background: DCP's future (None: nothing sharded),
+    then on every rank a thread that digests the rank's own shards and sends them to rank 0
+    (``gather(written)``), where ``finish(digests)`` writes the marker -- as soon as the files
+    are, so that a run killed before its next save keeps this checkpoint. Its own gloo group,
+    so that none of this meets the training's collectives. On failure rank 0 ``abandon()``s
+    what was written; ``describe(err)`` is the one line that says why."""
 
-    def __init__(self, ctx: Context, future: Any, finish: Any, temp: Path, group: Any) -> None:
+    def __init__(self, ctx: Context, future: Any, gather: Callable[[BaseException | None], Any],
+                 finish: Callable[[dict], Any], *, abandon: Callable[[], None],
+                 describe: Callable[[BaseException], str | None]) -> None:
         self._future = future
         self._error: str | None = None
-        self._temp = temp
-        self._thread = threading.Thread(target=self._commit, args=(ctx, finish, group), daemon=True,
-                                        name="disttrain-checkpoint-commit")
+        self._thread = threading.Thread(target=self._commit, args=(ctx, gather, finish, abandon, describe),
+                                        daemon=True, name="disttrain-checkpoint-commit")
         self._thread.start()
 
-    def _commit(self, ctx: Context, finish: Any, group: Any) -> None:
-        root = self._temp.parent
+    def _commit(self, ctx: Context, gather: Any, finish: Any, abandon: Any, describe: Any) -> None:
         written = None
         try:
-            self._future.result()
+            if self._future is not None:
+                self._future.result()
         except BaseException as err:  # DCP raises on every rank when any rank failed
             written = err
         try:
-            digests = gather_shard_digests(ctx, self._temp / SHARDED_DIR, written, group)
+            digests = gather(written)
             if written is not None:
-                self._error = describe(root, written)
+                self._error = describe(written)
             elif isinstance(digests, str):
                 self._error = digests
             elif ctx.is_main:
                 finish(digests)
         except Exception as err:
-            self._error = describe(root, err)
+            self._error = describe(err)
         if self._error is not None and ctx.is_main:
-            discard(self._temp)
+            abandon()
 
     def wait(self) -> None:
         self._thread.join()
@@ -241,7 +251,7 @@ class PendingSave:
             raise DisttrainError(f"the asynchronous checkpoint was not written: {self._error}")
 
 
-def _async_group(ctx: Context) -> Any:
+def async_group(ctx: Context) -> Any:
     """A gloo group of its own for the background writes' collectives, so that they never
     interleave with the training's on the default group."""
     if not ctx.distributed:

@@ -42,6 +42,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from ..checkpoint_url import is_url, location
 from ..errors import DisttrainError, UsageError
 from ..workerenv import CHECKPOINT_DIR, RESUMED_MARKER
 from . import checkpoint, comm, loop, preemption, rng
@@ -68,7 +69,8 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     ``objects`` are what has a ``state_dict()``: model (DDP or not), optimizer, LR
     scheduler, ``GradScaler``...; None values are skipped (``scaler=None`` without AMP).
     ``directory`` defaults to ``$DISTTRAIN_CHECKPOINT_DIR``; without either nothing is
-    saved or loaded and the state only counts. ``every`` is the number of steps between
+    saved or loaded and the state only counts. It may be an fsspec URL (``s3://bucket/run``),
+    which every host reads and writes directly (see :func:`checkpoint.save`). ``every`` is the number of steps between
     checkpoints (default ``$DISTTRAIN_CHECKPOINT_EVERY``, else 0: at the end of each
     epoch); ``keep_last`` and ``weights_only`` are :func:`checkpoint.save`'s and
     :func:`checkpoint.load_latest`'s; so is ``asynchronous`` (sharded models: training goes
@@ -90,12 +92,13 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     kept = {name: obj for name, obj in objects.items() if obj is not None}
     for name, obj in kept.items():
         _check_object(name, obj)
-    if asynchronous and not checkpoint.holds_sharded(kept):
-        raise UsageError("resume(asynchronous=True) writes sharded models in the background; "
-                         "prepare the model with strategy='fsdp', or drop asynchronous")
+    if asynchronous and not checkpoint.holds_sharded(kept) and not is_url(directory):
+        raise UsageError("resume(asynchronous=True) writes sharded models, or checkpoints at a URL "
+                         "(s3://...), in the background; prepare the model with strategy='fsdp', or "
+                         "drop asynchronous")
     if ctx.runtime.training is not None:
         ctx.runtime.training.close()
-    state = TrainingState(Path(directory) if directory else None, every=every,
+    state = TrainingState(location(directory) if directory else None, every=every,
                           keep_last=keep_last, objects=kept, ctx=ctx)
     state.asynchronous = asynchronous
     if state.directory is not None:
@@ -132,7 +135,7 @@ class TrainingState:
     the run started from, or None.
     """
 
-    def __init__(self, directory: Path | None, *, every: int, keep_last: int | None,
+    def __init__(self, directory: Path | str | None, *, every: int, keep_last: int | None,
                  objects: dict[str, Any], ctx: Context) -> None:
         self.directory = directory
         self.every = every

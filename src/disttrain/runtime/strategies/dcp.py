@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ...checkpoint_url import RemotePath
 from ...errors import DisttrainError, UsageError
 from ..torch_errors import FAILURES, first_line
 
@@ -60,8 +61,34 @@ def write_async(objects: dict[str, Any], directory: Path, group: Any) -> Any:
     return dcp.async_save(state_dicts(objects), storage_writer=_writer(directory), process_group=group)
 
 
-def _writer(directory: Path) -> FileSystemWriter:
+def _writer(directory: Path | RemotePath) -> FileSystemWriter:
+    # On a store, DCP's own fsspec storage; sync_files means nothing there (the checkpoint's
+    # writer reads every object back instead).
+    if isinstance(directory, RemotePath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # imports fsspec
+
+        return FsspecWriter(str(directory), sync_files=False)
     return FileSystemWriter(directory, sync_files=False)
+
+
+def _reader(directory: Path | RemotePath) -> FileSystemReader:
+    if isinstance(directory, RemotePath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(str(directory))
+    return FileSystemReader(directory)
+
+
+def extents(directory: Path | RemotePath) -> dict[str, int]:
+    """The bytes each file of the checkpoint in ``directory`` must hold at least, by its
+    ``.metadata``: where DCP recorded writing each item. A file shorter than that, or one
+    it names that is not there, lost data after DCP wrote it (pytorch#183878)."""
+    needed: dict[str, int] = {}
+    storage = _reader(directory).read_metadata().storage_data or {}
+    for info in storage.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    return needed
 
 
 def read(objects: dict[str, Any], directory: Path) -> None:
@@ -70,7 +97,10 @@ def read(objects: dict[str, Any], directory: Path) -> None:
     wanted = state_dicts(objects)
     try:
         with _single_process_quiet():
-            dcp.load(wanted, checkpoint_id=directory)
+            if isinstance(directory, RemotePath):
+                dcp.load(wanted, storage_reader=_reader(directory))
+            else:
+                dcp.load(wanted, checkpoint_id=directory)
     except FAILURES as err:
         raise DisttrainError(
             f"checkpoint {directory.parent} does not fit this run's "

@@ -1,0 +1,131 @@
+"""Writing one checkpoint to a store (:mod:`disttrain.checkpoint_url`), in the steps of
+:mod:`.checkpoint_write`: rank 0 serialises its file and the ranks' own values in memory (the
+staging copy: once it is taken, training may change the state), every rank writes its shards
+with DCP's fsspec storage when the strategy shards, every object is read back from the store
+and checked -- rank 0's against the digests of the bytes it sent, each rank's shards against
+the extents DCP's ``.metadata`` records -- and only then rank 0 writes the marker and prunes.
+
+Asynchronous saves (any model, here: uploading is the slow part) return after the staging copy;
+the uploads, the read-back and the marker run on a thread (:class:`.checkpoint_write.PendingSave`).
+Every failure ends as in :mod:`.checkpoint_write`: one line on every rank, the step's objects gone.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import torch
+
+from ..checkpoint_layout import SHARDED_DIR, STATE_FILE, FileDigest
+from ..checkpoint_url import RemoteLayout, RemotePath
+from ..errors import DisttrainError
+from .checkpoint_write import PendingSave, async_group, fail, from_main, gather_shard_digests
+from .context import Context
+from .strategies import Strategy
+from .strategies.dcp import extents
+from .torch_errors import FAILURES, first_line, os_error
+
+
+def save(layout: RemoteLayout, step: int, keep_last: int | None, plain: dict[str, Any],
+         shards: dict[str, Any], rank_states: list[dict] | None, strategy: Strategy, ctx: Context, *,
+         asynchronous: bool) -> str | None:
+    """Write the checkpoint of ``step`` to the store; its URL on rank 0 (None elsewhere). A collective."""
+    meta = {"world_size": ctx.world_size, "time": time.time(), "torch": torch.__version__,
+            "strategy": strategy.checkpoint_format, "sharded": sorted(shards)}
+    blobs: dict[str, bytes] = {}
+    failure = None
+    if ctx.is_main:
+        try:
+            payload = {"step": step, **{name: strategy.state_dict(v) for name, v in plain.items()}}
+            blobs = _serialise(layout, payload, rank_states)
+            layout.begin(step)  # a step saved again, or an upload cut short: marker first
+        except Exception as err:
+            failure = err
+    error = from_main(ctx, describe(layout, failure))  # also the barrier before the shards
+    if error is not None:
+        fail(ctx, layout.root, error, failure)
+    folder = layout.step_dir(step)
+    target = folder / SHARDED_DIR
+
+    def gather(written: BaseException | None, group: Any) -> dict[str, FileDigest] | str:
+        if not shards:
+            return {}
+        return gather_shard_digests(ctx, target, written, group, list_files=layout.files_under,
+                                    digest=layout.digest, settle=_check_extents)
+
+    def finish(shard_digests: dict[str, FileDigest]) -> str | None:
+        if not ctx.is_main:
+            return None
+        digests = {name: layout.put(folder, name, data) for name, data in blobs.items()}
+        layout.publish(step, {**digests, **shard_digests}, meta)
+        layout.prune(keep_last)
+        return str(folder)
+
+    if asynchronous:
+        group = async_group(ctx)
+        future = strategy.write_shards_async(shards, target, group) if shards else None
+        ctx.runtime.pending_save = PendingSave(
+            ctx, future, lambda written: gather(written, group), finish,
+            abandon=lambda: layout.discard(folder), describe=lambda err: describe(layout, err))
+        return str(folder) if ctx.is_main else None
+    written = None
+    if shards:
+        try:
+            strategy.write_shards(shards, target)  # raises on every rank when any rank failed
+        except FAILURES as err:
+            written = err
+    shard_digests = gather(written, None)
+    if written is not None:
+        if ctx.is_main:
+            layout.discard(folder)
+        raise DisttrainError(describe(layout, written)) from written
+    path, failure = None, None
+    if ctx.is_main:
+        try:
+            if isinstance(shard_digests, str):
+                raise DisttrainError(shard_digests)
+            path = finish(shard_digests)
+        except Exception as err:
+            layout.discard(folder)
+            failure = err
+    error = from_main(ctx, describe(layout, failure))
+    if error is not None:
+        fail(ctx, layout.root, error, failure)
+    return path
+
+
+def _serialise(layout: RemoteLayout, payload: dict, rank_states: list[dict] | None) -> dict[str, bytes]:
+    """Rank 0's objects as the bytes to upload: ``torch.save`` into memory is the staging copy."""
+    blobs = {STATE_FILE: to_bytes(payload)}
+    for rank, values in enumerate(rank_states or ()):
+        blobs[layout.rank_file(rank)] = to_bytes(values)
+    return blobs
+
+
+def to_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _check_extents(directory: RemotePath, found: dict[str, FileDigest]) -> None:
+    """Every file DCP's ``.metadata`` names is on the store and holds at least the bytes DCP
+    recorded writing into it; an ``OSError`` naming the first that does not."""
+    for name, needed in sorted(extents(directory).items()):
+        if name not in found:
+            raise OSError(f"{name} is missing from the store")
+        if found[name]["bytes"] < needed:
+            raise OSError(f"{name} holds {found[name]['bytes']} bytes on the store, DCP wrote {needed}")
+
+
+def describe(layout: RemoteLayout, failure: BaseException | None) -> str | None:
+    """The one line that says why writing a checkpoint to the store failed (None: it did not)."""
+    if failure is None:
+        return None
+    if isinstance(failure, DisttrainError):
+        return str(failure)
+    inner = os_error(failure) or failure
+    return f"cannot write a checkpoint to {layout.root}: {type(inner).__name__}: {first_line(inner)}"
+

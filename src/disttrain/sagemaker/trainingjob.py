@@ -28,17 +28,26 @@ class UnexpectedStatusException(DisttrainError):
     """``fit(wait=True)`` on a job that ended Failed or Stopped, as the SDK raises."""
 
 
-def start_job(fields: dict[str, Any], name: str, *, logs: bool, source: str) -> TrainingJob:
-    """Check ``fields`` (a job spec's keys) as ``disttrain.Job`` does, then run them as job ``name``;
-    bad input raises here, one line, before anything is recorded."""
-    from ..jobs.container import preflight
+def check_job(fields: dict[str, Any], *, source: str, job_name: str | None = None):
+    """The one check of a job the SDK surface makes (an estimator's fit, a ModelTrainer's train, a
+    tuner's trial or dry run), in the notebook's process: the job spec, its entry point under the
+    SDK's own name for it, every input, the launcher and the container (``jobs.runner.check_job``).
+    Bad input raises here, one line, before anything is recorded; the job's own process trusts it."""
+    from ..jobs.runner import check_job as check_spec
     from ..jobs.spec import spec_from_mapping
-    from ..jobs.staging import check_inputs
 
     spec = spec_from_mapping(fields, base_dir=os.getcwd(), source=source)
-    check_inputs(spec)  # a missing channel or entry point: one line, nothing recorded
-    preflight(spec)  # mpirun, Keras, mount namespace: the same
-    return TrainingJob.start(spec, name, logs=logs)
+    entry, folder = spec.program.entry_point, Path(spec.program.source_dir)
+    if entry and folder.is_dir() and not (folder / entry).is_file():
+        named = "SourceCode.entry_script" if spec.container.contract == "model_trainer" else "entry_point"
+        raise UsageError(f"{named}: {entry} not found in source_dir {folder}")
+    check_spec(spec, job_name)
+    return spec
+
+
+def start_job(fields: dict[str, Any], name: str, *, logs: bool, source: str) -> TrainingJob:
+    """:func:`check_job`, then run ``fields`` (a job spec's keys) as job ``name`` in a child process."""
+    return TrainingJob.start(check_job(fields, source=source, job_name=name), name, logs=logs)
 
 
 def _sent(spec: dict[str, Any]) -> dict[str, str]:

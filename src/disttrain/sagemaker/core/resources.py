@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ..resources import TrainingJob
+from ..resources import HyperParameterTuningJob, TrainingJob
 
-__all__ = ["TrainingJob"]
+__all__ = ["HyperParameterTuningJob", "TrainingJob"]

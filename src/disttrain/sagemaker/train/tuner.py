@@ -14,7 +14,7 @@ from typing import Any
 from ...errors import UsageError
 from ..modeltrainer import ModelTrainer
 from ..parameter import CategoricalParameter, ContinuousParameter, IntegerParameter, ParameterRange
-from ..resources import TrainingJob
+from ..resources import HyperParameterTuningJob, TrainingJob
 from ..tuner import merge_definitions
 from ..tunerbase import TunerBase, TuningJob
 
@@ -75,6 +75,11 @@ class HyperparameterTuner(TunerBase):
         return trainer
 
     best_estimator = best_model_trainer
+
+    def describe(self) -> HyperParameterTuningJob:
+        """SDK v3's return: the tuning job resource (``.hyper_parameter_tuning_job_status``, ...), not
+        v2's dict (``sagemaker.tuner.HyperparameterTuner.describe()`` keeps that)."""
+        return HyperParameterTuningJob.get(self._ensure_last_tuning_job().name)
 
 
 __all__ = ["CategoricalParameter", "ContinuousParameter", "GRID_SEARCH", "HyperparameterTuner", "IntegerParameter",

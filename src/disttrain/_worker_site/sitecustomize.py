@@ -166,6 +166,42 @@ def _serve(c10d) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_server))
 
 
+def _mark_return() -> None:
+    """Say when the script has returned (agent/exit_abort.py): its mark written from an ``atexit``
+    handler registered now, before the script's, so it runs after theirs -- unless the script ended
+    by an unhandled exception or a non-zero ``sys.exit``. A SIGABRT in torch's teardown after that
+    is then told apart from one while the script still ran. (A bare ``raise SystemExit(N)`` is not
+    seen: were it followed by such an abort, the rank would count as finished.)"""
+    folder, local_rank = os.environ.get("DISTTRAIN_EXIT_MARKS"), os.environ.get("LOCAL_RANK")
+    if not folder or local_rank is None:
+        return
+    import atexit
+
+    failed = []
+    hook, exit_ = sys.excepthook, sys.exit
+
+    def excepthook(*args):
+        failed.append(True)
+        hook(*args)
+
+    def exit(code=None):
+        if code not in (None, 0):
+            failed.append(True)
+        exit_(code)
+
+    def mark():
+        if failed or getattr(sys, "last_value", None) is not None:  # last_value: an unhandled exception
+            return
+        try:
+            with open(os.path.join(folder, f"local{local_rank}.{os.getpid()}"), "w") as fh:
+                fh.write("returned\n")
+        except OSError:  # no mark: an abort after this is a failure, as without disttrain
+            pass
+
+    sys.excepthook, sys.exit = excepthook, exit
+    atexit.register(mark)
+
+
 def _install() -> None:
     if os.environ.get(SOCKETS) and HOOKED not in sys.modules:
         sys.meta_path.insert(0, _AfterImport(HOOKED, _serve))
@@ -175,3 +211,4 @@ try:
     _chain()
 finally:
     _install()
+    _mark_return()

@@ -39,8 +39,10 @@ def check_job(fields: dict[str, Any], *, source: str, job_name: str | None = Non
     spec = spec_from_mapping(fields, base_dir=os.getcwd(), source=source)
     entry, folder = spec.program.entry_point, Path(spec.program.source_dir)
     if entry and folder.is_dir() and not (folder / entry).is_file():
-        named = "SourceCode.entry_script" if spec.container.contract == "model_trainer" else "entry_point"
-        raise UsageError(f"{named}: {entry} not found in source_dir {folder}")
+        from ..jobs.contract import contract_for
+
+        raise UsageError(f"{contract_for(spec.container.contract).entry_name}: {entry} not found in source_dir "
+                         f"{folder}")
     check_spec(spec, job_name)
     return spec
 
@@ -51,16 +53,10 @@ def start_job(fields: dict[str, Any], name: str, *, logs: bool, source: str) -> 
 
 
 def _sent(spec: dict[str, Any]) -> dict[str, str]:
-    """HyperParameters as the job's hyperparameters.json holds them (v3 safe-serializes each value,
-    the toolkit's side JSON-encodes every one)."""
-    hps = spec.get("hyperparameters") or {}
-    if spec.get("contract") == "model_trainer":
-        from ..jobs.sagemaker_v3 import encoded_hyperparameters as v3_encoded
+    """HyperParameters as the job's hyperparameters.json holds them (its contract's encoding)."""
+    from ..jobs.contract import contract_for
 
-        return v3_encoded(hps)
-    from ..jobs.sagemaker import encoded_hyperparameters
-
-    return encoded_hyperparameters(hps)
+    return contract_for(spec.get("contract", "toolkit")).encoded_hyperparameters(spec.get("hyperparameters") or {})
 
 
 class TrainingJob:

@@ -166,12 +166,21 @@ def _serve(c10d) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_server))
 
 
-def _mark_return() -> None:
-    """Say when the script has returned (agent/exit_abort.py): its mark written from an ``atexit``
-    handler registered now, before the script's, so it runs after theirs -- unless the script ended
-    by an unhandled exception or a non-zero ``sys.exit``. A SIGABRT in torch's teardown after that
-    is then told apart from one while the script still ran. (A bare ``raise SystemExit(N)`` is not
-    seen: were it followed by such an abort, the rank would count as finished.)"""
+def _exit_cleanly() -> None:
+    """torch's abort at exit (agent/exit_abort.py): prevented where it can be, told apart where not.
+
+    From an ``atexit`` handler registered now, before the script's own (so it runs after theirs,
+    just before the interpreter's finalization), unless the script ended by an unhandled exception
+    or a non-zero ``sys.exit``: first the mark that the script returned; then, in a process that
+    used torch.distributed, a ``gc.collect()`` and a short sleep. gloo's worker threads free each
+    finished collective's work on their own, and freeing one takes the GIL: a thread that asks for
+    it once finalization has begun is unwound inside a C++ destructor, and the process dies by
+    SIGABRT ("terminate called without an active exception") -- the DDP model the script still
+    holds keeps its process group's threads alive past ``destroy_process_group()``. Collected and
+    given the GIL while the interpreter is whole, they finish first (the runtime's own shutdown
+    does the same for scripts that call ``disttrain.init()``). A bare ``raise SystemExit(N)`` is
+    not seen: were it followed by such an abort, the rank would count as finished.
+    """
     folder, local_rank = os.environ.get("DISTTRAIN_EXIT_MARKS"), os.environ.get("LOCAL_RANK")
     if not folder or local_rank is None:
         return
@@ -189,7 +198,7 @@ def _mark_return() -> None:
             failed.append(True)
         exit_(code)
 
-    def mark():
+    def at_exit():
         if failed or getattr(sys, "last_value", None) is not None:  # last_value: an unhandled exception
             return
         try:
@@ -197,9 +206,15 @@ def _mark_return() -> None:
                 fh.write("returned\n")
         except OSError:  # no mark: an abort after this is a failure, as without disttrain
             pass
+        if "torch.distributed" in sys.modules:
+            import gc
+            import time
+
+            gc.collect()
+            time.sleep(0.1)  # long enough for a descheduled gloo thread to run (the runtime's _DRAIN_S)
 
     sys.excepthook, sys.exit = excepthook, exit
-    atexit.register(mark)
+    atexit.register(at_exit)
 
 
 def _install() -> None:
@@ -211,4 +226,4 @@ try:
     _chain()
 finally:
     _install()
-    _mark_return()
+    _exit_cleanly()

@@ -1,19 +1,22 @@
 """A rank that finished its script and then died in torch's teardown is a finished rank.
 
 torch sometimes aborts a worker *after* the script's last line (``dist.destroy_process_group()``):
-a C++ object holding a running ``std::thread`` is destroyed while the interpreter exits, and the
-process dies by SIGABRT printing ``terminate called without an active exception`` (seen on the
-c10d rendezvous path in about 1 run of 4; plain torchrun does it too). The training is done and
-saved, but the exit code says failed, and a job would be recorded Failed.
+gloo's worker threads, kept alive by the DDP model the script still holds, free a finished
+collective's work on their own and take the GIL to do it; one that asks for it once the
+interpreter's finalization has begun is unwound inside a C++ destructor, and the process dies by
+SIGABRT printing ``terminate called without an active exception`` (seen on the c10d rendezvous
+path in about 1 run of 4; plain torchrun does it too). The training is done and saved, but the
+exit code says failed, and a job would be recorded Failed.
 
-So each worker says when its script has returned: the bootstrap (``disttrain/_worker_site``)
-writes ``local<LOCAL_RANK>.<pid>`` in :data:`EXIT_MARKS`' folder from an ``atexit`` handler
-registered before the script runs (so it runs after the script's own handlers), only when the
-script ended without an unhandled exception and without a non-zero ``sys.exit``. Here, torch's
-worker group counts a rank that died by SIGABRT *with* its mark as finished (exit code 0) and
-says so in one line; without the mark -- an abort while the script still ran -- it is a failure as
-before. The other ranks are not stopped for it, so the job completes only when every rank has
-finished.
+Prevented where it can be: the worker bootstrap (``disttrain/_worker_site``) runs, after the
+script's own ``atexit`` handlers, a ``gc.collect()`` and a short sleep in a process that used
+torch.distributed, so those threads finish while the interpreter is whole. Told apart where it
+still happens: the bootstrap first writes ``local<LOCAL_RANK>.<pid>`` in :data:`EXIT_MARKS`'
+folder, only when the script ended without an unhandled exception and without a non-zero
+``sys.exit``. Here, torch's worker group counts a rank that died by SIGABRT *with* its mark as
+finished (exit code 0) and says so in one line; without the mark -- an abort while the script
+still ran -- it is a failure as before. The other ranks are not stopped for it, so the job
+completes only when every rank has finished.
 """
 
 from __future__ import annotations

@@ -98,6 +98,41 @@ def test_v3_model_trainer_torchrun_notebook_untouched(nb_home):
         assert shown == '2 {"epochs": 3, "use_bias": true, "ids": [1, 2], "lr": 0.5}'
 
 
+def test_v3_local_training_notebook_untouched(nb_home):
+    """SDK v3's distributed local-training shape: Compute(instance_type="local_cpu", instance_count=2),
+    Torchrun, Mode.LOCAL_CONTAINER; then the tree SDK local mode leaves under the container root
+    (compressed_artifacts/, artifacts/model and artifacts/output from both instances, no algo-N/input/shared),
+    checked by the notebook itself; `%env`, `!cmd`, `%%writefile {expr}`, `display()` and `%matplotlib`."""
+    done = run_notebook(NOTEBOOKS / "v3_local_training", "local_training_torchrun.ipynb", nb_home)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "cell 1: skipped `%matplotlib inline` (display settings do not apply here)" in done.stderr
+    assert "instance_type must be" not in done.stderr and "made " in out and "Writing " in out
+    assert "rank 0 loss=" in out and "rank 1 loss=" in out and "env=yes" in out  # %env reached the job
+    assert "['model.tar.gz', 'output.tar.gz']" in out  # display() of a list
+    assert "status: Completed" in out
+    root = nb_home / "v3_local_training"
+    with tarfile.open(root / "compressed_artifacts" / "model.tar.gz") as tar:
+        assert set(tar.getnames()) == {"model-0.pt", "model-1.pt"}  # every instance's /opt/ml/model
+    with tarfile.open(root / "compressed_artifacts" / "output.tar.gz") as tar:
+        assert {"data/rank0.txt", "data/rank1.txt"} <= set(tar.getnames())
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_v3_tuning_notebook_describe_analytics_display(nb_home):
+    """SDK v3's tuner over a ModelTrainer: describe() is the tuning job resource (sagemaker-core's names),
+    analytics().dataframe() shown with display(), as the v3 tuning example reads them."""
+    pytest.importorskip("optuna")
+    pytest.importorskip("pandas")
+    done = run_notebook(NOTEBOOKS / "v3_tuning", "tuning_describe.ipynb", nb_home)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    for line in ("name: True", "status: Completed", "completed: 3", "best: True", "objective: loss", "rows: 3"):
+        assert line in out, out[-2000:]
+    assert "Analytics not yet available" not in out
+    assert "FinalObjectiveValue" in out and "TrainingJobName" in out  # the DataFrame's head, displayed
+
+
 @pytest.mark.timeout(360)
 def test_pytorch_get_started_notebook_untouched(nb_home, s3):
     """AWS's PyTorch MNIST get-started cells: Session(), default_bucket(), upload_data(), PyTorch(...).fit,

@@ -208,7 +208,7 @@ def test_model_trainer_bad_arguments_are_one_line(v3_home):
     # found only at train(): a missing entry script or channel, nothing recorded
     for trainer, inputs, message in (
             (ModelTrainer(source_code=SourceCode(source_dir="src", entry_script="nope.py")), None,
-             "entry_point: nope.py not found in source_dir"),
+             "SourceCode.entry_script: nope.py not found in source_dir"),
             (ModelTrainer(source_code=code), {"train": str(v3_home / "missing")}, "inputs.train: ")):
         with pytest.raises(UsageError, match=message) as err:
             trainer.train(input_data_config=inputs)

@@ -166,6 +166,57 @@ def _serve(c10d) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_server))
 
 
+def _exit_cleanly() -> None:
+    """torch's abort at exit (agent/exit_abort.py): prevented where it can be, told apart where not.
+
+    From an ``atexit`` handler registered now, before the script's own (so it runs after theirs,
+    just before the interpreter's finalization), unless the script ended by an unhandled exception
+    or a non-zero ``sys.exit``: first the mark that the script returned; then, in a process that
+    used torch.distributed, a ``gc.collect()`` and a short sleep. gloo's worker threads free each
+    finished collective's work on their own, and freeing one takes the GIL: a thread that asks for
+    it once finalization has begun is unwound inside a C++ destructor, and the process dies by
+    SIGABRT ("terminate called without an active exception") -- the DDP model the script still
+    holds keeps its process group's threads alive past ``destroy_process_group()``. Collected and
+    given the GIL while the interpreter is whole, they finish first (the runtime's own shutdown
+    does the same for scripts that call ``disttrain.init()``). A bare ``raise SystemExit(N)`` is
+    not seen: were it followed by such an abort, the rank would count as finished.
+    """
+    folder, local_rank = os.environ.get("DISTTRAIN_EXIT_MARKS"), os.environ.get("LOCAL_RANK")
+    if not folder or local_rank is None:
+        return
+    import atexit
+
+    failed = []
+    hook, exit_ = sys.excepthook, sys.exit
+
+    def excepthook(*args):
+        failed.append(True)
+        hook(*args)
+
+    def exit(code=None):
+        if code not in (None, 0):
+            failed.append(True)
+        exit_(code)
+
+    def at_exit():
+        if failed or getattr(sys, "last_value", None) is not None:  # last_value: an unhandled exception
+            return
+        try:
+            with open(os.path.join(folder, f"local{local_rank}.{os.getpid()}"), "w") as fh:
+                fh.write("returned\n")
+        except OSError:  # no mark: an abort after this is a failure, as without disttrain
+            pass
+        if "torch.distributed" in sys.modules:
+            import gc
+            import time
+
+            gc.collect()
+            time.sleep(0.1)  # long enough for a descheduled gloo thread to run (the runtime's _DRAIN_S)
+
+    sys.excepthook, sys.exit = excepthook, exit
+    atexit.register(at_exit)
+
+
 def _install() -> None:
     if os.environ.get(SOCKETS) and HOOKED not in sys.modules:
         sys.meta_path.insert(0, _AfterImport(HOOKED, _serve))
@@ -175,3 +226,4 @@ try:
     _chain()
 finally:
     _install()
+    _exit_cleanly()

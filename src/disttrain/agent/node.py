@@ -29,6 +29,7 @@ from . import elastic_agent, flight, lifeline
 from .attempt_store import AttemptStores
 from .cgroup import Container
 from .elastic_config import endpoint, launch_config
+from .exit_abort import aborts_after_return
 from .exit_grace import exits_awaited
 from .link import LauncherLink
 from .oom import OomWatch
@@ -224,7 +225,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     stores = AttemptStores(plan, node)
     attempt = Attempt(plan.run_dir, plan.world_size)
     with _handlers_kept(), exits_awaited(), _worker_group(plan, node) as group, _recorder_sockets(plan, env) as sockets, \
-            _exported(env), _watchdog(plan, node, link, attempt, sockets) as dog, \
+            aborts_after_return(env, say), _exported(env), _watchdog(plan, node, link, attempt, sockets) as dog, \
             _elastic(plan, node, link) as agents, \
             RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started

@@ -26,11 +26,11 @@ from ..config.launch import LaunchSpec
 from ..launch import LaunchContext
 from ..plan.container import ContainerSetup, InstanceSetup
 from ..plan.launch import NodeFacts
-from . import sagemaker_v3
 from .container import PS_SHIM, ReadyContainer
+from .contract import ContainerContract, RunFacts, contract_for
 from .distribution import ps_tf_config
 from .layout import JobLayout
-from .sagemaker import Instance, hyperparameter_args, sm_env, write_config
+from .sagemaker import Instance
 from .spec import JobSpec
 
 
@@ -54,11 +54,7 @@ class JobPlanner:
         """
         program, where = self.spec.program, self.spec.placement
         elastic = where.min_instance_count is not None and where.min_instance_count < where.instance_count
-        if self.v3:  # SDK v3's arguments, or its command run through bash
-            entry, is_module, args = sagemaker_v3.worker_command(program.entry_point, program.command,
-                                                                 program.hyperparameters)
-        else:
-            entry, is_module, args = program.entry_point, False, tuple(hyperparameter_args(program.hyperparameters))
+        entry, is_module, args = self.contract.worker_command(self._facts(()), program.hyperparameters)
         return LaunchSpec(
             # An elastic job (min_instance_count): --nnodes MIN:MAX on the c10d rendezvous.
             **({"nnodes": where.instance_count, "min_nnodes": where.min_instance_count, "rdzv_backend": "c10d"}
@@ -76,9 +72,17 @@ class JobPlanner:
         )
 
     @property
-    def v3(self) -> bool:
-        """SDK v3 ModelTrainer's contract (jobs/sagemaker_v3.py), not the training toolkit's."""
-        return self.spec.container.contract == "model_trainer"
+    def contract(self) -> ContainerContract:
+        """What the container does around the script (jobs/contract.py): the toolkit's, or SDK v3's."""
+        return contract_for(self.spec.container.contract)
+
+    def _facts(self, addresses: Sequence[str], master_port: int = 0) -> RunFacts:
+        program = self.spec.program
+        return RunFacts(cwd=str(self.cwd), entry_point=program.entry_point, command=program.command,
+                        distribution=program.distribution,
+                        processes_per_instance=self.spec.placement.processes_per_instance,
+                        addresses=tuple(addresses), master_port=master_port,
+                        names_resolve=self.ready.private_opt_ml)
 
     def context(self) -> LaunchContext:
         return LaunchContext(run_id=self.name, run_dir=str(self.layout.logs), cwd=str(self.cwd),
@@ -104,14 +108,12 @@ class JobPlanner:
         """What the container adds to each instance (the plan's :class:`ContainerPlanner`); pure."""
         spec, dist = self.spec, self.spec.distribution
         addresses = [node.address or master_addr for node in nodes]
+        facts = self._facts(addresses, master_port)
         setups = []
         for k, inst in enumerate(self.instances(nodes, node_ranks)):
             name = inst.name
             paths = self.layout.instance(name)
-            if self.v3:
-                env = self._v3_vars(inst, addresses, master_port)
-            else:
-                env = sm_env(inst, paths)
+            env = self.contract.instance_env(inst, paths, facts)
             # The toolkit puts the code folder on PYTHONPATH, so the script imports its neighbours.
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(self.cwd), self.environ.get("PYTHONPATH"))))
             if dist.kind == "parameter_server":
@@ -126,28 +128,17 @@ class JobPlanner:
         return ContainerSetup(instances=tuple(setups), python=self.ready.python,
                               wrapper=PS_SHIM if dist.kind == "parameter_server" else None)
 
-    def _v3_vars(self, inst: Instance, addresses: Sequence[str], master_port: int) -> dict[str, str]:
-        program = self.spec.program
-        master = sagemaker_v3.master_endpoint(addresses, master_port, names_resolve=self.ready.private_opt_ml)
-        distributed = sagemaker_v3.distributed_config(program.distribution,
-                                                      self.spec.placement.processes_per_instance)
-        return sagemaker_v3.instance_vars(inst, self.layout.instance(inst.name), master=master,
-                                          source_dir=str(self.cwd), entry_script=program.entry_point,
-                                          distributed=distributed)
-
     def write_config(self, nodes: Sequence[NodeFacts], node_ranks: Sequence[int] | None = None, *,
                      master_addr: str, master_port: int) -> None:
         """Each instance's ``input/config/*.json`` (and SDK v3's ``sm_training.env``), from the values
         its variables were made of; and, where it gets a private /opt/ml, the host names it resolves
         (``algo-K``: agent/optml.py puts them in its own /etc/hosts)."""
         addresses = [node.address or master_addr for node in nodes]
+        facts = self._facts(addresses, master_port)
         instances = self.instances(nodes, node_ranks)
         names = "".join(f"{address} {inst.name}\n" for address, inst in zip(addresses, instances))
         for inst in instances:
             paths = self.layout.instance(inst.name)
-            if self.v3:
-                sagemaker_v3.write_files(inst, paths, self._v3_vars(inst, addresses, master_port))
-            else:
-                write_config(inst, paths)
+            self.contract.write_files(inst, paths, facts)
             if self.ready.private_opt_ml:
                 write_atomic(hosts_file(str(paths.root)), names)

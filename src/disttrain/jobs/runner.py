@@ -53,15 +53,16 @@ def jobs_home() -> Path:
 
 
 def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None,
-            job_name: str | None = None) -> JobRecord:
+            job_name: str | None = None, checked: bool = False) -> JobRecord:
     """Run ``spec`` to the end and return its record (Completed, Failed or Stopped).
 
     Bad input (a missing channel or entry point) raises UsageError before anything is
     recorded; an error after that (staging, launching, uploading) is recorded as the job's
     failure and raised. ``job_name``: the run's full name (an estimator's ``fit(job_name=)``);
-    default: the spec's name with a timestamp.
+    default: the spec's name with a timestamp. ``checked``: :func:`check_job` ran already, in the
+    process that started this one (a notebook's ``fit``), and is not run twice.
     """
-    name, launcher = _checked(spec, job_name)
+    name, launcher = _checked(spec, job_name, checked)
     owned = not isinstance(store, JobStore)
     db = JobStore(store) if owned else store
     try:
@@ -89,8 +90,9 @@ def dry_run_job(spec: JobSpec, *, job_name: str | None = None) -> str:
     return launcher.dry_run(planner.launch_spec(), planner.context()).text()
 
 
-def _checked(spec: JobSpec, job_name: str | None) -> tuple[str, Launcher]:
-    """The run's name and its launcher (chosen once), after every check made before anything is recorded."""
+def check_job(spec: JobSpec, job_name: str | None = None) -> tuple[str, Launcher]:
+    """Every check made before anything is recorded (the one place they are written): the run's
+    name and its launcher (chosen once) when the inputs, entry point and container are all there."""
     if job_name is not None:
         check_name(job_name, "job_name")
     name = job_name or new_job_name(spec.name)
@@ -98,6 +100,15 @@ def _checked(spec: JobSpec, job_name: str | None) -> tuple[str, Launcher]:
     launcher = launcher_for(spec, job_name=name)
     container.preflight(spec)  # container: mpirun, Keras, mount namespace
     return name, launcher
+
+
+def _checked(spec: JobSpec, job_name: str | None, checked: bool = False) -> tuple[str, Launcher]:
+    """:func:`check_job`, unless the caller's process ran it already (``checked``: a notebook's fit,
+    whose child process runs the job): then only the launcher is chosen."""
+    if not checked or job_name is None:
+        return check_job(spec, job_name)
+    check_name(job_name, "job_name")
+    return job_name, launcher_for(spec, job_name=job_name)
 
 
 def job_layout(spec: JobSpec, name: str) -> JobLayout:

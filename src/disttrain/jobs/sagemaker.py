@@ -20,13 +20,16 @@ which the instance's processes also see at ``/opt/ml`` when a mount namespace ca
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..atomic import write_atomic
 from .layout import InstancePaths
+
+if TYPE_CHECKING:
+    from .distribution import Distribution
 
 INSTANCE_GROUP = "homogeneousCluster"  # the toolkit's name for the one group of a plain job
 LOG_LEVEL = 20  # logging.INFO, the SDK's default container_log_level
@@ -244,3 +247,41 @@ def write_json(path: Path, data: Any) -> None:
     """Whole or not at all: a temporary file renamed over ``path``; the owner's only (hyperparameters
     may be secrets)."""
     write_atomic(path, json.dumps(data, indent=2) + "\n", mode=0o600)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFacts:
+    """What a contract is told about the run beyond one instance (pure values, from the plan)."""
+
+    cwd: str  # where the script runs: source_dir, or its tarball extracted into the job folder
+    entry_point: str
+    command: str | None  # SDK v3's SourceCode(command=...)
+    distribution: Distribution
+    processes_per_instance: int | str
+    addresses: Sequence[str]  # each instance's address, algo-1 first
+    master_port: int  # the job's rendezvous port
+    names_resolve: bool  # each instance resolves algo-K (its own /etc/hosts, with a private /opt/ml)
+
+
+class ToolkitContract:
+    """The training toolkit's contract (SDK v1/v2 estimators): a :class:`~disttrain.jobs.contract.ContainerContract`."""
+
+    name = "toolkit"
+    entry_name = "entry_point"
+    runs_commands = False
+
+    def encoded_hyperparameters(self, hyperparameters: Mapping[str, Any]) -> dict[str, str]:
+        return encoded_hyperparameters(hyperparameters)
+
+    def worker_command(self, facts: RunFacts, hyperparameters: Mapping[str, Any]
+                       ) -> tuple[str, bool, tuple[str, ...]]:
+        return facts.entry_point, False, tuple(hyperparameter_args(hyperparameters))
+
+    def instance_env(self, inst: Instance, paths: InstancePaths, facts: RunFacts) -> dict[str, str]:
+        return sm_env(inst, paths)
+
+    def write_files(self, inst: Instance, paths: InstancePaths, facts: RunFacts) -> None:
+        write_config(inst, paths)
+
+
+TOOLKIT = ToolkitContract()

@@ -34,7 +34,7 @@ from typing import Any
 from ..atomic import write_atomic
 from .distribution import TORCH_KINDS, Distribution
 from .layout import InstancePaths
-from .sagemaker import LOG_LEVEL, Instance, input_data_config, resource_config, write_json
+from .sagemaker import LOG_LEVEL, Instance, RunFacts, input_data_config, resource_config, write_json
 
 DRIVER = "disttrain.jobs.smdriver"  # runs SourceCode(command=...) and .sh entry scripts in the instance
 
@@ -191,3 +191,29 @@ def worker_command(entry_point: str, command: str | None, hyperparameters: Mappi
     if entry_point.endswith(".sh"):
         return DRIVER, True, ("--script", entry_point, *cmd_args(hyperparameters))
     return entry_point, False, tuple(cmd_args(hyperparameters))
+
+
+class ModelTrainerContract:
+    """SDK v3 ModelTrainer's contract: a :class:`~disttrain.jobs.contract.ContainerContract`."""
+
+    name = "model_trainer"
+    entry_name = "SourceCode.entry_script"
+    runs_commands = True  # SourceCode(command=...)
+
+    def encoded_hyperparameters(self, hyperparameters: Mapping[str, Any]) -> dict[str, str]:
+        return encoded_hyperparameters(hyperparameters)
+
+    def worker_command(self, facts: RunFacts, hyperparameters: Mapping[str, Any]
+                       ) -> tuple[str, bool, tuple[str, ...]]:
+        return worker_command(facts.entry_point, facts.command, hyperparameters)
+
+    def instance_env(self, inst: Instance, paths: InstancePaths, facts: RunFacts) -> dict[str, str]:
+        master = master_endpoint(facts.addresses, facts.master_port, names_resolve=facts.names_resolve)
+        return instance_vars(inst, paths, master=master, source_dir=facts.cwd, entry_script=facts.entry_point,
+                             distributed=distributed_config(facts.distribution, facts.processes_per_instance))
+
+    def write_files(self, inst: Instance, paths: InstancePaths, facts: RunFacts) -> None:
+        write_files(inst, paths, self.instance_env(inst, paths, facts))
+
+
+MODEL_TRAINER = ModelTrainerContract()

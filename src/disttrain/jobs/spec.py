@@ -34,12 +34,10 @@ from ..config.text import MAX_PATH, check_path, check_pattern, check_text, check
 from ..errors import UsageError
 from ..launch.slurm import SlurmOptions
 from ..private import mask_secrets
+from .contract import CONTRACTS, contract_for
 from .distribution import NONE, TF_KINDS, Distribution, parse_distribution
 
 FRAMEWORKS = ("pytorch", "tensorflow")
-# Which SageMaker container contract the script sees: the training toolkit's (SDK v1/v2 estimators)
-# or SDK v3 ModelTrainer's (jobs/sagemaker_v3.py).
-CONTRACTS = ("toolkit", "model_trainer")
 LAUNCHERS = ("local", "ssh", "slurm")  # disttrain.launch's; `backend:` is the old key's name
 # launcher: slurm: what the job's sbatch script asks for besides --nodes (= instance_count).
 SLURM_KEYS = ("partition", "time", "gpus_per_node", "sbatch_args")
@@ -262,7 +260,7 @@ class Container:
         if self.max_run is not None and (not _is_int(self.max_run) or self.max_run < 1):
             raise UsageError(f"max_run must be a positive number of seconds, got {self.max_run!r}")
         _choice("private_opt_ml", self.private_opt_ml, ("auto", "required", "off"))
-        _choice("contract", self.contract, CONTRACTS)
+        contract_for(self.contract)  # the SageMaker container contract the script sees (jobs/contract.py)
 
     def _check_apart_from_inputs(self) -> None:
         """Checkpoints written into an input channel would land in the user's dataset (and a
@@ -290,8 +288,9 @@ class JobSpec:
         if len(self.name) > MAX_BASE_NAME:
             raise UsageError(f"name may have at most {MAX_BASE_NAME} characters (each run appends a "
                              f"{RUN_SUFFIX_LEN}-character timestamp), got {len(self.name)}")
-        if self.program.command is not None and self.container.contract != "model_trainer":
-            raise UsageError("command is SDK v3's SourceCode(command=...): it needs contract: model_trainer")
+        if self.program.command is not None and not contract_for(self.container.contract).runs_commands:
+            raise UsageError("command is SDK v3's SourceCode(command=...): it needs contract: "
+                             f"{' or '.join(c.name for c in CONTRACTS.values() if c.runs_commands)}")
         if self.program.distribution.kind == "mpi" and self.placement.launcher != "local":
             raise UsageError(f"distribution mpi runs the instances of launcher local only (this job: "
                              f"{self.placement.launcher}); use torch_distributed, or run mpirun yourself")

@@ -18,12 +18,13 @@ in Jupyter) serves ``import sagemaker`` from this package, SDK v2 and v3 module 
 Each ``fit``/``train`` is a recorded job (``disttrain jobs ls``): the container contract of
 SageMaker's training toolkit (estimators) or of SDK v3 (ModelTrainer), a private ``/opt/ml`` per
 instance, ``distribution=``, metrics, checkpoints; ``HyperparameterTuner`` runs its trials as
-jobs, searched by Optuna.
+jobs, searched by Optuna. The SDK's module paths that hold nothing of their own are one table,
+:mod:`.sdkpaths`.
 """
 
 from __future__ import annotations
 
-from . import image_uris, s3, session
+from . import image_uris, s3, sdkpaths, session
 from .analytics import HyperparameterTuningJobAnalytics, TrainingJobAnalytics
 from .estimator import (
     Estimator,
@@ -33,10 +34,11 @@ from .estimator import (
     TrainingJob,
     UnexpectedStatusException,
 )
+from .frameworks import PyTorch, TensorFlow
 from .inputs import TrainingInput
-from .pytorch import PyTorch
 from .session import Session, get_execution_role
-from .tensorflow import TensorFlow
+
+sdkpaths.install()  # the SDK's other module paths (sagemaker.train, sagemaker.core.parameter, ...)
 
 __all__ = ["Estimator", "EstimatorBase", "Framework", "HyperparameterTuningJobAnalytics", "PyTorch", "Session",
            "TensorFlow", "TrainingInput", "TrainingJob", "TrainingJobAnalytics", "UnexpectedStatusException",

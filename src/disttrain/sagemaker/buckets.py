@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from typing import Any
 
 from ..errors import UsageError
@@ -51,6 +52,27 @@ def _join(base: str, *parts: str) -> str:
     return os.path.join(base, *[p.strip("/") for p in parts if p])
 
 
+# S3's rule for a bucket's name; a local bucket's name is also a folder's, so it must never be a path step.
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def check_bucket(bucket: str) -> str:
+    """``bucket`` when it is a valid S3 bucket name; one line otherwise (``..``, ``/``, capitals)."""
+    if not isinstance(bucket, str) or not _BUCKET_NAME.match(bucket) or ".." in bucket:
+        raise UsageError(f"bucket name {bucket!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, "
+                         f"dots and hyphens, starting and ending with a letter or digit, no '..')")
+    return bucket
+
+
+def check_key(bucket: str, key: str) -> str:
+    """``key`` when no step of it is ``.`` or ``..``: S3 keeps them as plain key text, but in a local
+    bucket's folder they are path steps that would leave the bucket; refused, one line."""
+    if any(step in (".", "..") for step in key.split("/")):
+        raise UsageError(f"s3://{bucket}/{key}: a key (or key_prefix) with '.' or '..' between slashes would "
+                         f"leave the bucket's folder here; name the key without them")
+    return key
+
+
 def split_s3(url: str) -> tuple[str, str]:
     """``s3://bucket/key`` → (bucket, key); anything else is a one-line error."""
     if not isinstance(url, str) or not url.startswith("s3://") or len(url) <= 5:
@@ -63,6 +85,7 @@ def is_local(bucket: str) -> bool:
     """A bucket kept under :func:`root` (no endpoint, and the default bucket or one made here)."""
     if endpoint():
         return False
+    check_bucket(bucket)  # before its name is ever a folder's
     if bucket == default_bucket_name():
         return True
     fs, path = _fs(_join(root(), bucket))
@@ -77,7 +100,19 @@ def resolve(location: Any) -> Any:
     bucket, key = split_s3(location)
     if not is_local(bucket):
         return location
-    return _join(root(), bucket, key)
+    return _join(root(), bucket, check_key(bucket, key))
+
+
+def resolve_input(channel: str, location: Any) -> Any:
+    """:func:`resolve` for an input channel; a key missing from a local bucket is one line naming the
+    URL the notebook wrote (not the folder behind it)."""
+    resolved = resolve(location)
+    if resolved is not location and isinstance(location, str):
+        fs, path = _fs(resolved)
+        if not fs.exists(path):
+            raise UsageError(f"input channel {channel}: {location} does not exist (no such key in the local "
+                             f"bucket; upload it first, e.g. Session().upload_data(path, key_prefix=...))")
+    return resolved
 
 
 def present(location: Any) -> Any:
@@ -109,8 +144,13 @@ def make_bucket(bucket: str) -> None:
         except Exception as err:  # credentials, endpoint: one line naming them
             raise UsageError(f"cannot create bucket {bucket} at {endpoint()}: {type(err).__name__}: {err}") from None
         return
-    fs, path = _fs(_join(root(), bucket))
-    fs.makedirs(path, exist_ok=True)
+    fs, path = _fs(_join(root(), check_bucket(bucket)))
+    try:
+        fs.makedirs(path, exist_ok=True)
+    except OSError as err:  # a read-only or full DISTTRAIN_HOME: one line naming the folder and the fix
+        raise UsageError(f"cannot create bucket {bucket} as the folder {path}: {err.strerror or err}; set "
+                         f"{BUCKETS_ENV} (or DISTTRAIN_HOME) to a writable folder, or AWS_ENDPOINT_URL to an "
+                         f"S3 endpoint") from None
 
 
 def open_location(url: str):

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..config.text import check_path
 from ..errors import UsageError
-from .buckets import resolve
+from .buckets import resolve, resolve_input
 from .inputs import channels
 from .trainingjob import TrainingJob, UnexpectedStatusException, start_job
 
@@ -88,11 +88,17 @@ def _placement(overrides: dict[str, Any] | None) -> dict[str, Any]:
     return placement
 
 
+def is_local_type(instance_type: Any) -> bool:
+    """The SDK's local mode: every ``local*`` type (``local``, ``local_cpu``, ``local_gpu``, ...)."""
+    return isinstance(instance_type, str) and instance_type.startswith("local")
+
+
 def _instance_note(instance_type: str, count: Any, placement: dict[str, Any]) -> str | None:
-    if instance_type in ("local", "local_gpu"):
+    if is_local_type(instance_type):
         return None
     if not isinstance(instance_type, str) or not instance_type.startswith("ml."):
-        raise UsageError(f"instance_type must be local, local_gpu or an ml.* type, got {instance_type!r}")
+        raise UsageError(f"instance_type must be local, local_cpu, local_gpu (any local*) or an ml.* type, "
+                         f"got {instance_type!r}")
     launcher = placement.get("launcher", "local")
     if launcher != "local":
         return f"disttrain: instance_type {instance_type} is mapped to {count} instance(s) on launcher {launcher}"
@@ -202,7 +208,7 @@ class EstimatorBase:
             "hyperparameters": self._hyperparameters_for_job(),
             "instance_count": self.instance_count,
             "instance_type": self.instance_type,
-            "inputs": {name: resolve(location) for name, location in channels(inputs).items()},
+            "inputs": {name: resolve_input(name, location) for name, location in channels(inputs).items()},
             "output_path": resolve(self.output_path),
             "framework": self.framework,
             "distribution": dict(self.args.get("distribution") or {}),

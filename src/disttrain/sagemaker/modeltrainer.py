@@ -41,7 +41,7 @@ from .distributed import SMP, DistributedConfig, Torchrun
 from .estimator import _instance_note, _placement
 from .inputs import TrainingInput
 from .resources import TrainingJob
-from .trainingjob import start_job
+from .trainingjob import check_job, start_job
 
 DEFAULT_INSTANCE_TYPE = "ml.m5.xlarge"  # the SDK's default Compute
 REQUIREMENTS = "requirements.txt"  # what the job installs from source_dir (disttrain.jobs.requirements)
@@ -160,6 +160,10 @@ class ModelTrainer:
         if self.compute.instance_groups:
             raise UsageError("ModelTrainer: compute.instance_groups (heterogeneous clusters) is not supported here; "
                              "give instance_type and instance_count")
+        count = self.compute.instance_count
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise UsageError(f"ModelTrainer: Compute(instance_count={count!r}): a job needs at least 1 instance "
+                             f"(SageMaker refuses InstanceCount < 1)")
         self.networking, self.tags = networking, tags
         self.stopping_condition = stopping_condition or StoppingCondition(max_runtime_in_seconds=3600)
         self.output_data_config, self.input_data_config = output_data_config, input_data_config
@@ -263,9 +267,9 @@ class ModelTrainer:
             "entry_point": code.entry_script or "",
             "source_dir": buckets.resolve(code.source_dir) if code.source_dir else os.getcwd(),
             "hyperparameters": dict(self.hyperparameters),
-            "instance_count": self.compute.instance_count or 1,
+            "instance_count": 1 if self.compute.instance_count is None else self.compute.instance_count,
             "instance_type": self.compute.instance_type or DEFAULT_INSTANCE_TYPE,
-            "inputs": {name: buckets.resolve(location) for name, location in merged.items()},
+            "inputs": {name: buckets.resolve_input(name, location) for name, location in merged.items()},
             "output_path": buckets.resolve(output),
             "env": {key: str(value) for key, value in self.environment.items()},
             "metric_definitions": [{"Name": m.name, "Regex": m.regex} for m in self._metric_definitions or []],
@@ -297,18 +301,20 @@ class ModelTrainer:
         name = new_job_name(check_name(self.base_job_name, "base_job_name"))
         fields = self._job_fields(input_data_config, name)
         if dry_run:
-            from ..jobs.container import preflight
-            from ..jobs.spec import spec_from_mapping
-            from ..jobs.staging import check_inputs
-
-            spec = spec_from_mapping(fields, base_dir=os.getcwd(), source="ModelTrainer")
-            check_inputs(spec)
-            preflight(spec)
+            check_job(fields, source="ModelTrainer", job_name=name)
             return None
         job = start_job(fields, name, logs=bool(logs), source="ModelTrainer")
         self._latest_training_job = TrainingJob(name, job)
         if wait:
-            self._latest_training_job.wait()
+            try:
+                self._latest_training_job.wait()
+            finally:  # as the SDK's local container gathers them, failed or not
+                if self.training_mode is Mode.LOCAL_CONTAINER:
+                    from .localmode import leave_local_layout
+
+                    record = job._wait_recorded()
+                    leave_local_layout(self.local_container_root, record.job_dir,
+                                       int(record.spec.get("instance_count") or 1))
         return None
 
 

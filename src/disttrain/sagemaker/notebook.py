@@ -8,6 +8,8 @@ skipped with a note:
 
 - ``!cmd`` and ``x = !cmd`` run through the shell (``{expr}`` and ``$name`` expanded from the
   notebook's variables); a failing command does not stop the notebook, as in Jupyter;
+- ``display(...)`` and ``get_ipython()`` (``.system``, ``.run_line_magic``, ...) are there, as
+  in every kernel;
 - ``%%writefile [-a] PATH``, ``%%bash``/``%%sh``, ``%%time``, ``%cd``, ``%env``, ``%time``,
   ``%load_ext disttrain.sagemaker`` do what they do in Jupyter;
 - package installs (``!pip install ...``, ``%pip``, ``%conda``) are skipped with a note: the SDK
@@ -105,6 +107,17 @@ class Shell:
         done = subprocess.run(["/bin/bash", "-c", self.expand(command)], capture_output=True, text=True, check=False)
         return (done.stdout + done.stderr).splitlines()
 
+    # --- what IPython's shell object offers a notebook (``get_ipython().system(...)`` ...) ---
+    @property
+    def user_ns(self) -> dict[str, Any]:
+        return self.ns
+
+    def run_line_magic(self, name: str, line: str) -> Any:
+        return self.magic(name, line)
+
+    def run_cell_magic(self, name: str, line: str, cell: str) -> None:
+        self.cell_magic(name, line, cell)
+
     def magic(self, name: str, args: str) -> Any:
         args = args.strip()
         if name in ("pip", "conda", "mamba"):
@@ -185,6 +198,17 @@ def transform(source: str) -> tuple[str | None, str | None, str]:
     return None, None, "\n".join(lines)
 
 
+def display(*objs: Any, **kwargs: Any) -> None:
+    """The kernel's ``display``: each object as Jupyter's text view shows it (a DataFrame's table)."""
+    for obj in objs:
+        print(obj.to_string() if hasattr(obj, "to_string") and callable(obj.to_string) else repr(obj))
+
+
+def builtins_for(shell: Shell) -> dict[str, Any]:
+    """What every Jupyter kernel puts in a notebook's namespace without an import."""
+    return {"display": display, "get_ipython": lambda: shell, "_disttrain_ipython": shell}
+
+
 def run_source(source: str, namespace: dict[str, Any], filename: str) -> None:
     """Run a cell as Jupyter does: its statements, then its last expression's value shown."""
     tree = ast.parse(source, filename)
@@ -231,7 +255,7 @@ def _where(err: BaseException, filename_prefix: str) -> str:
 def run_notebook(path: Path, cells: list[Cell], say) -> int:
     namespace: dict[str, Any] = {"__name__": "__main__", "__file__": str(path)}
     shell = Shell(namespace, say)
-    namespace["_disttrain_ipython"] = shell
+    namespace.update(builtins_for(shell))
     os.chdir(path.parent)  # Jupyter starts the kernel in the notebook's folder
     for cell in cells:
         shell.cell = cell.number

@@ -48,6 +48,10 @@ class ParameterRange:
         if self.min_value > self.max_value:
             raise UsageError(f"hyperparameter_ranges[{name!r}]: min_value {self.min_value} is above max_value "
                              f"{self.max_value}")
+        if self.min_value == self.max_value:  # every trial would run the same value
+            raise UsageError(f"hyperparameter_ranges[{name!r}]: {type(self).__name__}({self.min_value}, "
+                             f"{self.max_value}) has nothing to search; give a wider range, or put {name} in "
+                             f"the hyperparameters as a static value")
         if self.scaling_type not in SCALING_TYPES:
             raise UsageError(f"hyperparameter_ranges[{name!r}].scaling_type must be one of "
                              f"{', '.join(SCALING_TYPES)}, got {self.scaling_type!r}")

@@ -5,12 +5,17 @@
 (``training_job_name``, ``training_job_status``, ``secondary_status``, ``failure_reason``,
 ``model_artifacts.s3_model_artifacts``, ``hyper_parameters``, ``final_metric_data_list``,
 times as datetimes, ...), read from the job store at ``refresh()``; ``wait()`` raises
-``FailedStatusError`` when the job failed, as the SDK's waiter does.
+``FailedStatusError`` when the job failed, as the SDK's waiter does. ``HyperParameterTuningJob``
+is DescribeHyperParameterTuningJob the same way (what the v3 tuner's ``describe()`` returns):
+every field in sagemaker-core's snake_case (``hyper_parameter_tuning_job_name``,
+``hyper_parameter_tuning_job_status``, ``best_training_job.training_job_name``,
+``training_job_status_counters.completed``, ...), nested shapes as objects, maps as dicts.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -135,5 +140,90 @@ class TrainingJob:
         self._job.logs(follow=follow)
 
 
-__all__ = ["CheckpointConfig", "MetricData", "ModelArtifacts", "OutputDataConfig", "ResourceConfig",
+# Fields whose values are maps of the user's own keys (hyperparameter names), kept as dicts.
+_MAPS = {"TunedHyperParameters", "StaticHyperParameters", "HyperParameters", "Environment"}
+
+
+def snake(name: str) -> str:
+    """The API's field name as sagemaker-core spells it: ``HyperParameterTuningJobName`` →
+    ``hyper_parameter_tuning_job_name``, ``S3Uri`` → ``s3_uri``."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+class Shape:
+    """A response structure: its fields as attributes (``model_dump()`` gives them back as a dict)."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        for key, value in fields.items():
+            setattr(self, snake(key), _shaped(key, value))
+
+    def model_dump(self) -> dict[str, Any]:
+        return {k: v.model_dump() if isinstance(v, Shape) else
+                [x.model_dump() if isinstance(x, Shape) else x for x in v] if isinstance(v, list) else v
+                for k, v in vars(self).items() if not k.startswith("_")}
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+def _shaped(key: str, value: Any) -> Any:
+    if isinstance(value, dict):
+        return dict(value) if key in _MAPS else Shape(value)
+    if isinstance(value, list):
+        return [Shape(v) if isinstance(v, dict) else v for v in value]
+    if key.endswith("Time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _time(value)
+    return value
+
+
+class HyperParameterTuningJob(Shape):
+    """A tuning job in ``sagemaker.core.resources``' shape, read from its study at ``refresh()``."""
+
+    def __init__(self, hyper_parameter_tuning_job_name: str) -> None:
+        self.hyper_parameter_tuning_job_name = hyper_parameter_tuning_job_name
+        self.refresh()
+
+    @classmethod
+    def get(cls, hyper_parameter_tuning_job_name: str, session=None, region: str | None = None
+            ) -> HyperParameterTuningJob:
+        return cls(hyper_parameter_tuning_job_name)
+
+    def get_name(self) -> str:
+        return self.hyper_parameter_tuning_job_name
+
+    def refresh(self) -> HyperParameterTuningJob:
+        from .tuning import describe
+
+        name = self.hyper_parameter_tuning_job_name
+        described = describe(name)
+        described.setdefault("BestTrainingJob", None)
+        described["HyperParameterTuningJobArn"] = \
+            f"arn:aws:sagemaker:local:000000000000:hyper-parameter-tuning-job/{name}"
+        Shape.__init__(self, described)
+        return self
+
+    def wait(self, poll: int = 5, timeout: int | None = None) -> None:
+        """Until the tuning job ends (Completed or Stopped returns; Failed raises FailedStatusError)."""
+        from .tunerbase import TuningJob
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job = TuningJob(self.hyper_parameter_tuning_job_name)
+        while not job._done():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutExceededError(status=self.refresh().hyper_parameter_tuning_job_status,
+                                           message="Your tuning job is still running.")
+            time.sleep(min(poll, 0.5))
+        if self.refresh().hyper_parameter_tuning_job_status == "Failed":
+            raise FailedStatusError(status="Failed", reason=f"(disttrain tune show "
+                                                             f"{self.hyper_parameter_tuning_job_name})")
+
+    def stop(self) -> None:
+        from .tunerbase import TuningJob
+
+        TuningJob(self.hyper_parameter_tuning_job_name).stop()
+        self.refresh()
+
+
+__all__ = ["CheckpointConfig", "HyperParameterTuningJob", "Shape", "MetricData", "ModelArtifacts", "OutputDataConfig", "ResourceConfig",
            "StoppingCondition", "TrainingJob"]

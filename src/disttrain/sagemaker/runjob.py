@@ -1,6 +1,6 @@
 """``python -m disttrain.sagemaker.runjob SPEC.json JOB_NAME``: one ``fit``, in its own process.
 
-The estimator checked the spec already; this process runs it to the end (recording every
+The notebook's process checked the spec already (trainingjob.check_job); this process runs it to the end (recording every
 step) and exits with the job's exit code. It deletes the spec file it was given.
 """
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         os.unlink(spec_file)
     try:
         spec = spec_from_mapping(FitRequest.from_line(line).spec, base_dir="/", source="estimator")
-        record = run_job(spec, job_name=name)
+        record = run_job(spec, job_name=name, checked=True)  # checked by the notebook's process
     except DisttrainError as err:
         print(f"disttrain: {err}", file=sys.stderr, flush=True)
         return err.exit_code

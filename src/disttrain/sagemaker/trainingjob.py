@@ -28,30 +28,35 @@ class UnexpectedStatusException(DisttrainError):
     """``fit(wait=True)`` on a job that ended Failed or Stopped, as the SDK raises."""
 
 
-def start_job(fields: dict[str, Any], name: str, *, logs: bool, source: str) -> TrainingJob:
-    """Check ``fields`` (a job spec's keys) as ``disttrain.Job`` does, then run them as job ``name``;
-    bad input raises here, one line, before anything is recorded."""
-    from ..jobs.container import preflight
+def check_job(fields: dict[str, Any], *, source: str, job_name: str | None = None):
+    """The one check of a job the SDK surface makes (an estimator's fit, a ModelTrainer's train, a
+    tuner's trial or dry run), in the notebook's process: the job spec, its entry point under the
+    SDK's own name for it, every input, the launcher and the container (``jobs.runner.check_job``).
+    Bad input raises here, one line, before anything is recorded; the job's own process trusts it."""
+    from ..jobs.runner import check_job as check_spec
     from ..jobs.spec import spec_from_mapping
-    from ..jobs.staging import check_inputs
 
     spec = spec_from_mapping(fields, base_dir=os.getcwd(), source=source)
-    check_inputs(spec)  # a missing channel or entry point: one line, nothing recorded
-    preflight(spec)  # mpirun, Keras, mount namespace: the same
-    return TrainingJob.start(spec, name, logs=logs)
+    entry, folder = spec.program.entry_point, Path(spec.program.source_dir)
+    if entry and folder.is_dir() and not (folder / entry).is_file():
+        from ..jobs.contract import contract_for
+
+        raise UsageError(f"{contract_for(spec.container.contract).entry_name}: {entry} not found in source_dir "
+                         f"{folder}")
+    check_spec(spec, job_name)
+    return spec
+
+
+def start_job(fields: dict[str, Any], name: str, *, logs: bool, source: str) -> TrainingJob:
+    """:func:`check_job`, then run ``fields`` (a job spec's keys) as job ``name`` in a child process."""
+    return TrainingJob.start(check_job(fields, source=source, job_name=name), name, logs=logs)
 
 
 def _sent(spec: dict[str, Any]) -> dict[str, str]:
-    """HyperParameters as the job's hyperparameters.json holds them (v3 safe-serializes each value,
-    the toolkit's side JSON-encodes every one)."""
-    hps = spec.get("hyperparameters") or {}
-    if spec.get("contract") == "model_trainer":
-        from ..jobs.sagemaker_v3 import encoded_hyperparameters as v3_encoded
+    """HyperParameters as the job's hyperparameters.json holds them (its contract's encoding)."""
+    from ..jobs.contract import contract_for
 
-        return v3_encoded(hps)
-    from ..jobs.sagemaker import encoded_hyperparameters
-
-    return encoded_hyperparameters(hps)
+    return contract_for(spec.get("contract", "toolkit")).encoded_hyperparameters(spec.get("hyperparameters") or {})
 
 
 class TrainingJob:

@@ -233,7 +233,7 @@ class TunerBase:
         return self._ensure_last_tuning_job().describe()
 
     def _get_best_training_job(self) -> dict[str, Any]:
-        described = self.describe()
+        described = self._ensure_last_tuning_job().describe()  # the dict, whichever shape describe() returns
         if "BestTrainingJob" not in described:
             raise DisttrainError(f"Best training job not available for tuning job: {self.latest_tuning_job.name}")
         return described["BestTrainingJob"]
@@ -260,14 +260,10 @@ class TunerBase:
 
 def _check_trial(config: TuningConfig) -> None:
     """One trial's job checked as ``disttrain.Job`` would (each range at its low end), before anything is made."""
-    from ..jobs.container import preflight
-    from ..jobs.spec import spec_from_mapping
-    from ..jobs.staging import check_inputs
+    from .trainingjob import check_job
 
     sample = {}
     for name, value in config.parameter_ranges.items():
         sample[name] = value.values[0] if value.kind == "Categorical" else value.cast_to_type(value.min_value)
     fields = {**config.job, "hyperparameters": {**(config.job.get("hyperparameters") or {}), **sample}}
-    spec = spec_from_mapping(fields, base_dir=os.getcwd(), source=f"tuning job {config.name}")
-    check_inputs(spec)
-    preflight(spec)
+    check_job(fields, source=f"tuning job {config.name}")

@@ -1,10 +1,21 @@
-"""The SDK's ``sagemaker.tensorflow.estimator``: ``TensorFlow``."""
+"""The SDK's framework estimators: ``PyTorch`` (``sagemaker.pytorch``) and ``TensorFlow``
+(``sagemaker.tensorflow``), each :class:`~disttrain.sagemaker.estimator.Framework` with its own
+defaults. The SDK's module paths for them are served by :mod:`.sdkpaths`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..estimator import Framework
+from .estimator import Framework
+
+
+class PyTorch(Framework):
+    """The SDK's PyTorch estimator; ``distribution`` may be torch_distributed, pytorchddp,
+    smdistributed (run as torch_distributed) or mpi."""
+
+    framework = "pytorch"
+    default_base_name = "pytorch-training"
+
 
 # What the SDK passes as --model_dir in local mode; with a private /opt/ml it is the instance's model folder.
 LOCAL_MODEL_DIR = "/opt/ml/model"
@@ -30,4 +41,4 @@ class TensorFlow(Framework):
         return hps
 
 
-__all__ = ["TensorFlow"]
+__all__ = ["LOCAL_MODEL_DIR", "PyTorch", "TensorFlow"]

@@ -1,4 +1,4 @@
-"""SDK v3's ``sagemaker.train.tuner``: ``HyperparameterTuner`` over a ``ModelTrainer``.
+"""SDK v3's ``sagemaker.train.tuner`` (served by :mod:`.sdkpaths`): ``HyperparameterTuner`` over a ``ModelTrainer``.
 
 ``HyperparameterTuner(model_trainer, objective_metric_name, hyperparameter_ranges, ...)`` with the
 ranges of ``sagemaker.core.parameter``; ``tune(inputs=None, job_name=None, wait=True)`` runs the
@@ -11,12 +11,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ...errors import UsageError
-from ..modeltrainer import ModelTrainer
-from ..parameter import CategoricalParameter, ContinuousParameter, IntegerParameter, ParameterRange
-from ..resources import TrainingJob
-from ..tuner import merge_definitions
-from ..tunerbase import TunerBase, TuningJob
+from ..errors import UsageError
+from .modeltrainer import ModelTrainer
+from .parameter import CategoricalParameter, ContinuousParameter, IntegerParameter, ParameterRange
+from .resources import HyperParameterTuningJob, TrainingJob
+from .tuner import merge_definitions
+from .tunerbase import TunerBase, TuningJob
 
 GRID_SEARCH = "Grid"
 
@@ -75,6 +75,11 @@ class HyperparameterTuner(TunerBase):
         return trainer
 
     best_estimator = best_model_trainer
+
+    def describe(self) -> HyperParameterTuningJob:
+        """SDK v3's return: the tuning job resource (``.hyper_parameter_tuning_job_status``, ...), not
+        v2's dict (``sagemaker.tuner.HyperparameterTuner.describe()`` keeps that)."""
+        return HyperParameterTuningJob.get(self._ensure_last_tuning_job().name)
 
 
 __all__ = ["CategoricalParameter", "ContinuousParameter", "GRID_SEARCH", "HyperparameterTuner", "IntegerParameter",

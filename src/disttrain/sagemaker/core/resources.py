@@ -1,7 +1,0 @@
-"""SDK v3's ``sagemaker.core.resources``: the training and tuning job resources."""
-
-from __future__ import annotations
-
-from ..resources import TrainingJob
-
-__all__ = ["TrainingJob"]

@@ -27,6 +27,7 @@ from ..config.launch import (
 )
 from ..errors import UsageError
 from ..home import run_folder
+from ..private import private_dirs
 from ..launch import LaunchContext, Launcher, RunFolderEvents
 from ..launch.slurm_env import SlurmAllocation
 from ..runtime import comm
@@ -269,7 +270,7 @@ def make_run_dir(run_dir: str, *, given: str | None) -> None:
     """Create the run folder, or say in one line why it cannot be and what to change."""
     fix = "pass a writable --log-dir" if given else "set DISTTRAIN_HOME to a writable folder (or pass --log-dir)"
     try:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        private_dirs(run_dir)  # 0700 when new: rank logs may hold what a script printed
         probe = Path(run_dir) / ".write-test"
         probe.touch()
         probe.unlink()

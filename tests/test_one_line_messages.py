@@ -107,3 +107,42 @@ def test_a_full_disk_while_packing_the_model_is_one_line(tmp_path):
     assert "MiB free there); free space, or set DISTTRAIN_HOME" in result.stderr
     show = disttrain("jobs", "show", "1", "--json", env=env)
     assert '"state": "Failed"' in show.stdout and "No space left on device" in show.stdout
+
+
+FAIL_RANK1 = """
+import os, sys, time
+if os.environ["OMPI_COMM_WORLD_RANK"] == "1":
+    time.sleep(0.5)
+    sys.exit(5)
+time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_the_mpi_launchers_failure_names_the_rank(tmp_path):
+    import shutil
+
+    if not shutil.which("mpirun"):
+        pytest.skip("Open MPI's mpirun is not installed (tests/rig_setup.sh installs it)")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "fail.py").write_text(FAIL_RANK1)
+    spec = tmp_path / "mpi.yaml"
+    spec.write_text(yaml.safe_dump({"name": "mpi", "entry_point": "fail.py", "source_dir": str(tmp_path / "src"),
+                                    "instance_count": 2, "private_opt_ml": "off",
+                                    "distribution": {"mpi": {"enabled": True, "processes_per_host": 1}}}))
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), DISTTRAIN_STORE=str(tmp_path / "jobs.db"))
+    result = disttrain("job", "run", str(spec), env=env, timeout=120)
+    assert result.returncode == 5, result.stderr
+    show = disttrain("jobs", "show", "1", "--json", env=env)
+    assert ("algo-2 rank1 exited with code 5, the first to fail; mpirun stopped the others (exit code 5)"
+            in show.stdout), show.stdout
+
+
+def test_mpiruns_words_for_a_killed_rank_name_it():
+    from disttrain.launch.mpi import FirstFailure, Untag
+
+    first = FirstFailure(Untag(["algo-1", "algo-2"], ranks_per_instance=2))
+    first.feed("mpirun noticed that process rank 3 with PID 0 on node vm exited on signal 9 (Killed).\n")
+    assert first.report(137) == ("disttrain: algo-2 rank3 was killed by signal 9 (Killed), the first to fail; "
+                                 "mpirun stopped the others (exit code 137)")
+    assert FirstFailure(Untag(["algo-1"], 1)).report(1) == "disttrain: mpirun exited with code 1"

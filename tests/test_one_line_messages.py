@@ -146,3 +146,55 @@ def test_mpiruns_words_for_a_killed_rank_name_it():
     assert first.report(137) == ("disttrain: algo-2 rank3 was killed by signal 9 (Killed), the first to fail; "
                                  "mpirun stopped the others (exit code 137)")
     assert FirstFailure(Untag(["algo-1"], 1)).report(1) == "disttrain: mpirun exited with code 1"
+
+
+HI = "print('hi', flush=True)\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("options", "code", "said"), [
+    (["--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=abc"], 2,
+     "disttrain: error: --rdzv-conf join_timeout=abc: join_timeout is a whole number of seconds"),
+    (["--rdzv-backend", "c10d", "--rdzv-conf", "timeout=abc"], 0,
+     "disttrain: note: --rdzv-conf timeout is not read by the c10d rendezvous (torch ignores it)"),
+    (["--local-ranks-filter", "9"], 0,
+     "disttrain: note: --local-ranks-filter 9 names no local rank of 2 worker(s) a node (local ranks 0..1)"),
+])
+def test_torchrun_options_are_checked_before_anything_starts(tmp_path, options, code, said):
+    (tmp_path / "hi.py").write_text(HI)
+    result = disttrain("run", "-n", "2", *options, str(tmp_path / "hi.py"), cwd=tmp_path,
+                       env=cli_env(DISTTRAIN_HOME=str(tmp_path / "home")))
+    assert result.returncode == code, result.stderr
+    assert [line for line in result.stderr.splitlines() if said in line], result.stderr
+    if code:
+        assert result.stderr.count("\n") == 1 and not (tmp_path / "home").exists()  # nothing started
+
+
+HOLD_PORT = """
+import socket, sys, time
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen()
+print(sock.getsockname()[1], flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_rendezvous_port_held_by_another_program_is_named_with_its_holder(tmp_path):
+    (tmp_path / "hi.py").write_text(HI)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_PORT], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(holder.stdout.readline())
+        result = disttrain("run", "-n", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+                           str(tmp_path / "hi.py"), cwd=tmp_path, env=cli_env(DISTTRAIN_HOME=str(tmp_path / "home")),
+                           timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 2, result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("disttrain: error:")]
+    assert len(error) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert (f"port {port} of the rendezvous endpoint localhost:{port} is held by another program "
+            f"(pid {holder.pid} (") in error[0]
+    assert "give --rdzv-endpoint (or --master-port) a free port" in error[0]

@@ -20,7 +20,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
-from ..errors import DisttrainError
+from ..errors import DisttrainError, UsageError
+from ..net import busy_rendezvous
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import tf_node_env
 from ..wire import AttemptStarted
@@ -265,8 +266,9 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         except KeyboardInterrupt:
             return 130
         except Exception as err:  # rendezvous/store failures: name them, no traceback
-            raise DisttrainError(
+            busy = busy_rendezvous(plan.master_addr, plan.master_port)  # a port the user chose: exit 2
+            raise (UsageError if busy else DisttrainError)(
                 f"the elastic agent on {node.name} failed before the workers finished: "
-                f"{type(err).__name__}: {err}"
+                f"{type(err).__name__}: {err}{busy}"
             ) from err
     return 0

@@ -182,6 +182,13 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
         master_port=values["master_port"], nnodes=(low, high), node_rank=values["node_rank"],
         standalone=values["standalone"], placed=hosts or _slurm_places(args, environ))
     notes += rdzv.notes
+    # torch would read these only once the agent starts: a bad value is exit 1 after the start, an
+    # ignored key or a filter that shows nobody says nothing at all
+    notes += torchrun.check_rdzv_conf(torchrun.parse_rdzv_conf(values["rdzv_conf"]), rdzv.rdzv_backend)
+    if str(values["nproc_per_node"]).isdigit():
+        shown = torchrun.local_ranks_note(torchrun.parse_local_ranks(values["local_ranks_filter"]),
+                                          int(values["nproc_per_node"]))
+        notes += [shown] if shown else []
     if values["standalone"]:
         values["rdzv_id"] = None
     args.torchrun = values

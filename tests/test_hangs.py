@@ -117,6 +117,23 @@ def assert_pids_gone(pids: list[int], timeout: float = 10) -> None:
 cluster = cluster_fixture(2)
 
 
+@pytest.mark.timeout(150)
+def test_a_rank_stuck_in_c_code_holding_the_gil_gets_a_verdict_and_is_not_unstuck(home):
+    """Before: the server's stack request needed the GIL, the fallback SIGUSR1 killed the plain script
+    (exit 138) and there was no verdict. Now the bootstrap's own faulthandler dump, received by a
+    thread of its own, shows the line; the rank's sleep is not interrupted by looking at it."""
+    started = time.monotonic()
+    code, err, run_dir = run_hang("gil")
+    print(f"verdict {time.monotonic() - started - HANG_S:.1f} s past the start plus --hang-timeout")
+    assert code == 124, err
+    assert (f"cause: rank 1 never entered collective #6 of the default group (all_reduce [4] Float), which rank 0 "
+            f"waits in: it is at plain_hang.py:{hang_line('gil')} in <module> (the script's own code)") in err
+    assert "SIGUSR1" not in err  # not killed to be seen, and not unstuck either:
+    assert "never gets here" not in (run_dir / "attempt_0" / "rank1.stdout").read_text()
+    assert "plain_hang.py" in (run_dir / "attempt_0" / "rank1.stacks").read_text()
+    print(err[err.index("disttrain: no rank made progress"):])
+
+
 def agents_and_workers(cluster, node: str) -> list[int]:
     """disttrain's processes in ``node`` (its agent and its ranks), not the ssh sessions into it."""
     found = []

@@ -31,8 +31,10 @@ from typing import TextIO
 from ..agent.verdict import verdict
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from ..wire import ALIVE_EVERY_S, Alive, DumpRequest, HangReport, NodeDone, Outcome, PlanMessage, Regroup, WireError
+from ..wire import (ALIVE_EVERY_S, Alive, DumpRequest, HangReport, NodeDone, Outcome, PlanMessage, RankFailed, Regroup,
+                    WireError)
 from .diagnostics import Diagnostics
+from .rootcause import first_in_time
 from .elastic import Membership
 
 AGENT_LINES_KEPT = 200
@@ -177,6 +179,7 @@ def run_agents(
 
     diag = Diagnostics(hang_timeout_s=plan.hang_timeout_s, say=say)
     hangs: list[HangReport] = []
+    failed: dict[int, RankFailed] = {}  # per agent: its root cause, timed on its worker
 
     def consume(agent: int, line: str) -> bool:
         """An agent's message for the launcher, not shown: its heartbeats, its ranks at a hang,
@@ -187,6 +190,9 @@ def run_agents(
         try:
             if HangReport.matches(line):
                 hangs.append(HangReport.from_line(line))
+                return True
+            if RankFailed.matches(line):
+                failed[agent] = RankFailed.from_line(line)
                 return True
             if NodeDone.matches(line):
                 done = NodeDone.from_line(line)
@@ -258,7 +264,10 @@ def run_agents(
         return Outcome(exit_code=0)
     if ended.report:  # fewer hosts than the elastic minimum: the membership's own block
         say(ended.report)
-    return Outcome(exit_code=ended.code, failed=ended.index, report=ended.report or relay.report(ended.index))
+    if ended.report:
+        return Outcome(exit_code=ended.code, failed=ended.index, report=ended.report)
+    index, code = first_in_time(ended.index, ended.code, failed)  # every agent has stopped: all have said
+    return Outcome(exit_code=code, failed=index, report=relay.report(index))
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,8 @@
   op    rank 1 calls all_gather where the others call all_reduce (a branch taken on one rank only)
   lock  rank 1 deadlocks on a lock in its own code; the others wait for it in the next all_reduce
   group ranks 0 and 1 use a subgroup in opposite orders with the default group (each waits for the other)
-  gil   rank 1 sleeps in C code that holds the GIL (no Python runs in it: no server handler, no
-        Python signal handler); the others wait for it in the next all_reduce
 """
 
-import ctypes
 import sys
 import threading
 import time
@@ -30,8 +27,6 @@ elif case == "lock" and rank == 1:
     lock = threading.Lock()
     lock.acquire()
     lock.acquire()  # HANG: lock
-elif case == "gil" and rank == 1:
-    ctypes.PyDLL(None).sleep(100000)  # HANG: gil
 elif case == "group" and rank in (0, 1):
     first, second = (pair, None) if rank == 0 else (None, pair)
     dist.all_reduce(t, group=first)  # HANG: group

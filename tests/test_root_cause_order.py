@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import yaml
-
 import pytest
+import yaml
 
 from conftest import cli_env, disttrain
 from disttrain.launch.rootcause import first_in_time

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import errno
-import os
 import ipaddress
+import os
 import socket
 
 from .errors import UsageError

@@ -36,8 +36,7 @@ from .link import LauncherLink
 from .oom import OomWatch
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
-from .report import (RankFailure, failed_line, failure_lines, format_failure, lost_a_peer, root_cause,
-                     shell_exit_code)
+from .report import RankFailure, failed_line, failure_lines, format_failure, lost_a_peer, root_cause, shell_exit_code
 from .runpath import run_path
 from .watchdog import HANG_EXIT, Attempt, Watchdog
 

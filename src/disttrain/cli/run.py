@@ -27,9 +27,9 @@ from ..config.launch import (
 )
 from ..errors import UsageError
 from ..home import run_folder
-from ..private import private_dirs
 from ..launch import LaunchContext, Launcher, RunFolderEvents
 from ..launch.slurm_env import SlurmAllocation
+from ..private import private_dirs
 from ..runtime import comm
 from ..wire import RunSpec
 from ..workerenv import ACCELERATE_USE_CPU, cpu_library_warning

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from ..errors import UsageError
 from ..tbevents import EventFile
-from .patterns import TAIL, BUDGET_S, PatternMatcher
+from .patterns import BUDGET_S, TAIL, PatternMatcher
 
 STEP_NAMES = ("step", "iteration", "iter", "epoch")  # a series by one of these names is the plots' x axis
 

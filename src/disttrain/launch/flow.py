@@ -31,11 +31,21 @@ from typing import TextIO
 from ..agent.verdict import verdict
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from ..wire import (ALIVE_EVERY_S, Alive, DumpRequest, HangReport, NodeDone, Outcome, PlanMessage, RankFailed, Regroup,
-                    WireError)
+from ..wire import (
+    ALIVE_EVERY_S,
+    Alive,
+    DumpRequest,
+    HangReport,
+    NodeDone,
+    Outcome,
+    PlanMessage,
+    RankFailed,
+    Regroup,
+    WireError,
+)
 from .diagnostics import Diagnostics
-from .rootcause import first_in_time
 from .elastic import Membership
+from .rootcause import first_in_time
 
 AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")

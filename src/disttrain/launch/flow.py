@@ -31,6 +31,7 @@ from typing import TextIO
 from ..agent.verdict import verdict
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
+from ..private import private_opener
 from ..wire import (
     ALIVE_EVERY_S,
     Alive,
@@ -103,7 +104,7 @@ class Relay:
 
     def _write(self, name: str, text: str) -> None:
         if name not in self._files:
-            self._files[name] = open(self._run_dir / name, "a")
+            self._files[name] = open(self._run_dir / name, "a", opener=private_opener)  # a rank printed it: 0600
         self._files[name].write(text)
         self._files[name].flush()
 

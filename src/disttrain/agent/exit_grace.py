@@ -34,7 +34,8 @@ class FailedBeforeStop:
     def note(self, context) -> None:
         """Each time a worker group is closed: a new group (a restart) starts afresh; the same one
         closed again keeps what its first close saw (its SIGTERMs are the stop's own)."""
-        found = [(int(context.envs[local_rank]["RANK"]), handler.proc.returncode, handler.proc.pid)
+        found = [(int(context.envs.get(local_rank, {}).get("RANK", local_rank)), handler.proc.returncode,
+                  handler.proc.pid)
                  for local_rank, handler in context.subprocess_handlers.items()
                  if handler.proc.poll() not in (None, 0, -signal.SIGTERM)]
         if context is not self._context:

@@ -277,7 +277,9 @@ def run_agents(
         say(ended.report)
     if ended.report:
         return Outcome(exit_code=ended.code, failed=ended.index, report=ended.report)
-    index, code = first_in_time(ended.index, ended.code, failed)  # every agent has stopped: all have said
+    # Every agent has stopped: all have said. (An elastic job's hosts that left earlier failed in
+    # rounds already over: there the agent heard of first stays the one reported.)
+    index, code = first_in_time(ended.index, ended.code, failed if membership is None else {})
     return Outcome(exit_code=code, failed=index, report=relay.report(index))
 
 

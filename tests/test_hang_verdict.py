@@ -143,3 +143,18 @@ def test_a_script_timeout_below_the_hang_timeout_is_warned_once(tmp_path):
     assert said == ["disttrain: warning: rank 0's process group 0 times out after 60 s (the script's own "
                     "timeout=), before --hang-timeout 120 s: a hang there ends in torch's timeout error, without "
                     "the verdict"]
+
+
+def test_a_rank_without_a_stack_says_so_and_its_collective_comes_from_the_recorder():
+    from disttrain.agent.stacks import NO_STACK
+
+    found = states("op", {0: {"where": NO_STACK, "own_code": False}})
+    lines = verdict(found, world_size=2, timeout_s=10).splitlines()
+    assert f"  rank 0 (a): in #6 all_reduce [4] Float; completed #5 all_reduce; ({NO_STACK})" in lines
+
+
+def test_a_rank_inside_a_collective_is_not_said_to_be_in_none():
+    # nothing explains the hang (rank 1's host did not answer; rank 0 inside a collective): where it waits
+    (only,) = [s for s in states("lock") if s.rank == 0]
+    (cause,) = causes([only], world_size=2)
+    assert cause.startswith("rank 0 on a waits in collective #6 of the default group (all_reduce [4] Float) at ")

@@ -19,19 +19,21 @@ from rig import cluster_fixture
 from slurm_rig import slurm_fixture
 
 PLAIN = SCRIPTS / "plain_hang.py"
+GIL = SCRIPTS / "plain_gil.py"
 HANG_S = 10
 
 
-def hang_line(case: str) -> int:
-    return next(i for i, line in enumerate(PLAIN.read_text().splitlines(), 1) if f"# HANG: {case}" in line)
+def hang_line(case: str, script: Path = PLAIN) -> int:
+    return next(i for i, line in enumerate(script.read_text().splitlines(), 1) if f"# HANG: {case}" in line)
 
 
-def run_hang(case: str, nproc: int = 2) -> tuple[int, str, Path]:
+def run_hang(case: str, nproc: int = 2, script: Path = PLAIN) -> tuple[int, str, Path]:
     """``disttrain run --hang-timeout`` of plain_hang.py CASE: it must end with exit 124 within
     HANG_S + 30 s of the hang (once every rank is at the branch), leaving nothing behind."""
-    assert "import disttrain" not in PLAIN.read_text()  # a plain script
+    assert "import disttrain" not in script.read_text()  # a plain script
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "disttrain", "run", "-n", str(nproc), "--hang-timeout", str(HANG_S), str(PLAIN), case],
+        [sys.executable, "-m", "disttrain", "run", "-n", str(nproc), "--hang-timeout", str(HANG_S), str(script),
+         *([case] if script == PLAIN else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
     try:
         for _ in range(nproc):
@@ -117,6 +119,23 @@ def assert_pids_gone(pids: list[int], timeout: float = 10) -> None:
 cluster = cluster_fixture(2)
 
 
+@pytest.mark.timeout(150)
+def test_a_rank_stuck_in_c_code_holding_the_gil_gets_a_verdict_and_is_not_unstuck(home):
+    """Before: the server's stack request needed the GIL, the fallback SIGUSR1 killed the plain script
+    (exit 138) and there was no verdict. Now the bootstrap's own faulthandler dump, received by a
+    thread of its own, shows the line; the rank's sleep is not interrupted by looking at it."""
+    started = time.monotonic()
+    code, err, run_dir = run_hang("gil", script=GIL)
+    print(f"verdict {time.monotonic() - started - HANG_S:.1f} s past the start plus --hang-timeout")
+    assert code == 124, err
+    assert (f"cause: rank 1 never entered collective #6 of the default group (all_reduce [4] Float), which rank 0 "
+            f"waits in: it is at plain_gil.py:{hang_line('gil', GIL)} in <module> (the script's own code)") in err
+    assert "SIGUSR1" not in err  # not killed to be seen, and not unstuck either:
+    assert "never gets here" not in (run_dir / "attempt_0" / "rank1.stdout").read_text()
+    assert "plain_gil.py" in (run_dir / "attempt_0" / "rank1.stacks").read_text()
+    print(err[err.index("disttrain: no rank made progress"):])
+
+
 def agents_and_workers(cluster, node: str) -> list[int]:
     """disttrain's processes in ``node`` (its agent and its ranks), not the ssh sessions into it."""
     found = []
@@ -142,6 +161,21 @@ def test_a_mismatch_across_two_hosts_is_judged_at_the_launcher(cluster):
     assert f"stacks on {a}: " in err and f"flight recorder dumps on {b}: " in err
     assert "stopped the job on all 2 hosts (exit 124)" in err
     assert "disttrain-hang" not in err + result.stdout  # the agents' reports are for the launcher only
+    cluster.assert_nothing_left()
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_stuck_in_c_code_on_another_host_gets_the_same_verdict(cluster):
+    started = time.monotonic()
+    result = run_on_node0(cluster, "--hang-timeout", str(HANG_S), str(GIL), timeout=200)
+    print(f"verdict {time.monotonic() - started - HANG_S:.1f} s past the start plus --hang-timeout")
+    err = result.stderr
+    assert result.returncode == 124, err[-3000:]
+    a, b = (node.ip for node in cluster.nodes)
+    assert (f"cause: rank 1 never entered collective #6 of the default group (all_reduce [4] Float), which rank 0 "
+            f"waits in: it is at plain_gil.py:{hang_line('gil', GIL)} in <module> (the script's own code)") in err
+    assert f"  rank 0 ({a}): in #6 all_reduce" in err and f"  rank 1 ({b}): completed #5" in err
+    assert "no report" not in err and "SIGUSR1" not in err and "never gets here" not in result.stdout
     cluster.assert_nothing_left()
 
 

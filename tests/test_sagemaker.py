@@ -537,7 +537,8 @@ def test_multi_worker_mirrored_strategy_keras_fit(sm_home):
 
 
 def test_mpirun_output_and_metric_definitions_units():
-    from disttrain.jobs.metrics import check_definitions, match_line
+    from disttrain.jobs.metrics import check_definitions
+    from disttrain.jobs.patterns import PatternMatcher
     from disttrain.launch.mpi import Untag
 
     untag = Untag(["algo-1", "algo-2"], ranks_per_instance=2)
@@ -548,7 +549,8 @@ def test_mpirun_output_and_metric_definitions_units():
     assert untag.feed("[1,2]<stderr>:no newline yet") == []
     assert untag.flush() == ["[algo-2 rank2] no newline yet\n"]
     defs = check_definitions([{"Name": "loss", "Regex": r"loss=([0-9.e+-]+)"}, {"Name": "n", "Regex": r"(\d+)"}])
-    assert match_line(defs, "step 3 loss=2.5e-03") == [("loss", 0.0025), ("n", 3.0), ("n", 2.0), ("n", 5.0), ("n", 3.0)]
+    with PatternMatcher([pattern.pattern for _, pattern in defs], print) as matcher:
+        assert matcher.match(["step 3 loss=2.5e-03"]) == [[(0, 0.0025), (1, 3.0), (1, 2.0), (1, 5.0), (1, 3.0)]]
     with pytest.raises(UsageError, match=r"metric_definitions\[0\].Regex '\(' is not a regular expression"):
         check_definitions([{"Name": "x", "Regex": "("}])
     with pytest.raises(UsageError, match=r"metric_definitions\[0\] must be"):

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .private import private_dirs, private_opener
+
 STATE_FILE = "state.pt"
 MARKER = "COMPLETE"
 # torch.distributed.checkpoint's directory (every rank's shard plus .metadata), in
@@ -167,7 +169,7 @@ def sync_dir(path: Path) -> None:
 
 def write_durably(path: Path, write: Callable[[BinaryIO], None]) -> FileDigest:
     """Create ``path`` with ``write(file)``, fsync it, and return its digest."""
-    with open(path, "wb") as f:
+    with open(path, "wb", opener=private_opener) as f:  # 0600: the model's weights
         write(f)
         f.flush()
         return sync_and_digest(path, f.fileno())
@@ -226,11 +228,11 @@ def commit(layout: CheckpointLayout, step: int, write_files: Callable[[Path], di
 
 def begin(layout: CheckpointLayout, step: int) -> Path:
     """A fresh temporary directory for the checkpoint of ``step``."""
-    layout.root.mkdir(parents=True, exist_ok=True)
+    private_dirs(layout.root)  # 0700 when new: a checkpoint holds the model's weights
     temp = layout.temp_dir(step)
     if temp.exists():  # a previous writer with our pid (pid reuse) died here
         shutil.rmtree(temp)
-    temp.mkdir()
+    temp.mkdir(mode=0o700)
     return temp
 
 
@@ -247,6 +249,8 @@ def publish(layout: CheckpointLayout, step: int, temp: Path, digests: dict[str, 
     ``digests``: every file of the checkpoint (paths relative to ``temp``) with its digest.
     """
     try:
+        for name in digests:  # files another writer made (DCP's shards) are 0600 too
+            os.chmod(temp / name, 0o600)
         files = sorted({name.split("/")[0] for name in digests})
         marker = json.dumps({"format": FORMAT, "step": step, "files": files, **meta,
                              "digests": dict(sorted(digests.items()))}, indent=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import socket
 
 from .errors import UsageError
@@ -89,3 +90,57 @@ def check_master(host: str, *, flag: str, must_be_here: bool, why: str) -> None:
         own = sorted(a for a in local_addresses() if ":" not in a and not ipaddress.ip_address(a).is_loopback)
         raise UsageError(f"{flag} {host} is not an address of this machine, and {why}: give this machine's "
                          f"address{f' ({own[0]})' if own else ''}, or start this node on {host}")
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on TCP ``port`` here, as far as the system tells: ``pid 123 (bob: fabric run ...)``,
+    or only the socket's owner (``/proc/net/tcp`` shows every user's socket, not its process), or None."""
+    import psutil
+
+    try:
+        listening = [c for c in psutil.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+    except (psutil.Error, OSError):
+        listening = []
+    for conn in listening:
+        if conn.pid:
+            try:
+                proc = psutil.Process(conn.pid)
+                command = " ".join(" ".join(proc.cmdline()).split())[:100]  # one line, whatever the argv holds
+                return f"pid {conn.pid} ({proc.username()}: {command})"
+            except psutil.Error:
+                return f"pid {conn.pid}"
+    return _socket_owner(port)
+
+
+def _socket_owner(port: int) -> str | None:
+    import pwd
+
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = [line.split() for line in fh.readlines()[1:]]
+        except OSError:
+            continue
+        for row in rows:
+            if len(row) > 7 and row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                try:
+                    return f"a process of user {pwd.getpwuid(int(row[7])).pw_name}"
+                except KeyError:
+                    return f"a process of uid {row[7]}"
+    return None
+
+
+def busy_rendezvous(host: str, port: int) -> str:
+    """``; port P ... is held by ...`` when the rendezvous port on this machine is another process's
+    (said after a rendezvous that could not connect: torch only says the store failed), else ``""``."""
+    try:
+        if not (is_local(host) or hosts_c10d_store(host) is None) or not port_in_use(host, port):
+            return ""
+    except OSError:
+        return ""
+    holder = port_holder(port)
+    if holder is not None and holder.startswith(f"pid {os.getpid()} "):
+        return ""
+    return (f"; port {port} of the rendezvous endpoint {host}:{port} is held by another program"
+            f"{f' ({holder})' if holder else ''}: give --rdzv-endpoint (or --master-port) a free port")

@@ -1,5 +1,9 @@
 """What stays private: files that may hold a user's secrets are 0600, and records mask them.
 
+A run's folder and a new checkpoint folder are 0700, the rank logs and checkpoint files in them
+0600: a script prints a token, a checkpoint holds the model's weights. A folder that exists
+already keeps its mode (the user chose it, e.g. a group-readable shared folder).
+
 A job's ``env:`` often carries an API token, its ``storage_options`` a cloud key. The files
 that hold them whole (a plan, a Slurm batch step, the job store) are readable by their owner only;
 what is kept for people to read later (a job's record, ``jobs show``) shows ``***`` instead
@@ -48,6 +52,25 @@ def mask_secrets(value: Any) -> Any:
 def private_opener(path: str | os.PathLike, flags: int) -> int:
     """``open(path, mode, opener=private_opener)``: a file this creates is 0600 from its first byte."""
     return os.open(path, flags, 0o600)
+
+
+def private_dirs(path: str | os.PathLike) -> Path:
+    """Create the folder ``path`` and every missing parent 0700; folders that exist keep their mode."""
+    path = Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            pass  # made meanwhile (another rank, another agent): its maker chose the mode
+    return path
+
+
+def private_file(path: str | os.PathLike) -> Path:
+    """``path`` created empty as 0600, or emptied keeping its inode and mode (a worker's output
+    redirect opens it again: both names see one file)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    return Path(path)
 
 
 def write_private(path: str | os.PathLike, text: str) -> Path:

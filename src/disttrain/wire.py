@@ -29,6 +29,7 @@ agent.dump         DumpRequest      launcher -> agent (stdin): no progress anywh
 agent.alive        Alive            launcher -> agent (stdin), every few seconds: still there
 agent.beats        Beats            agent -> launcher (stderr): the ranks' steps, each second
 agent.hang         HangReport       agent -> launcher (stderr): its ranks at a hang (recorders, stacks)
+agent.failed       RankFailed       agent -> launcher (stderr): its first failed rank, timed on its worker
 agent.done         NodeDone         agent -> launcher (stderr) -> every other agent (stdin): its ranks exited 0
 agent.regroup      Regroup          launcher -> agent (stdin): hosts were lost, join the next round
 agent.attempt      AttemptStarted   agent -> launcher (stderr): a round's workers are starting
@@ -428,6 +429,22 @@ class HangReport(Message):
 
     host: str
     ranks: tuple[RankState, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFailed(Message):
+    """An agent's first failed rank and when it failed on its worker's own clock (``at``). The
+    launcher puts first, among several agents' failures, the one that happened first -- and one
+    that lost its peer after the others -- not the one it happened to hear of first."""
+
+    kind: ClassVar[str] = "agent.failed"
+    marker: ClassVar[str] = "disttrain-failed "
+
+    host: str
+    rank: int
+    exit_code: int
+    at: float
+    lost_peer: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

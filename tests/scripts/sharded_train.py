@@ -58,6 +58,23 @@ class Indexed(Dataset):
         return i, self.x[i], self.y[i]
 
 
+def hold_async_save(step: int) -> None:
+    """The background commit of ``step``'s checkpoint waits for ever on rank 0 (a daemon thread:
+    the process's end, here its SIGKILL, ends it): however fast the machine, that save lags."""
+    import threading
+
+    from disttrain.runtime import checkpoint_write
+
+    commit = checkpoint_write.PendingSave._commit
+
+    def held(self, *args):
+        if f"step_{step:08d}-" in self._temp.name:
+            threading.Event().wait()
+        commit(self, *args)
+
+    checkpoint_write.PendingSave._commit = held
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -74,6 +91,9 @@ def main():
     p.add_argument("--every", type=int, default=0)
     p.add_argument("--asynchronous", action="store_true")
     p.add_argument("--die-at", type=int, default=None, help="SIGKILL rank 0 after this step")
+    p.add_argument("--hold-async-save-at", type=int, default=None,
+                   help="rank 0 never commits the asynchronous checkpoint of this step: a save slower than "
+                        "the steps up to a kill, made certain")
     p.add_argument("--model", default="net", choices=["net", "wide"])
     p.add_argument("--die-in-upload", type=int, default=None,
                    help="SIGKILL rank 0 while it uploads this step to a store: state.pt is there, no marker")
@@ -81,6 +101,8 @@ def main():
     ctx = disttrain.init()
     if args.die_in_upload is not None:
         die_in_upload(f"step_{args.die_in_upload:08d}")
+    if args.hold_async_save_at is not None and ctx.rank == 0:
+        hold_async_save(args.hold_async_save_at)
     torch.manual_seed(0)
     width = args.width * (2 if args.model == "wide" else 1)
     model = Net(width=width, dropout=args.dropout)

@@ -17,6 +17,13 @@ Nothing happens until the process imports torch (``torch.distributed.distributed
   recorder dump has no membership). It is Python, so the agent asks it only at a hang: a Python
   handler takes the GIL from the server's C++ thread, and during the interpreter's exit that
   aborts the process;
+* registers the rank's stack dump on a signal of its own (:data:`DUMP_SIGNAL`): :mod:`faulthandler`
+  writes every thread's Python stack to ``rank<R>.stacks`` beside the socket from its C signal
+  handler, without the GIL -- a rank stuck in native code that holds the GIL (where the server's
+  ``dump_traceback``, Python, never answers) still shows its stack. The signal is delivered to a
+  thread of its own (the main thread blocks it): a signal interrupts the blocking call of the
+  thread it lands on (``sleep`` returns early, a read fails with EINTR), and looking at a stuck
+  rank must never unstick it. The agent sends it only when ``/proc`` shows it is caught;
 * sets torch's default process-group timeout to ``$DISTTRAIN_PG_TIMEOUT`` seconds, above the hang
   timeout, so that a collective's own timeout never beats the verdict (a script's explicit
   ``timeout=`` is its own choice and stays).
@@ -33,6 +40,7 @@ import os
 import sys
 
 SOCKETS = "DISTTRAIN_HANG_SOCKETS"
+DUMP_SIGNAL_OFFSET = 5  # SIGRTMIN + 5: no other program of the job is expected to use it (disttrain.agent.stacks)
 PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
 HOOKED = "torch.distributed.distributed_c10d"
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -159,6 +167,7 @@ def _serve(c10d) -> None:
     except OSError:
         pass
     _server = _quietly(lambda: _WorkerServer(sock))
+    _stack_dump(os.path.join(folder, f"rank{rank}.stacks"))
     # Never destroyed: at exit its destructor would log three lines on the user's terminal, and a
     # shutdown from an atexit handler can deadlock on the GIL. The process's end closes it.
     import ctypes
@@ -215,6 +224,32 @@ def _exit_cleanly() -> None:
 
     sys.excepthook, sys.exit = excepthook, exit
     atexit.register(at_exit)
+
+
+def _stack_dump(path: str) -> None:
+    """faulthandler on ``SIGRTMIN + DUMP_SIGNAL_OFFSET``, received by a waiting thread (see the top)."""
+    import faulthandler
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGRTMIN"):
+        return  # the main thread could not be spared the signal: no dump on it, none sent
+    sig = signal.SIGRTMIN + DUMP_SIGNAL_OFFSET
+    global _stacks
+    _stacks = open(path, "w")  # kept open: faulthandler writes to its descriptor from the handler
+    started = threading.Event()
+
+    def receive() -> None:  # blocks in C (no GIL held), signals for the dump land here
+        started.set()
+        threading.Event().wait()
+
+    threading.Thread(target=receive, name="disttrain-stacks", daemon=True).start()
+    started.wait()
+    faulthandler.register(sig, file=_stacks, all_threads=True, chain=False)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {sig})  # the main thread's, and its later threads'
+
+
+_stacks = None
 
 
 def _install() -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from ..errors import DisttrainError, UsageError, error_line
+from ..private import private_dirs
 from ..wire import (
     CUT_OFF_S,
     Alive,
@@ -161,7 +162,7 @@ def serve(message: PlanMessage, lines: Lines, *, signalled_by: int | None = None
     if not nodes:
         raise UsageError(f"the plan has no node rank {message.node_rank}")
     os.environ.update(login_env(os.environ))  # an agent started without a login (srun --export)
-    Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
+    private_dirs(plan.run_dir)  # made here on a host without the launcher's filesystem
     link = LauncherLink()
     log = node_log(plan.run_dir, message.node_rank)
     watch_stdin(lines, lambda line: _request(line, link), signalled_by=signalled_by,

@@ -181,7 +181,12 @@ class RankDump:
     groups: dict[str, dict] | None
 
 
-def dump(sock: str | os.PathLike, dist_backend: str, *, timeout: float = DUMP_TIMEOUT_S) -> RankDump:
+def dump(sock: str | os.PathLike, dist_backend: str, *, timeout: float = DUMP_TIMEOUT_S,
+         stacks: bool = True) -> RankDump:
+    """``stacks``: ask the server for them too (not when the bootstrap's signal dump gave them).
+    The recorder is C++ and answers whatever the rank does; the stacks and the groups are Python
+    handlers: a rank that holds the GIL answers neither, and once the one times out the other is
+    not waited for as well."""
     def as_json(body: bytes | None):
         try:
             return json.loads(body) if body is not None else None
@@ -189,6 +194,6 @@ def dump(sock: str | os.PathLike, dist_backend: str, *, timeout: float = DUMP_TI
             return None
 
     recorder = as_json(fetch(sock, fr_handler(dist_backend), timeout=timeout))
-    stacks = fetch(sock, "dump_traceback", timeout=timeout)
-    groups = as_json(fetch(sock, "disttrain_groups", timeout=timeout))
-    return RankDump(recorder, None if stacks is None else stacks.decode(errors="replace"), groups)
+    text = fetch(sock, "dump_traceback", timeout=timeout) if stacks else None
+    groups = as_json(fetch(sock, "disttrain_groups", timeout=timeout)) if text is not None or not stacks else None
+    return RankDump(recorder, None if text is None else text.decode(errors="replace"), groups)

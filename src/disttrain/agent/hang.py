@@ -18,7 +18,7 @@ import psutil
 
 from ..wire import RankState
 from . import flight
-from .stacks import in_own_code, is_stopped, signalled_stacks, where
+from .stacks import NO_STACK, bootstrap_stacks, in_own_code, is_stopped, signalled_stacks, where
 from .verdict import calls_from_recorder
 
 
@@ -48,12 +48,18 @@ def collect(workers: Sequence[Worker], *, host: str, dist_backend: str) -> list[
     for w in workers:
         w.stacks.parent.mkdir(parents=True, exist_ok=True)
     served = [w for w in workers if w.socket is not None and _alive(w.pid) and not is_stopped(w.pid)]
+    # The bootstrap's own dump first: it answers without the GIL, and never disturbs the main thread.
+    dumped = bootstrap_stacks([(w.rank, w.pid, w.socket.with_suffix(".stacks")) for w in served])
+
+    def ask(w: Worker) -> flight.RankDump:
+        return flight.dump(w.socket, dist_backend, stacks=w.rank not in dumped)
+
     with ThreadPoolExecutor(max_workers=max(1, len(served))) as pool:
-        dumps = dict(zip((w.rank for w in served), pool.map(lambda w: flight.dump(w.socket, dist_backend), served)))
-    # Ranks without a server (or whose server said nothing): py-spy, or the runtime's SIGUSR1.
-    unserved = [w for w in workers if _alive(w.pid) and not is_stopped(w.pid)
+        dumps = dict(zip((w.rank for w in served), pool.map(ask, served)))
+    # Ranks without either (no server, or it said nothing): py-spy, or the runtime's SIGUSR1 if caught.
+    unserved = [w for w in workers if _alive(w.pid) and not is_stopped(w.pid) and w.rank not in dumped
                 and (w.rank not in dumps or dumps[w.rank].stacks is None)]
-    signalled = signalled_stacks([(w.rank, w.pid, w.stacks) for w in unserved]) if unserved else {}
+    signalled = {**dumped, **(signalled_stacks([(w.rank, w.pid, w.stacks) for w in unserved]) if unserved else {})}
     states = []
     for w in workers:
         base = {"rank": w.rank, "host": host, "pid": w.pid, "stacks": str(w.stacks)}
@@ -68,8 +74,8 @@ def collect(workers: Sequence[Worker], *, host: str, dist_backend: str) -> list[
             continue
         got = dumps.get(w.rank)
         text = signalled.get(w.rank) or (got.stacks if got else None) or ""
-        if got is not None and got.stacks is not None:
-            w.stacks.write_text(got.stacks)
+        if text:
+            w.stacks.write_text(text)
         calls, groups, dump = (), {}, ""
         if got is not None and got.recorder is not None:
             dump_path(w).write_text(json.dumps(got.recorder))
@@ -77,6 +83,6 @@ def collect(workers: Sequence[Worker], *, host: str, dist_backend: str) -> list[
         if got is not None and got.groups:
             groups = {name: tuple(g.get("ranks", ())) for name, g in got.groups.items() if isinstance(g, dict)}
         state = "running" if text or calls else "silent"
-        states.append(RankState(state=state, where=where(text) if text else "", own_code=in_own_code(text),
+        states.append(RankState(state=state, where=where(text) if text else NO_STACK, own_code=in_own_code(text),
                                 calls=calls, groups=groups, dump=dump, **base))
     return states

@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Logs
 
 from ..config.launch import AgentOptions
 from ..config.torchrun import std_of
+from ..private import private_dirs, private_file
 from ..workerenv import ATTEMPT
 
 _STREAMS = (("stdout", Std.OUT), ("stderr", Std.ERR))
@@ -125,8 +126,8 @@ class RankLogs(LogsSpecs):
             rank = int(env["RANK"])
             for stream, bit in _STREAMS:
                 path = rank_log(self._run_dir, rank, stream, attempt)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(b"")  # the worker's redirect truncates it again: same inode, both names
+                private_dirs(path.parent)
+                private_file(path)  # the worker's redirect truncates it again: same inode, both names
                 getattr(dest, f"{stream}s")[local_rank] = str(path)
                 if self.shown(local_rank, rank, bit):
                     getattr(dest, f"tee_{stream}s")[local_rank] = str(path)
@@ -142,8 +143,8 @@ class RankLogs(LogsSpecs):
             path = filtered_log(self._run_dir, stream, attempt)
             setattr(dest, f"filtered_{stream}", str(path))
             if filters:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(b"")
+                private_dirs(path.parent)
+                private_file(path)
                 if theirs is not None:
                     _second_name(getattr(theirs, f"filtered_{stream}", ""), path)
         return dest

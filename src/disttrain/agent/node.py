@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import TextIO
 
@@ -20,7 +21,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
-from ..errors import DisttrainError
+from ..errors import DisttrainError, UsageError
+from ..net import busy_rendezvous
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import tf_node_env
 from ..wire import AttemptStarted
@@ -35,7 +37,7 @@ from .link import LauncherLink
 from .oom import OomWatch
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
-from .report import RankFailure, failure_lines, format_failure, lost_a_peer, root_cause, shell_exit_code
+from .report import RankFailure, failed_line, failure_lines, format_failure, lost_a_peer, root_cause, shell_exit_code
 from .runpath import run_path
 from .watchdog import HANG_EXIT, Attempt, Watchdog
 
@@ -224,7 +226,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                                report_to=report_to))
     stores = AttemptStores(plan, node)
     attempt = Attempt(plan.run_dir, plan.world_size)
-    with _handlers_kept(), exits_awaited(), _worker_group(plan, node) as group, _recorder_sockets(plan, env) as sockets, \
+    with _handlers_kept(), exits_awaited() as early, _worker_group(plan, node) as group, _recorder_sockets(plan, env) as sockets, \
             aborts_after_return(env, say), _exported(env), _watchdog(plan, node, link, attempt, sockets) as dog, \
             _elastic(plan, node, link) as agents, \
             RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
@@ -249,10 +251,22 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             finished = tuple((rank, node.name) for rank in attempt.ranks if rank not in failed)
             if link is not None and plan.nnodes > 1:  # a rank of another node may have left first
                 finished += link.done_elsewhere(wait=not finished and lost_a_peer(failure_lines(first, plan.run_dir)))
+            if link is not None:  # for the launcher, which orders the nodes' failures by these times
+                print(failed_line(first, plan.run_dir), file=report_to, flush=True)
             print(format_failure(first, failures, plan.run_dir, finished=finished, oom=oom),
                   file=report_to, flush=True)
             return first.exit_code
         except SignalException as err:
+            if link is not None and early.failed and (dog is None or dog.fired is None):
+                # the launcher stopped this node for another's failure, but one here failed first, maybe
+                failures = [RankFailure(rank=rank, host=node.name, exit_code=shell_exit_code(code)[0],
+                                        signal_name=shell_exit_code(code)[1], pid=pid, timestamp=time.time(),
+                                        attempt=plan.max_restarts) for rank, code, pid in early.failed]
+                first = root_cause(failures, plan.run_dir)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop's second signal: said and decided
+                print(failed_line(first, plan.run_dir), file=report_to, flush=True)
+                print(format_failure(first, failures, plan.run_dir), file=report_to, flush=True)
+                return first.exit_code
             if dog is not None and dog.fired is not None:
                 if dog.fired:  # judged here; under a launcher, the launcher prints the verdict
                     print(f"{dog.fired}\ndisttrain: stopped the job (exit {HANG_EXIT})", file=report_to, flush=True)
@@ -266,8 +280,9 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
         except KeyboardInterrupt:
             return 130
         except Exception as err:  # rendezvous/store failures: name them, no traceback
-            raise DisttrainError(
+            busy = busy_rendezvous(plan.master_addr, plan.master_port)  # a port the user chose: exit 2
+            raise (UsageError if busy else DisttrainError)(
                 f"the elastic agent on {node.name} failed before the workers finished: "
-                f"{type(err).__name__}: {err}"
+                f"{type(err).__name__}: {err}{busy}"
             ) from err
     return 0

@@ -77,6 +77,16 @@ def root_cause(failures: list[RankFailure], run_dir: str) -> RankFailure:
     )
 
 
+def failed_line(first: RankFailure, run_dir: str) -> str:
+    """The launcher's copy of this node's root cause, timed by the rank's own last write (the
+    kernel's time of the worker's own output, ns-precise) -- not by when anyone noticed it."""
+    from ..wire import RankFailed
+
+    return RankFailed(host=first.host, rank=first.rank, exit_code=first.exit_code,
+                      at=last_output_time(run_dir, first),
+                      lost_peer=lost_a_peer(failure_lines(first, run_dir))).to_line()
+
+
 def error_file_lines(run_dir: str, failure: RankFailure, lines: int = TAIL_LINES) -> list[str]:
     """What torch's ``@record`` wrote for the rank (``rank<R>.error.json``): message and traceback tail."""
     path = rank_log(run_dir, failure.rank, "stdout", failure.attempt).with_name(f"rank{failure.rank}.error.json")

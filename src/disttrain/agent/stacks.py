@@ -1,9 +1,12 @@
-"""A rank's Python stacks: where its main thread is, and how to get them when it has no server.
+"""A rank's Python stacks: where its main thread is, and how to get them whatever it is doing.
 
-The stacks come from torch's worker server (``dump_traceback``, see :mod:`.flight`), or for a
-rank without one from ``py-spy dump`` when installed (it also sees native frames) or from the
-runtime's SIGUSR1 handler (faulthandler writes them to the rank's ``.stacks`` file). Both
-print faulthandler's or py-spy's text, which :func:`where` reads.
+First from the worker bootstrap's own dump (``disttrain/_worker_site``: faulthandler on
+:data:`DUMP_SIGNAL`, received by a thread of its own, written without the GIL), which answers even
+for a rank stuck in native code that holds the GIL; else from torch's worker server
+(``dump_traceback``, see :mod:`.flight`); for a rank without either, from ``py-spy dump`` when
+installed or the runtime's SIGUSR1 handler. A signal is sent only to a process that ``/proc``
+shows catching it (:func:`caught`): a plain script has no SIGUSR1 handler, and SIGUSR1's default
+action kills. All print faulthandler's or py-spy's text, which :func:`where` reads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from pathlib import Path
 import psutil
 
 DUMP_WAIT_S = 3.0
+# The bootstrap's dump signal (disttrain/_worker_site/sitecustomize.py: SIGRTMIN + DUMP_SIGNAL_OFFSET).
+DUMP_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
+NO_STACK = "no Python stack: the rank answered no request and catches no dump signal"
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
@@ -76,9 +82,55 @@ def is_stopped(pid: int) -> bool:
         return False
 
 
+def caught(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc): sending it cannot kill."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            mask = next(int(line.split()[1], 16) for line in fh if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(mask >> (int(sig) - 1) & 1)
+
+
+def bootstrap_stacks(ranks: Sequence[tuple[int, int, Path]]) -> dict[int, str]:
+    """The stacks the worker bootstrap dumps on :data:`DUMP_SIGNAL`, by rank: ``(rank, pid, its
+    dump file)`` each; a rank whose process does not catch the signal is not sent it."""
+    if DUMP_SIGNAL is None:
+        return {}
+    asked = [(rank, pid, path, _size(path)) for rank, pid, path in ranks if caught(pid, DUMP_SIGNAL)]
+    for _, pid, _, _ in asked:
+        try:
+            os.kill(pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    return _grown(asked)
+
+
+def _grown(asked: list[tuple[int, int, Path, int]]) -> dict[int, str]:
+    """What each file got after its size at the signal, waiting up to DUMP_WAIT_S for all."""
+    deadline = time.monotonic() + DUMP_WAIT_S
+    waiting = list(asked)
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.1)
+        waiting = [a for a in waiting if _size(a[2]) <= a[3]]
+    time.sleep(0.1)  # faulthandler writes a dump in several writes: let the last ones land
+    out = {}
+    for rank, _, path, before in asked:
+        try:
+            with open(path, errors="replace") as fh:
+                fh.seek(before)
+                text = fh.read()
+        except OSError:
+            continue
+        if text.strip():
+            out[rank] = text
+    return out
+
+
 def signalled_stacks(ranks: Sequence[tuple[int, int, Path]]) -> dict[int, str]:
     """The stacks of ranks without a worker server, by rank: ``(rank, pid, stacks file)`` each,
-    from py-spy when installed, else from the runtime's SIGUSR1 handler (it appends to the file)."""
+    from py-spy when installed, else from the runtime's SIGUSR1 handler (it appends to the file)
+    where the rank has it -- a plain script does not, and SIGUSR1 would kill it."""
     pyspy = shutil.which("py-spy")
     out: dict[int, str] = {}
     if pyspy:
@@ -91,23 +143,14 @@ def signalled_stacks(ranks: Sequence[tuple[int, int, Path]]) -> dict[int, str]:
                     out[rank] = res.stdout
             except (OSError, subprocess.SubprocessError):
                 pass
-    rest = [r for r in ranks if r[0] not in out]
-    sizes = {rank: _size(path) for rank, _, path in rest}
-    for _, pid, _ in rest:
+    rest = [(rank, pid, path, _size(path)) for rank, pid, path in ranks
+            if rank not in out and caught(pid, signal.SIGUSR1)]
+    for _, pid, _, _ in rest:
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + DUMP_WAIT_S
-    while rest and time.monotonic() < deadline:
-        time.sleep(0.1)
-        rest = [r for r in rest if _size(r[2]) <= sizes[r[0]]]
-    for rank, _, path in ranks:
-        if rank not in out:
-            try:
-                out[rank] = path.read_text()
-            except OSError:
-                out[rank] = ""
+    out.update(_grown(rest))
     return out
 
 

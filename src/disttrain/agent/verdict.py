@@ -133,8 +133,15 @@ def _elsewhere(state: RankState) -> str:
     inside = _inside(state)
     if inside is not None:
         return (f"it waits in collective #{inside.seq} of {_group_label(inside.group, inside.desc)} "
-                f"({signature(inside)}) at {state.where or 'an unknown line'}")
-    return f"it is at {state.where or 'an unknown line'}" + (" (the script's own code)" if state.own_code else "")
+                f"({signature(inside)}) {_at(state)}")
+    return f"it is {_at(state)}" + (" (the script's own code)" if state.own_code else "")
+
+
+def _at(state: RankState) -> str:
+    """``at file:line in func``, or what stood in for the stack (none could be had: it says so)."""
+    if state.where.startswith("no Python stack"):
+        return f"({state.where})"
+    return f"at {state.where or 'an unknown line'}"
 
 
 def causes(states: Sequence[RankState], *, world_size: int) -> list[str]:
@@ -178,7 +185,9 @@ def causes(states: Sequence[RankState], *, world_size: int) -> list[str]:
     if not found:
         stuck = [s for s in sorted(states, key=lambda s: s.rank) if s.state in ("running", "stopped")]
         for s in stuck:
-            found.append(f"rank {s.rank} on {s.host} is in no collective: {_elsewhere(s)}")
+            inside = _inside(s) is not None and s.state == "running"
+            found.append(f"rank {s.rank} on {s.host} " + (_elsewhere(s).removeprefix("it ") if inside
+                                                          else f"is in no collective: {_elsewhere(s)}"))
     return found
 
 
@@ -203,8 +212,7 @@ def rank_line(s: RankState) -> str:
             parts.append(f"completed #{done.seq}{label} {done.op}")
     parts += [f"in {c.op} (#{c.seq} of group {c.group})" for c in s.calls if c.p2p and not c.done]
     state = "stopped (SIGSTOP); " if s.state == "stopped" else ""
-    where = s.where or "no Python stack"
-    return f"rank {s.rank} ({s.host}): {state}{'; '.join(parts) or 'no collective recorded'}; at {where}"
+    return f"rank {s.rank} ({s.host}): {state}{'; '.join(parts) or 'no collective recorded'}; {_at(s)}"
 
 
 def verdict(states: Sequence[RankState], *, world_size: int, timeout_s: float) -> str:

@@ -30,6 +30,7 @@ from ..errors import UsageError
 from ..home import run_folder
 from ..launch import LaunchContext, Launcher, RunFolderEvents
 from ..launch.slurm_env import SlurmAllocation
+from ..private import private_dirs
 from ..runtime import comm
 from ..wire import RunSpec
 from ..workerenv import ACCELERATE_USE_CPU, cpu_library_warning
@@ -183,6 +184,13 @@ def resolve_args(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
         master_port=values["master_port"], nnodes=(low, high), node_rank=values["node_rank"],
         standalone=values["standalone"], placed=hosts or _slurm_places(args, environ))
     notes += rdzv.notes
+    # torch would read these only once the agent starts: a bad value is exit 1 after the start, an
+    # ignored key or a filter that shows nobody says nothing at all
+    notes += torchrun.check_rdzv_conf(torchrun.parse_rdzv_conf(values["rdzv_conf"]), rdzv.rdzv_backend)
+    if str(values["nproc_per_node"]).isdigit():
+        shown = torchrun.local_ranks_note(torchrun.parse_local_ranks(values["local_ranks_filter"]),
+                                          int(values["nproc_per_node"]))
+        notes += [shown] if shown else []
     if values["standalone"]:
         values["rdzv_id"] = None
     args.torchrun = values
@@ -278,7 +286,7 @@ def make_run_dir(run_dir: str, *, given: str | None) -> None:
     """Create the run folder, or say in one line why it cannot be and what to change."""
     fix = "pass a writable --log-dir" if given else "set DISTTRAIN_HOME to a writable folder (or pass --log-dir)"
     try:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        private_dirs(run_dir)  # 0700 when new: rank logs may hold what a script printed
         probe = Path(run_dir) / ".write-test"
         probe.touch()
         probe.unlink()

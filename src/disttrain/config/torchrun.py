@@ -64,6 +64,62 @@ def parse_rdzv_conf(raw: str, *, where: str = "--rdzv-conf") -> dict[str, str]:
     return conf
 
 
+# What torch's rendezvous handlers read from --rdzv-conf (DynamicRendezvousHandler with the c10d backend;
+# the static TCP rendezvous), and which of those are whole numbers. Other keys are ignored by torch.
+RDZV_INT_KEYS = {
+    "c10d": ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+             "keep_alive_max_attempt", "read_timeout"),
+    "static": ("timeout", "rank"),
+}
+RDZV_OTHER_KEYS = {"c10d": ("is_host", "store_type", "timeout"), "static": ()}  # timeout: torch's launcher's own
+
+
+def check_rdzv_conf(conf: Mapping[str, str], rdzv_backend: str, *, where: str = "--rdzv-conf") -> list[str]:
+    """Before anything starts: a value torch would fail on after the start is one line (exit 2), a key
+    torch ignores is a note (returned). Backends other than c10d and static are left to torch."""
+    ints = RDZV_INT_KEYS.get(rdzv_backend)
+    if ints is None:
+        return []
+    for key in ints:
+        if key in conf:
+            try:
+                number = int(conf[key])
+            except ValueError:
+                raise UsageError(f"{where} {key}={conf[key]}: {key} is a whole number of "
+                                 f"{'seconds' if key.endswith(('timeout', 'interval')) else 'times'}, "
+                                 f"e.g. {key}=300") from None
+            if number < 0:
+                raise UsageError(f"{where} {key}={conf[key]}: {key} cannot be negative")
+    if rdzv_backend == "c10d" and "is_host" in conf and conf["is_host"].lower() not in BOOL_WORDS:
+        raise UsageError(f"{where} is_host={conf['is_host']}: give 1 or 0 (true/false, yes/no)")
+    known = (*ints, *RDZV_OTHER_KEYS[rdzv_backend])
+    if rdzv_backend == "c10d" and "timeout" in conf:
+        return [f"{where} timeout is not read by the c10d rendezvous (torch ignores it): "
+                f"join_timeout (or --rdzv-timeout) is how long nodes wait to join"]
+    unknown = sorted(set(conf) - set(known))
+    if unknown:
+        return [f"{where} {', '.join(unknown)}: not a {rdzv_backend} rendezvous key (torch ignores it); "
+                f"its keys are {', '.join(k for k in known if k != 'timeout' or rdzv_backend == 'static')}"]
+    return []
+
+
+BOOL_WORDS = ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n")  # torch's get_as_bool
+
+
+def local_ranks_note(shown: tuple[int, ...] | None, nproc: int, *, where: str = "--local-ranks-filter") -> str | None:
+    """A note when the filter names local ranks that ``nproc`` workers a node do not have."""
+    if shown is None:
+        return None
+    missing = [r for r in shown if r >= nproc]
+    if not missing:
+        return None
+    have = f"local ranks 0..{nproc - 1}" if nproc > 1 else "local rank 0"
+    if len(missing) == len(shown):
+        return (f"{where} {','.join(map(str, shown))} names no local rank of {nproc} worker(s) a node ({have}): "
+                "no worker's output reaches the terminal (the rank logs keep all of it)")
+    return f"{where}: local rank(s) {','.join(map(str, missing))} do not exist with {nproc} worker(s) a node ({have})"
+
+
 def parse_endpoint(raw: str, *, default_port: int, where: str = "--rdzv-endpoint") -> tuple[str, int]:
     """``HOST[:PORT]`` (``[v6]:PORT`` too) → (host, port), ``default_port`` when none is given."""
     text = str(raw).strip()

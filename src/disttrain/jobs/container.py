@@ -127,7 +127,8 @@ class Watch:
         self.spec, self.layout, self.say = spec, layout, say
         # TensorBoard event files in the job folder: tensorboard --logdir ~/.disttrain/jobs shows every job
         box = spec.container
-        self.metrics = MetricWatcher(box.metric_definitions, store_path, job_id, events_dir=layout.root / "tensorboard")
+        self.metrics = MetricWatcher(box.metric_definitions, store_path, job_id, events_dir=layout.root / "tensorboard",
+                                     say=say)
         self.syncer = (Syncer(box.checkpoint_s3_uri, self._checkpoint_dirs(), box.storage_options, say)
                        if box.checkpoint_s3_uri else None)
         self.timed_out = False

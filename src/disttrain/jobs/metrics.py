@@ -5,7 +5,10 @@ to the watcher with the time it was written, and each line that a definition's `
 matches adds a point (name, time, value) to the job store, the value being the regex's first
 group, as SageMaker reads CloudWatch metrics from the log (a regex without a group is refused
 when the spec is read). A point is timed when its line was relayed, not when the watcher got
-to it: a curve has no steps where a poll collected several lines at once. When TensorBoard is
+to it: a curve has no steps where a poll collected several lines at once. The patterns see each
+line's last ``TAIL`` characters, in a process of their own, within a CPU budget per line
+(:mod:`.patterns` says why): a pattern that spends it is named once and dropped, the job goes on.
+When TensorBoard is
 installed, each point is also appended to an event file in the job folder as it arrives, so
 ``tensorboard --logdir ~/.disttrain/jobs`` shows a running job's curves growing.
 """
@@ -16,12 +19,13 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import UsageError
 from ..tbevents import EventFile
+from .patterns import BUDGET_S, TAIL, PatternMatcher
 
 STEP_NAMES = ("step", "iteration", "iter", "epoch")  # a series by one of these names is the plots' x axis
 
@@ -49,18 +53,6 @@ def check_definitions(definitions: Any) -> list[tuple[str, re.Pattern]]:
     return compiled
 
 
-def match_line(definitions: Sequence[tuple[str, re.Pattern]], line: str) -> list[tuple[str, float]]:
-    points = []
-    for name, pattern in definitions:
-        for found in pattern.finditer(line):
-            text = found.group(1)
-            try:
-                points.append((name, float(text)))
-            except (TypeError, ValueError):
-                continue  # a match that is not a number (e.g. "nan" parses; "n/a" does not)
-    return points
-
-
 class MetricWatcher:
     """Matches the lines handed to :meth:`feed` in a thread; each point goes to the store at once,
     and to the TensorBoard event file in ``events_dir`` (opened at the first point).
@@ -70,8 +62,9 @@ class MetricWatcher:
     """
 
     def __init__(self, definitions: list[dict[str, str]], store_path: Path, job_id: int,
-                 events_dir: Path | None = None) -> None:
+                 events_dir: Path | None = None, say: Callable[[str], None] = print) -> None:
         self.definitions = check_definitions(definitions)
+        self.say = say
         self.store_path, self.job_id = store_path, job_id
         self.events_dir = events_dir
         self._events: EventFile | None = None
@@ -105,7 +98,8 @@ class MetricWatcher:
         from ..store import JobStore
 
         try:
-            with JobStore(self.store_path) as store:
+            with JobStore(self.store_path) as store, PatternMatcher(
+                    [pattern.pattern for _, pattern in self.definitions], self._blown) as self._matcher:
                 ending = False
                 while not ending:
                     batch = [self._lines.get()]  # block until the next line (or the end)
@@ -123,7 +117,11 @@ class MetricWatcher:
                 self._events.close()
 
     def _add(self, store, lines: list[tuple[float, str]]) -> None:
-        rows = [(name, when, value) for when, line in lines for name, value in match_line(self.definitions, line)]
+        rows = []
+        for start in range(0, len(lines), 256):  # a request to the pattern process stays small
+            chunk = lines[start:start + 256]
+            for (when, _), points in zip(chunk, self._matcher.match([line for _, line in chunk])):
+                rows.extend((self.definitions[i][0], when, value) for i, value in points)
         if not rows:
             return
         store.add_metrics(self.job_id, rows)
@@ -134,6 +132,13 @@ class MetricWatcher:
                     self.events_dir = None  # no TensorBoard: do not try again
             if self._events is not None:
                 self._events.add(rows)
+
+
+    def _blown(self, index: int) -> None:
+        name, pattern = self.definitions[index]
+        self.say(f"disttrain: metric_definitions {name!r}: Regex {pattern.pattern!r} spent over {BUDGET_S:g} s of "
+                 f"CPU on one line (its last {TAIL} characters) and is no longer matched in this job; "
+                 f"write it without nested repetition or a leading .* (e.g. 'loss=([0-9.eE+-]+)')")
 
 
 class _Tapped:
@@ -148,10 +153,10 @@ class _Tapped:
         written = self._out.write(text)
         with self._lock:
             lines = (self._partial + text).split("\n")
-            self._partial = lines.pop()
+            self._partial = lines.pop()[-TAIL:]  # a line without end is not kept whole: only its tail is matched
             now = time.time()
             for line in lines:
-                self._sink(now, line)
+                self._sink(now, line[-TAIL:])
         return written
 
     def __getattr__(self, name: str):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import posixpath
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -54,8 +56,8 @@ def upload_artifacts(layout: JobLayout, *, output_path: str, job_name: str,
                      storage_options: dict[str, Any]) -> dict[str, str]:
     """algo-1's ``model/`` → ``model.tar.gz``, its ``output/data/`` → ``output.tar.gz``."""
     packed = {
-        "model": pack_dir(layout.first.model, layout.packed / "model.tar.gz"),
-        "output": pack_dir(layout.first.output_data, layout.packed / "output.tar.gz"),
+        "model": _pack(layout.first.model, layout.packed / "model.tar.gz"),
+        "output": _pack(layout.first.output_data, layout.packed / "output.tar.gz"),
     }
     urls = {}
     for kind, local in packed.items():
@@ -63,6 +65,21 @@ def upload_artifacts(layout: JobLayout, *, output_path: str, job_name: str,
         _publish(local, url, storage_options)
         urls[kind] = url
     return urls
+
+
+def _pack(src: Path, dest: Path) -> Path:
+    """:func:`pack_dir`, its failure in one line (a full disk is the usual one: say how much is free)."""
+    try:
+        return pack_dir(src, dest)
+    except OSError as err:
+        why = err.strerror or str(err)
+        if err.errno == errno.ENOSPC:
+            try:
+                why += f" ({shutil.disk_usage(dest.parent).free / 2**20:.1f} MiB free there)"
+            except OSError:
+                pass
+            why += "; free space, or set DISTTRAIN_HOME to a file system with room for the packed model"
+        raise DisttrainError(f"packing {src} into {dest} failed: {why}") from None
 
 
 def _publish(local: Path, url: str, storage_options: dict[str, Any]) -> None:

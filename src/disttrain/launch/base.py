@@ -50,6 +50,7 @@ from ..atomic import write_atomic
 from ..config.launch import LaunchSpec
 from ..errors import UsageError
 from ..plan.launch import ContainerPlanner, LaunchPlan, NodeFacts, make_plan
+from ..private import private_dirs
 from ..wire import BatchStep, JobClient, Outcome, RunClient
 
 
@@ -277,7 +278,7 @@ class BatchLauncher(Launcher):
         run_dir = Path(ctx.run_dir)
         # The outermost folder this call creates: what to remove when the scheduler says no.
         created = next((p for p in reversed((run_dir, *run_dir.parents)) if not p.exists()), None)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        private_dirs(run_dir)
         argv = self.submission_argv()
         try:
             env = {**(os.environ if self.env is None else self.env), self.batch_step_env(): batch_step.to_line()}

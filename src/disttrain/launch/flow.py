@@ -31,9 +31,22 @@ from typing import TextIO
 from ..agent.verdict import verdict
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from ..wire import ALIVE_EVERY_S, Alive, DumpRequest, HangReport, NodeDone, Outcome, PlanMessage, Regroup, WireError
+from ..private import private_opener
+from ..wire import (
+    ALIVE_EVERY_S,
+    Alive,
+    DumpRequest,
+    HangReport,
+    NodeDone,
+    Outcome,
+    PlanMessage,
+    RankFailed,
+    Regroup,
+    WireError,
+)
 from .diagnostics import Diagnostics
 from .elastic import Membership
+from .rootcause import first_in_time
 
 AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
@@ -91,7 +104,7 @@ class Relay:
 
     def _write(self, name: str, text: str) -> None:
         if name not in self._files:
-            self._files[name] = open(self._run_dir / name, "a")
+            self._files[name] = open(self._run_dir / name, "a", opener=private_opener)  # a rank printed it: 0600
         self._files[name].write(text)
         self._files[name].flush()
 
@@ -177,6 +190,7 @@ def run_agents(
 
     diag = Diagnostics(hang_timeout_s=plan.hang_timeout_s, say=say)
     hangs: list[HangReport] = []
+    failed: dict[int, RankFailed] = {}  # per agent: its root cause, timed on its worker
 
     def consume(agent: int, line: str) -> bool:
         """An agent's message for the launcher, not shown: its heartbeats, its ranks at a hang,
@@ -187,6 +201,9 @@ def run_agents(
         try:
             if HangReport.matches(line):
                 hangs.append(HangReport.from_line(line))
+                return True
+            if RankFailed.matches(line):
+                failed[agent] = RankFailed.from_line(line)
                 return True
             if NodeDone.matches(line):
                 done = NodeDone.from_line(line)
@@ -258,7 +275,12 @@ def run_agents(
         return Outcome(exit_code=0)
     if ended.report:  # fewer hosts than the elastic minimum: the membership's own block
         say(ended.report)
-    return Outcome(exit_code=ended.code, failed=ended.index, report=ended.report or relay.report(ended.index))
+    if ended.report:
+        return Outcome(exit_code=ended.code, failed=ended.index, report=ended.report)
+    # Every agent has stopped: all have said. (An elastic job's hosts that left earlier failed in
+    # rounds already over: there the agent heard of first stays the one reported.)
+    index, code = first_in_time(ended.index, ended.code, failed if membership is None else {})
+    return Outcome(exit_code=code, failed=index, report=relay.report(index))
 
 
 @dataclass(frozen=True)

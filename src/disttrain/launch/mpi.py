@@ -105,6 +105,37 @@ class Untag:
 
 
 TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
+# What mpirun says of the first rank to fail (Open MPI 4 and 5): a name and an exit code on two lines,
+# or one line for a signal.
+FAILED_NAME = re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]")
+FAILED_CODE = re.compile(r"Exit code:\s*(\d+)")
+FAILED_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)(?: \(([^)]*)\))?")
+
+
+class FirstFailure:
+    """The rank mpirun names as the first to fail, read from its own lines as they are relayed."""
+
+    def __init__(self, untag: Untag) -> None:
+        self.untag = untag
+        self.rank: int | None = None
+        self.what = ""
+
+    def feed(self, line: str) -> None:
+        if self.what:
+            return
+        if (found := FAILED_SIGNAL.search(line)):
+            name = f" ({found.group(3)})" if found.group(3) else ""
+            self.rank, self.what = int(found.group(1)), f"was killed by signal {found.group(2)}{name}"
+        elif (found := FAILED_NAME.search(line)):
+            self.rank = int(found.group(1))
+        elif self.rank is not None and (found := FAILED_CODE.search(line)):
+            self.what = f"exited with code {found.group(1)}"
+
+    def report(self, code: int) -> str:
+        if not self.what:
+            return f"disttrain: mpirun exited with code {code}"
+        where = self.untag.prefix(self.rank).strip()[1:-1]  # "algo-2 rank1"
+        return f"disttrain: {where} {self.what}, the first to fail; mpirun stopped the others (exit code {code})"
 
 
 def run_mpirun(argv: list[str], *, cwd: str, transcript: TextIO | None, hosts: Sequence[str],
@@ -115,10 +146,12 @@ def run_mpirun(argv: list[str], *, cwd: str, transcript: TextIO | None, hosts: S
                             stdin=subprocess.DEVNULL, start_new_session=True)
     lock = threading.Lock()
     untag = Untag(hosts, ranks_per_instance)
+    first = FirstFailure(untag)
 
     def emit(lines: list[str]) -> None:
         with lock:
             for line in lines:
+                first.feed(line)
                 sys.stdout.write(line)
                 if transcript is not None:
                     transcript.write(line)
@@ -155,7 +188,7 @@ def run_mpirun(argv: list[str], *, cwd: str, transcript: TextIO | None, hosts: S
     if interrupted:
         return Outcome(exit_code=128 + interrupted[0], signal=interrupted[0])
     code = code if code >= 0 else 128 - code
-    return Outcome(exit_code=code, report="" if code == 0 else f"disttrain: mpirun exited with code {code}")
+    return Outcome(exit_code=code, report="" if code == 0 else first.report(code))
 
 
 class MpiLauncher(AgentLauncher):

@@ -158,8 +158,9 @@ def storage(store: str | Path | None = None):
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         return optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"connect_args": {"timeout": 30}})
-    except Exception as err:  # SQLAlchemy/SQLite errors, named with the file
-        raise UsageError(f"cannot open the tuning store {path}: {type(err).__name__}: {err}") from None
+    except Exception as err:  # SQLAlchemy/SQLite errors, named with the file; the first line of their text
+        said = str(getattr(err, "orig", None) or err).splitlines()[0]  # SQLAlchemy's adds SQL and a link
+        raise UsageError(f"cannot open the tuning store {path}: {type(err).__name__}: {said}") from None
 
 
 def sampler_and_pruner(config: TuningConfig, asked: int = 0):
@@ -214,7 +215,15 @@ def load_study(name: str, store: str | Path | None = None):
 
 
 def tuning_names(store: str | Path | None = None) -> list[str]:
-    """Every tuning job, newest first."""
+    """Every tuning job, newest first (none where no tuning store exists yet: none is made to list them)."""
+    from ..store import JobStore
+    from ..store.db import default_store_path
+
+    job_store = Path(store) if store else default_store_path()
+    if job_store.exists():
+        JobStore(job_store).close()  # a store that is not one (damaged, another program's) is named first
+    if not storage_path(store).exists():
+        return []
     optuna = _optuna()
     summaries = optuna.study.get_all_study_summaries(storage=storage(store), include_best_trial=False)
     summaries.sort(key=lambda s: s.user_attrs.get(CREATED, 0), reverse=True)

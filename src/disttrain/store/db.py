@@ -124,23 +124,64 @@ def default_store_path() -> Path:
 
 
 class _Connection:
-    """One process's connection to one store file, shared by its JobStores (and their threads)."""
+    """One process's connection to one store file, shared by its JobStores (and their threads).
+
+    A store this process may read but not write (a read-only mount, another user's file) is
+    opened read-only: ``jobs ls`` and ``jobs show`` work, a write says so in one line. A SQLite
+    file of another program is refused before anything is written into it.
+    """
 
     def __init__(self, path: Path) -> None:
         make_private(path)  # job specs hold env values; SQLite gives -wal/-shm the same mode
-        # isolation_level=None: transactions are begun explicitly, and kept short. Threads share
-        # the connection under ``lock`` (a runner's metrics follower writes while the runner does).
-        self.db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
+        self.path, self.read_only = path, False
+        try:
+            self.db = self._connect(str(path))
+            self.db.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.OperationalError:
+            if not path.is_file() or (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
+                raise
+            self.db, self.read_only = self._read_only(path), True
         self.lock = threading.RLock()
         self.users = 0
         try:
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")  # durable at each checkpoint; WAL stays consistent
-            self.db.executescript(_SCHEMA)  # each statement commits on its own; all are idempotent
+            self._refuse_others()
+            if not self.read_only:
+                self.db.execute("PRAGMA synchronous=NORMAL")  # durable at each checkpoint; WAL stays consistent
+                self.db.executescript(_SCHEMA)  # each statement commits on its own; all are idempotent
         except BaseException:
             self.db.close()
             raise
+
+    @staticmethod
+    def _connect(target: str, **kw: Any) -> sqlite3.Connection:
+        # isolation_level=None: transactions are begun explicitly, and kept short. Threads share
+        # the connection under ``lock`` (a runner's metrics follower writes while the runner does).
+        db = sqlite3.connect(target, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False, **kw)
+        db.row_factory = sqlite3.Row
+        return db
+
+    def _read_only(self, path: Path) -> sqlite3.Connection:
+        """``mode=ro``; where not even SQLite's ``-shm`` file can be made beside it, ``immutable``
+        (no locks: nothing can write a file on a read-only mount either)."""
+        from urllib.parse import quote
+
+        for flag in ("mode=ro", "immutable=1"):
+            db = self._connect(f"file:{quote(str(path.resolve()))}?{flag}", uri=True)
+            try:
+                db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                return db
+            except sqlite3.OperationalError:
+                db.close()
+        raise sqlite3.OperationalError("unable to open database file, even to read it")
+
+    def _refuse_others(self) -> None:
+        tables = {row[0] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        columns = {row["name"] for row in self.db.execute("PRAGMA table_info(jobs)")}
+        if tables and not {"name", "state", "created", "spec", "job_dir"} <= columns:
+            shown = ", ".join(sorted(t for t in tables if not t.startswith("sqlite_"))[:5])
+            raise UsageError(f"cannot open the job store {self.path}: it is another program's SQLite database "
+                             f"(tables {shown}), not a disttrain job store; nothing was written to it "
+                             f"(set --store or {STORE_ENV} to a new file)")
 
 
 _OPEN: dict[tuple[int, str], _Connection] = {}  # (pid, real path): a forked child opens its own
@@ -204,6 +245,9 @@ class JobStore:
     def _write(self) -> Iterator[sqlite3.Connection]:
         # IMMEDIATE takes the write lock up front: a read-then-write inside a deferred
         # transaction could fail with SQLITE_BUSY halfway, after the busy timeout is moot.
+        if self._shared.read_only:
+            raise UsageError(f"cannot write the job store {self.path}: it is read-only here (a read-only "
+                             f"folder or file system); set --store or {STORE_ENV} to a writable file")
         with self._shared.lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:

@@ -58,6 +58,7 @@ from ..wire import (
 from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import AgentLauncher, Events, Facts, LaunchContext
 from .elastic import Membership, starting_hosts
+from .rendezvous_store import LauncherStore, launcher_address
 from .flow import run_agents, start, stop
 
 PROBE_TIMEOUT_S = 30
@@ -287,6 +288,7 @@ class SessionLauncher(AgentLauncher):
     def __init__(self) -> None:
         self._sessions: list[ProbeSession] = []
         self._elastic: _ElasticStart | None = None
+        self._store: LauncherStore | None = None  # an elastic job's rendezvous store, held here
 
     @abstractmethod
     def rendezvous(self, spec: LaunchSpec, ctx: LaunchContext) -> tuple[str, int]:
@@ -343,6 +345,9 @@ class SessionLauncher(AgentLauncher):
             raise_on_failure(reach_round(self._sessions, hosts, facts, [a.listen for a in answers]))
         else:
             skip_reach(self._sessions)
+        if spec.elastic:  # the rendezvous store outlives any host: this process holds it (rendezvous_store.py)
+            self._store = LauncherStore(launcher_address(master), port)
+            master, port = self._store.address, self._store.port
         found = Facts(nodes=self.node_facts(spec, ctx, dict(zip(starting, facts))), master_addr=master,
                       master_port=port, where=self.where(facts), forwarded_env=self.forwarded(spec, ctx),
                       node_ranks=tuple(starting) if spec.elastic else None)
@@ -398,6 +403,9 @@ class SessionLauncher(AgentLauncher):
             raise
 
     def close(self) -> None:
-        """End the sessions that never became agents."""
+        """End the sessions that never became agents; stop serving the rendezvous store."""
         close_all(self._sessions)
         self._sessions = []
+        if self._store is not None:
+            self._store.close()
+            self._store = None

@@ -317,7 +317,7 @@ class HangWatch:
         if event.kind is not EventKind.TICK or not self.timeout_s:
             return None
         live = sup.agents.live()
-        if not live or any(row.state is not AgentState.RUNNING or event.at - row.heard > LATE_S for row in live):
+        if not live or any(row.state is AgentState.REGROUPING or event.at - row.heard > LATE_S for row in live):
             return None
         progress = [row.progress for row in live if row.progress is not None]
         if not progress or stalled(max(progress), event.at, self.timeout_s) is None:
@@ -372,6 +372,11 @@ class Supervisor:
                     break
         return decisions
 
+    def late(self, now: float | None = None) -> bool:
+        """Whether a live agent's word is late (:data:`LATE_S`): its ranks' rates say nothing then."""
+        now = self.clock() if now is None else now
+        return any(now - row.heard > LATE_S for row in self.agents.live())
+
     def tick(self) -> list[Decision]:
         return self.handle(Event(EventKind.TICK, at=self.clock()))
 
@@ -387,6 +392,8 @@ class Supervisor:
             return False
         row.heard = max(row.heard, event.at)
         if event.kind is EventKind.HEARD:
+            if event.progress is not None and row.state is AgentState.STARTING:
+                self.agents.move(row.slot, AgentState.RUNNING)  # its ranks move (a job without rounds)
             if event.progress is not None:
                 row.progress = event.progress if row.progress is None else max(row.progress, event.progress)
             if event.steps:

@@ -20,7 +20,6 @@ from disttrain.launch.supervision import (
     Stop,
     Supervisor,
     exit_cause,
-    stalled,
 )
 
 S = AgentState
@@ -263,7 +262,3 @@ def test_a_hang_and_a_loss_at_once_is_the_loss():
     running(sup, clock)
     decisions = advance(sup, clock, 6, progress=False, but=("d",))
     assert [type(d) for d in decisions] == [RegroupWithout] and decisions[0].lost == ("d",)
-
-
-def test_the_stall_rule():
-    assert stalled(100.0, 109.0, 10) is None and stalled(100.0, 110.0, 10) == 10.0 and stalled(0, 1e9, 0) is None

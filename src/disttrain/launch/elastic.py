@@ -75,14 +75,14 @@ class Membership:
 
     def __init__(self, *, hosts: Sequence[str], running: Sequence[int], min_nnodes: int, max_nnodes: int,
                  run_dir: str, join: Callable[[int], subprocess.Popen] | None = None,
-                 own_failure: Callable[[int, int, str], str | None] | None = None,
+                 own_failure: Callable[[int, int, str, float | None], str | None] | None = None,
                  retry_s: float = RETRY_S) -> None:
         self.hosts = tuple(hosts)
         self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.say: Callable[[str], None] = print
         self._record_path = Path(run_dir) / RECORD
         self._join = join
-        self._own_failure = own_failure or (lambda _index, _code, _last: None)
+        self._own_failure = own_failure or (lambda _index, _code, _last, _quiet: None)
         self._retry_s = retry_s
         # The supervisor's admission (room below MAX, a flapping host's backoff over): which of these
         # host names may be tried now; None: all.
@@ -219,15 +219,20 @@ class Membership:
         the changes it follows (not those that came after its start: the next round answers them)."""
         self._round_said = True
         settled = [entry for entry in self._pending if entry[3] <= started]
-        for change, at, formed, _ in settled:
+        # Several changes before one round (a host lost, then back before the round formed): the
+        # round's world is the last one's; the earlier ones are said with it, their counts kept.
+        for change, at, formed, _ in settled[:-1]:
+            self._settle(change, at, None, None, say=False)
+        if settled:
+            change, at, formed, _ = settled[-1]
             self._settle(change, at, formed, trained_at if trained_at is not None else started,
-                         steps=trained_at is not None)
+                         steps=trained_at is not None, earlier=[c for c, *_ in settled[:-1] if c.change != "start"])
         self._pending = [entry for entry in self._pending if entry[3] > started]
         if settled:
             self._write()
 
     def _settle(self, change: Change, at: float, formed: float | None, when: float | None, *,
-                steps: bool = True, say: bool = True) -> None:
+                steps: bool = True, say: bool = True, earlier: Sequence[Change] = ()) -> None:
         attempt = world = None
         if self._round is not None and formed is not None:
             attempt, _, said = self._round
@@ -236,15 +241,15 @@ class Membership:
         done = dataclasses.replace(change, attempt=attempt, world_size=world, resumed_from=self._resumed,
                                    seconds=seconds, regrouped=None if formed is None else round(formed - at, 2))
         self.changes.append(done)
-        if say and change.change != "start":
-            self.say(membership_line(done, steps=steps))
+        if say and (change.change != "start" or earlier):
+            self.say(membership_line(done, steps=steps, earlier=earlier))
 
     # -- hosts that end ---------------------------------------------------------------------
 
-    def why_lost(self, slot: int, code: int, last: str) -> str | None:
+    def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None:
         """Why agent ``slot``, which ended with ``code`` (and ``last`` as its last own line), means its
         host was lost; None: its workers failed (or it finished), which ends the job as usual."""
-        own = self._own_failure(self.agents[slot], code, last)
+        own = self._own_failure(self.agents[slot], code, last, quiet_s)
         if own:
             return own
         killed = exit_cause(code)
@@ -360,9 +365,10 @@ def _dismiss(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def membership_line(change: Change, *, steps: bool = True) -> str:
-    """``disttrain: membership: 10.0.0.3 left (...) -> 2 hosts, world size 4, resumed from step 12, 6.1 s``."""
-    verb = {"left": "left", "joined": "joined"}.get(change.change, change.change)
+def membership_line(change: Change, *, steps: bool = True, earlier: Sequence[Change] = ()) -> str:
+    """``disttrain: membership: 10.0.0.3 left (...) -> 2 hosts, world size 4, resumed from step 12, 6.1 s``;
+    with ``earlier`` changes the same round answers: ``c left (...), then c joined (...) -> ...``."""
+    said = [f"{c.host} {c.change} ({c.why})" for c in (*earlier, change) if c.change != "start"]
     parts = [f"{len(change.hosts)} host{'s' if len(change.hosts) != 1 else ''}"]
     if change.world_size is not None:
         parts.append(f"world size {change.world_size}")
@@ -371,7 +377,7 @@ def membership_line(change: Change, *, steps: bool = True) -> str:
     if change.seconds is not None:
         parts.append(f"training again {change.seconds:.1f} s later" if steps
                      else f"workers started {change.seconds:.1f} s later (the script reports no steps)")
-    return f"disttrain: membership: {change.host} {verb} ({change.why}) -> {', '.join(parts)}"
+    return f"disttrain: membership: {', then '.join(said)} -> {', '.join(parts)}"
 
 
 def load_record(run_dir: str | Path) -> list[dict]:

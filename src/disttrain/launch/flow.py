@@ -41,6 +41,7 @@ from ..wire import (
     Outcome,
     PlanMessage,
     Regroup,
+    StopRequest,
     WireError,
 )
 from .diagnostics import Diagnostics
@@ -211,7 +212,7 @@ class _Solo:
     def agent_line(self, slot: int, line: str) -> bool: return False
     def rank_line(self, text: str) -> None: ...
     def joined(self) -> list[subprocess.Popen]: return []
-    def why_lost(self, slot: int, code: int, last: str) -> str | None: return None
+    def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]: return []
     def ended(self, slot: int) -> None: ...
     def member_hosts(self) -> tuple[str, ...]: return ()
@@ -319,7 +320,7 @@ class _Supervised:
             if self.dumped:
                 self._collect_hang_reports(grace_s=plan.stop_grace_s + 15)
             done.set()
-            stop(self.procs, grace_s=plan.stop_grace_s + 5, stdins=self.stdins)
+            stop(self.procs, grace_s=plan.stop_grace_s + 5, stdins=self.stdins, why=self.why_stop(ended))
         finally:
             done.set()
             self.membership.close()
@@ -327,6 +328,19 @@ class _Supervised:
                 pump.join(timeout=5)
             self.relay.close()
         return self.outcome(ended)
+
+    def why_stop(self, ended: Stop | None) -> str | None:
+        """What an agent still running is told when the launcher stops it."""
+        if self.interrupted:
+            return f"the launcher got {signal.Signals(self.interrupted[0]).name}"
+        if ended is None:
+            return None
+        if ended.slot is not None:
+            row = self.sup.agents[ended.slot]
+            cause = f"{row.host} was lost ({row.why})" if row.state is AgentState.LOST else f"a rank on {row.host} failed"
+            return f"stopped by the launcher: {cause}" + (f", {ended.reason}" if ended.reason == "below the minimum"
+                                                          else "")
+        return f"stopped by the launcher: {ended.reason}"
 
     def outcome(self, ended: Stop | None) -> Outcome:
         summary = self.diag.summary()
@@ -347,12 +361,9 @@ class _Supervised:
         """Until every agent ended well (None), one failed, no rank moved for --hang-timeout (None,
         ``self.dumped``: every agent is asked for its ranks) or a signal came: events in, decisions out."""
         while not self.interrupted:
-            with self.events_lock:
-                events, self.events = self.events, []
-            for event in events:
-                ended = self.act(self.sup.handle(event))
-                if ended is not False:
-                    return ended
+            ended = self._handle_pending()
+            if ended is not False:
+                return ended
             for index, proc in enumerate(self.procs):
                 code = proc.poll()
                 if code is None or self.sup.agents[index].state.final or index in self.recorded:
@@ -361,7 +372,14 @@ class _Supervised:
                     continue  # it reports its ranks, then stops: collected after the watch
                 cause = None
                 if code != 0:
-                    cause = self.membership.why_lost(index, code, _last_line(self.relay, index))
+                    last = _last_line(self.relay, index)
+                    ended = self._handle_pending()  # its last lines, read to the end, are events too
+                    if ended is not False:
+                        return ended
+                    if self.sup.agents[index].state.final:
+                        continue  # judged meanwhile (its silence)
+                    quiet = time.monotonic() - self.sup.agents[index].heard
+                    cause = self.membership.why_lost(index, code, last, quiet)
                 else:
                     self.membership.ended(index)
                 ended = self.act(self.sup.handle(Event(EventKind.EXITED, at=time.monotonic(), slot=index,
@@ -380,6 +398,16 @@ class _Supervised:
                 return None
             time.sleep(0.1)
         return None
+
+    def _handle_pending(self) -> Stop | None | bool:
+        """The events the relay threads posted, in order; the watch's end if one decided it, else False."""
+        with self.events_lock:
+            events, self.events = self.events, []
+        for event in events:
+            ended = self.act(self.sup.handle(event))
+            if ended is not False:
+                return ended
+        return False
 
     def act(self, decisions: list) -> Stop | None | bool:
         """Carry the decisions out; the watch's end (a Stop, or None after a Dump), else False."""
@@ -443,10 +471,14 @@ def _last_line(relay: Relay, index: int) -> str:
     return lines[-1] if lines else ""
 
 
-def stop(procs: list[subprocess.Popen], *, grace_s: float, stdins: Stdins | None = None) -> None:
-    """Close every agent's stdin (it stops its workers), then kill what outlives the grace."""
+def stop(procs: list[subprocess.Popen], *, grace_s: float, stdins: Stdins | None = None,
+         why: str | None = None) -> None:
+    """Close every agent's stdin (it stops its workers; ``why`` first, for its last line), then kill
+    what outlives the grace."""
     stdins = stdins or Stdins()
     for proc in procs:
+        if why and proc.poll() is None:
+            stdins.send(proc, StopRequest(why=why).to_line())
         stdins.close(proc)
     deadline = time.monotonic() + grace_s
     for proc in procs:

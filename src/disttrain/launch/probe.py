@@ -78,9 +78,13 @@ class Transport(ABC):
     def argv(self, command: Sequence[str]) -> list[str]:
         """The local argv that runs ``command`` on the node."""
 
-    def own_failure(self, code: int, last: str) -> str | None:
-        """What the transport itself says went wrong (not the command), if that exit was its own."""
+    def own_failure(self, code: int, last: str, quiet_s: float | None = None) -> str | None:
+        """What the transport itself says went wrong (not the command), if that exit was its own;
+        ``quiet_s``: how long the agent had been silent when it ended (None: unknown)."""
         return None
+
+
+KILLED_QUIET_S = 2.0  # an elastic job's ssh gives up on a connection after 3 s without an answer
 
 
 class SshTransport(Transport):
@@ -93,13 +97,20 @@ class SshTransport(Transport):
     def argv(self, command: Sequence[str]) -> list[str]:
         return ssh_argv(self.host, command, options=self.options, env=self.env)
 
-    def own_failure(self, code: int, last: str) -> str | None:
+    def own_failure(self, code: int, last: str, quiet_s: float | None = None) -> str | None:
         if code != 255:
             return None
         # ssh's own last words, unless it had none (LogLevel=ERROR hides "Timeout, server not
         # responding"): then the last line is the agent's or a worker's, which would mislead.
         ours = last.strip() and not last.lstrip().startswith(("[", "disttrain"))
-        return f"ssh failed: {last.strip() if ours else 'the connection was lost (exit 255)'}"
+        if ours:
+            return f"ssh failed: {last.strip()}"
+        # A lost connection ends ssh only after its keep-alives went unanswered (seconds of silence
+        # from an agent that speaks each second); an agent killed by a signal (ssh exits 255 for a
+        # remote signal too) ends it at once, its last word a moment before.
+        if quiet_s is not None and quiet_s < KILLED_QUIET_S:
+            return "its agent was killed by a signal (ssh exit 255, its connection up)"
+        return "ssh failed: the connection was lost (exit 255)"
 
 
 class SrunTransport(Transport):
@@ -122,7 +133,7 @@ class SrunTransport(Transport):
             argv.append(f"--cpus-per-task={self.cpus}")
         return [*argv, *command]
 
-    def own_failure(self, code: int, last: str) -> str | None:
+    def own_failure(self, code: int, last: str, quiet_s: float | None = None) -> str | None:
         return last if last.startswith("srun: error") else None  # srun's own words, not the command's
 
 
@@ -366,7 +377,7 @@ class SessionLauncher(AgentLauncher):
                 hosts=[t.name for t in start.transports], running=start.facts.node_ranks, run_dir=plan.run_dir,
                 min_nnodes=plan.min_nnodes, max_nnodes=min(plan.nnodes, len(start.transports)),
                 join=lambda index: self._join(start, index, events),
-                own_failure=lambda index, code, last: start.transports[index].own_failure(code, last))
+                own_failure=lambda index, code, last, quiet: start.transports[index].own_failure(code, last, quiet))
         return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript,
                           membership=membership)
 

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..agent.watchdog import stalled
+
 SILENT_S = 5.0  # an agent speaks each second: this long without a word, its host is cut off or stuck
 LATE_S = 2.0  # an agent this long without a word: its ranks' progress is unknown, no hang is judged
 FLAP_WINDOW_S = 60.0  # a host lost within this long of joining is flapping
@@ -326,13 +328,6 @@ class HangWatch:
             sup.agents.move(row.slot, AgentState.HUNG)
         return Dump(slots=tuple(row.slot for row in live),
                     reason=f"no rank on any host progressed for {self.timeout_s:g} s")
-
-
-def stalled(last_progress: float, now: float, timeout_s: float) -> float | None:
-    """The stall rule, the same for a node alone and for the launcher: the seconds since the last
-    progress once they reach the timeout, else None."""
-    quiet = now - last_progress
-    return quiet if timeout_s and quiet >= timeout_s else None
 
 
 # -- the machine -----------------------------------------------------------------------------

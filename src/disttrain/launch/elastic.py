@@ -221,7 +221,7 @@ class Membership:
         settled = [entry for entry in self._pending if entry[3] <= started]
         # Several changes before one round (a host lost, then back before the round formed): the
         # round's world is the last one's; the earlier ones are said with it, their counts kept.
-        for change, at, formed, _ in settled[:-1]:
+        for change, at, _formed, _ in settled[:-1]:
             self._settle(change, at, None, None, say=False)
         if settled:
             change, at, formed, _ = settled[-1]

@@ -58,8 +58,8 @@ from ..wire import (
 from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import AgentLauncher, Events, Facts, LaunchContext
 from .elastic import Membership, starting_hosts
-from .rendezvous_store import LauncherStore, launcher_address
 from .flow import run_agents, start, stop
+from .rendezvous_store import LauncherStore, launcher_address
 
 PROBE_TIMEOUT_S = 30
 

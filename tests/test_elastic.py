@@ -97,7 +97,7 @@ def test_ssh_tells_a_killed_agent_from_a_lost_connection_by_the_silence_before()
     from disttrain.launch.probe import SshTransport
 
     ssh = SshTransport(Host(name="c"))
-    assert ssh.own_failure(255, "", quiet_s=0.4) == "its agent was killed by a signal (ssh exit 255, its connection up)"
+    assert ssh.own_failure(255, "", quiet_s=0.4) == "its agent was killed by a signal: ssh exit 255 with its connection up"
     assert ssh.own_failure(255, "", quiet_s=3.2) == "ssh failed: the connection was lost (exit 255)"
     assert ssh.own_failure(255, "Timeout, server c not responding.", quiet_s=0.4) == \
         "ssh failed: Timeout, server c not responding."
@@ -388,7 +388,7 @@ def test_the_first_host_lost_is_a_loss_like_any_other(cluster4, tmp_path, loss):
     code, err = finish(proc, timeout=300)
     assert code == 0, err[-4000:]
     line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
-    why = "ssh failed: " if loss == "power_off" else "its agent was killed by a signal (ssh exit 255, its connection up)"
+    why = "ssh failed: " if loss == "power_off" else "its agent was killed by a signal: ssh exit 255 with its connection up"
     assert line.startswith(f"disttrain: membership: {hosts[0].ip} left ({why}"), line
     accounting = bench.account(out, 120)
     assert accounting["attempts"][0]["world_size"] == 3

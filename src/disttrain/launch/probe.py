@@ -109,7 +109,7 @@ class SshTransport(Transport):
         # from an agent that speaks each second); an agent killed by a signal (ssh exits 255 for a
         # remote signal too) ends it at once, its last word a moment before.
         if quiet_s is not None and quiet_s < KILLED_QUIET_S:
-            return "its agent was killed by a signal (ssh exit 255, its connection up)"
+            return "its agent was killed by a signal: ssh exit 255 with its connection up"
         return "ssh failed: the connection was lost (exit 255)"
 
 

@@ -102,6 +102,7 @@ def test_fail_fast_stops_at_the_first_failure_and_says_a_lost_host_as_it_was():
     (stop,) = exited(sup, clock, 1, 255, cause="ssh failed: connection lost")
     assert stop == Stop(code=255, reason="ssh failed: connection lost", slot=1)
     assert [r.state for r in sup.agents.rows] == [S.STOPPED, S.LOST, S.STOPPED]
+    assert sup.late()  # the job ended: no rank's rate says anything any more
     assert sup.agents[0].why == "stopped by the launcher: the job ended elsewhere"
     assert sup.agents[1].why == "ssh failed: connection lost"
 
@@ -243,7 +244,9 @@ def test_one_rank_moving_keeps_the_job_alive():
         clock.now += 1
         sup.handle(Event(EventKind.HEARD, at=clock.now, slot=0, progress=clock.now))
         sup.handle(Event(EventKind.HEARD, at=clock.now, slot=1, progress=None))
-        assert sup.tick() == []
+        assert sup.tick() == [] and not sup.late()
+    clock.now += 3  # nobody heard for 3 s: late, no rate judged
+    assert sup.late()
 
 
 def test_a_hang_during_a_regroup_is_no_hang_verdict():

@@ -337,7 +337,8 @@ class _Supervised:
             return None
         if ended.slot is not None:
             row = self.sup.agents[ended.slot]
-            cause = f"{row.host} was lost ({row.why})" if row.state is AgentState.LOST else f"a rank on {row.host} failed"
+            cause = (f"{row.host} was lost ({row.why})" if row.state is AgentState.LOST
+                     else f"the agent on {row.host} failed (exit {ended.code})")
             return f"stopped by the launcher: {cause}" + (f", {ended.reason}" if ended.reason == "below the minimum"
                                                           else "")
         return f"stopped by the launcher: {ended.reason}"

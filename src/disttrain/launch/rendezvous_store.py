@@ -35,17 +35,22 @@ def launcher_address(toward: str) -> str:
 
 
 class LauncherStore:
-    """A torch TCPStore served by this process on every address, port ``port`` (0: any free one)."""
+    """A torch TCPStore served by this process on every address, port ``port`` (0, or ``port`` in use
+    here: any free one)."""
 
     def __init__(self, address: str, port: int) -> None:
         from torch.distributed import TCPStore  # torch only where a store is served
 
+        # A host of the job on this machine holds the port until it has its plan (its probe listened
+        # on it for the reachability round, and keeps it for the node's own use): then any free port.
+        if port and not _free(port):
+            port = 0
         try:
             self._store = TCPStore(address, port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=STORE_TIMEOUT_S))
         except (RuntimeError, OSError) as err:
             raise DisttrainError(f"cannot serve the rendezvous store at {address}:{port} on the launcher's "
-                                 f"machine ({err}); pick another --master-port") from None
+                                 f"machine ({str(err).splitlines()[0]}); pick another --master-port") from None
         self.address, self.port = address, self._store.port
 
     @property
@@ -54,3 +59,14 @@ class LauncherStore:
 
     def close(self) -> None:
         self._store = None  # torch stops its server when the last reference goes
+
+
+def _free(port: int) -> bool:
+    """Whether ``port`` can be listened on here (as torch's store does: every address, address reuse)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+        return True

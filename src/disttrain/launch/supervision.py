@@ -368,9 +368,10 @@ class Supervisor:
         return decisions
 
     def late(self, now: float | None = None) -> bool:
-        """Whether a live agent's word is late (:data:`LATE_S`): its ranks' rates say nothing then."""
+        """Whether the ranks' rates say nothing now: a live agent's word is late (:data:`LATE_S`), or
+        the job ended (the rates of a host lost or stopped are frozen at their last value)."""
         now = self.clock() if now is None else now
-        return any(now - row.heard > LATE_S for row in self.agents.live())
+        return self.ended is not None or any(now - row.heard > LATE_S for row in self.agents.live())
 
     def tick(self) -> list[Decision]:
         return self.handle(Event(EventKind.TICK, at=self.clock()))

@@ -392,7 +392,8 @@ def test_the_first_host_lost_is_a_loss_like_any_other(cluster4, tmp_path, loss):
     assert line.startswith(f"disttrain: membership: {hosts[0].ip} left ({why}"), line
     accounting = bench.account(out, 120)
     assert accounting["attempts"][0]["world_size"] == 3
-    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"] == 0, accounting
+    # none lost; trained twice only the consumed % W a part-way epoch on a new world size repeats
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     record = record_of(tmp_path)
     assert [(c["change"], c["host"], len(c["hosts"])) for c in record[:2]] == [
         ("start", None, 3), ("left", hosts[0].ip, 2)]

@@ -12,7 +12,13 @@ times: all the "hosts" share this machine's clock) under ``disttrain run --hosts
 
 - ``power-off``: its link drops every packet both ways and every process in it dies (no FIN, no
   RST reaches anyone), as when a machine loses power;
-- ``agent-killed``: every process in it dies (its sshd too), the network stays up.
+- ``agent-killed``: every process in it dies (its sshd too), the network stays up;
+- ``store-host-lost``: four namespaces, the first runs only the launcher (a login host) and the job
+  runs on the other three; the first of those -- the host torchrun's c10d store lives on, and
+  disttrain's before the launcher held it -- loses power;
+- ``flapping``: as ``store-host-lost``, but the third host goes down and up every ``--flap-s``
+  seconds from the cut to the job's end: the record's joins, losses and backoffs, and the job's
+  training time against a run without the flaps (``--kinds`` with ``none`` measures that).
 
 Measured per trial, from the wall-clock stamps of the launcher's record (``membership.json``)
 and the workers' logs: **detection** (the cut to the launcher's verdict), **rendezvous** (the
@@ -54,7 +60,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "scripts" / "elastic_train.py"
-KINDS = ("power-off", "agent-killed")
+KINDS = ("power-off", "agent-killed", "store-host-lost", "flapping")
+LAUNCHER_ONLY = ("store-host-lost", "flapping", "none")  # node0 runs only the launcher
 SNAPSHOT_MODES = ("none", "memory", "shm", "peer", "disk")
 
 
@@ -149,25 +156,31 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def start_disttrain(cluster, out: Path, ckpt: Path, args, log: Path) -> subprocess.Popen:
-    hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
+def job_nodes(cluster, kind: str) -> list:
+    """The hosts the job runs on: all, or all but node0 (which then runs only the launcher)."""
+    return cluster.nodes[1:] if kind in LAUNCHER_ONLY else cluster.nodes
+
+
+def start_disttrain(cluster, out: Path, ckpt: Path, args, log: Path, kind: str = "power-off") -> subprocess.Popen:
+    hosts = ",".join(f"root@{node.ip}" for node in job_nodes(cluster, kind))
     argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "--nnodes", "2:3", "-n", "1",
             "--log-dir", str(log.parent / "run"), *cluster.cli_ssh_args(), *job_args(out, ckpt, args)]
     return cluster.popen_in("node0", argv, cwd=ROOT, env=worker_env(), stdout=subprocess.DEVNULL,
                             stderr=open(log, "w"), stdin=subprocess.DEVNULL)
 
 
-def start_torchrun(cluster, out: Path, ckpt: Path, args, log: Path) -> list[subprocess.Popen]:
+def start_torchrun(cluster, out: Path, ckpt: Path, args, log: Path, kind: str = "power-off") -> list[subprocess.Popen]:
     """torchrun on each host, the by-hand recipe of PyTorch's docs (each node its address and
     interface, node 0 hosting the c10d store), torch's defaults otherwise."""
-    master = cluster.nodes[0].ip
+    nodes = job_nodes(cluster, kind)
+    master = nodes[0].ip
     procs = []
-    for node in cluster.nodes:
+    for node in nodes:
         remote = ["env", f"PYTHONPATH={ROOT / 'src'}", "OMP_NUM_THREADS=1", "GLOO_SOCKET_IFNAME=eth1",
                   sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:29400", "--rdzv-id", "bench",
                   "--max-restarts", "3", "--local-addr", node.ip,
-                  *(["--rdzv-conf", "is_host=1"] if node.index == 0 else []), *job_args(out, ckpt, args)]
+                  *(["--rdzv-conf", "is_host=1"] if node is nodes[0] else []), *job_args(out, ckpt, args)]
         argv = cluster.ssh_argv(node.name, *remote, options=["-tt"])  # -tt: the remote tree dies with ssh
         with open(log.with_suffix(f".{node.name}"), "w") as out:  # -tt merges the remote stderr into stdout
             procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=out, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT))
@@ -175,13 +188,34 @@ def start_torchrun(cluster, out: Path, ckpt: Path, args, log: Path) -> list[subp
 
 
 def cut(cluster, kind: str) -> float:
-    """Cut off node2; the wall-clock time of the cut."""
+    """Cut off the kind's host (node2; node1, the store's host; node3, the flapping one); the
+    wall-clock time of the cut."""
     at = time.time()
     if kind == "power-off":
         cluster.power_off("node2")
-    else:
+    elif kind == "agent-killed":
         cluster.kill_all("node2", include_sshd=True, grace=0)
+    elif kind == "store-host-lost":
+        cluster.power_off("node1")
+    elif kind == "flapping":
+        cluster.power_off("node3")
     return at
+
+
+def flap(cluster, procs, args) -> int:
+    """node3 up and down every --flap-s seconds while the job runs (it is down at the call); the flaps."""
+    flaps, up = 0, False
+    while any(p.poll() is None for p in procs[:1]):
+        deadline = time.monotonic() + args.flap_s
+        while time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.2)
+        if up:
+            cluster.power_off("node3")
+            flaps += 1
+        else:
+            cluster.power_on("node3")
+        up = not up
+    return flaps
 
 
 def parts(out: Path, record: list[dict] | None, cut_at: float) -> dict:
@@ -221,8 +255,9 @@ def trial(cluster, kind: str, launcher: str, args, work: Path) -> dict:
     for path in (out, ckpt):
         shutil.rmtree(path, ignore_errors=True)
     out.mkdir(parents=True)
-    procs = ([start_disttrain(cluster, out, ckpt, args, log)] if launcher == "disttrain"
-             else start_torchrun(cluster, out, ckpt, args, log))
+    procs = ([start_disttrain(cluster, out, ckpt, args, log, kind)] if launcher == "disttrain"
+             else start_torchrun(cluster, out, ckpt, args, log, kind))
+    began = time.time()
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):
         if complete_checkpoints(ckpt) and step_of(out) >= args.cut_after:
@@ -234,21 +269,30 @@ def trial(cluster, kind: str, launcher: str, args, work: Path) -> dict:
         return {"kind": kind, "launcher": launcher, "error": "no checkpoint before the cut: " + log.read_text()[-2000:]}
     cut_step = step_of(out)
     cut_at = cut(cluster, kind)
+    flaps = flap(cluster, procs, args) if kind == "flapping" and launcher == "disttrain" else None
     cap = time.monotonic() + (args.torchrun_cap if launcher == "torchrun" else args.run_timeout)
     while time.monotonic() < cap and any(p.poll() is None for p in procs[:2]):
         time.sleep(0.2)
+    ended = time.time()
     exit_codes = [p.poll() for p in procs]
     for p in procs:
         if p.poll() is None:
             p.kill()
             p.wait()
-    for node in cluster.nodes[:2]:
-        cluster.kill_all(node, grace=1)
+    for node in cluster.nodes:
+        if node.name != "node2" or kind not in ("power-off", "agent-killed"):
+            cluster.kill_all(node, grace=1)
     record = None
     if (work / "run" / "membership.json").is_file():
         record = json.loads((work / "run" / "membership.json").read_text())
     result = {"kind": kind, "launcher": launcher, "exit": exit_codes[0], "cut_after_step": cut_step,
-              **parts(out, record, cut_at), "accounting": account(out, args.samples)}
+              **parts(out, record, cut_at), "accounting": account(out, args.samples),
+              "job_s": round(ended - began, 1)}
+    if flaps is not None:  # what the flapping host cost: its admissions, losses and backoffs
+        result["flaps"] = flaps
+        result["joined"] = sum(c["change"] == "joined" for c in record or ())
+        result["left"] = sum(c["change"] == "left" for c in record or ())
+        result["backoffs_s"] = [c.get("backoff") for c in record or () if c["change"] == "left"]
     if launcher == "disttrain":
         line = next((ln for ln in log.read_text().splitlines() if "disttrain: membership:" in ln), None)
         result["membership_line"] = line
@@ -350,6 +394,7 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=180)
     parser.add_argument("--run-timeout", type=float, default=300)
     parser.add_argument("--torchrun-cap", type=float, default=120)
+    parser.add_argument("--flap-s", type=float, default=10, help="the flapping host's period up, then down")
     parser.add_argument("--snapshot", action="store_true", help="also measure the per-step cost of snapshots")
     parser.add_argument("--snapshot-only", action="store_true")
     parser.add_argument("--snapshot-mb", type=float, default=16)
@@ -374,7 +419,9 @@ def main() -> int:
             for n in range(args.trials):
                 for kind in args.kinds.split(","):
                     for launcher in args.launchers.split(","):
-                        with Cluster(3, bridge=True) as cluster:
+                        if kind == "flapping" and launcher != "disttrain":
+                            continue  # torchrun admits nothing back: no flap to measure
+                        with Cluster(4 if kind in LAUNCHER_ONLY else 3, bridge=True) as cluster:
                             res = trial(cluster, kind, launcher, args, work / f"{launcher}-{kind}-{n}")
                         res["load"] = os.getloadavg()[0]
                         print(json.dumps(res), file=sys.stderr, flush=True)
@@ -394,7 +441,7 @@ def summarize(trials: list[dict]) -> dict:
     """Medians per kind and launcher; disttrain's total over torchrun's (capped) in the same run."""
     out: dict = {}
     keys = ("detection_s", "rendezvous_s", "worker_start_s", "torch_import_s", "checkpoint_load_s", "first_step_s",
-            "total_s")
+            "total_s", "job_s")
     for kind in {t["kind"] for t in trials}:
         for launcher in {t["launcher"] for t in trials}:
             runs = [t for t in trials if t["kind"] == kind and t["launcher"] == launcher and "error" not in t]

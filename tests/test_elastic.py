@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.config.launch import LaunchSpec
-from disttrain.launch.elastic import Change, Membership, membership_line, starting_hosts, stopped_by_signal
+from disttrain.launch.elastic import Change, Membership, membership_line, starting_hosts
 from disttrain.plan.launch import NodeFacts, make_plan
 from disttrain.wire import AttemptStarted, Beats, HostFacts
 from rig import cluster_fixture
@@ -67,7 +67,7 @@ def test_hosts_that_fail_the_preflight_wait_while_the_others_start():
     assert starting == [0, 1, 2] and "a spare" in waiting[3]
 
 
-def test_fewer_than_min_or_no_master_is_the_first_failure():
+def test_fewer_than_min_is_the_first_failure_and_no_host_is_required():
     from disttrain.config.hosts import Host
     from disttrain.errors import DisttrainError
 
@@ -75,21 +75,57 @@ def test_fewer_than_min_or_no_master_is_the_first_failure():
     with pytest.raises(DisttrainError, match="Connection refused"):
         starting_hosts(hosts, [facts("10.0.0.1"), DisttrainError("b: Connection refused"), DisttrainError("c: down")],
                        master_port=29500, min_nnodes=2, max_nnodes=3)
-    with pytest.raises(DisttrainError, match="a: down"):  # the first host hosts the rendezvous
-        starting_hosts(hosts, [DisttrainError("a: down"), facts("10.0.0.2"), facts("10.0.0.3")],
-                       master_port=29500, min_nnodes=2, max_nnodes=3)
+    # the launcher holds the rendezvous: the first host may be the one that is down
+    starting, waiting = starting_hosts(hosts, [DisttrainError("a: down"), facts("10.0.0.2"), facts("10.0.0.3")],
+                                       master_port=29500, min_nnodes=2, max_nnodes=3)
+    assert starting == [1, 2] and waiting == {0: "a: down"}
 
 
 def test_an_agent_stopped_from_outside_is_a_lost_host_and_a_failure_is_not():
-    assert stopped_by_signal(137) == "SIGKILL" and stopped_by_signal(-9) == "SIGKILL"
-    assert stopped_by_signal(143) == "SIGTERM" and stopped_by_signal(1) is None and stopped_by_signal(139) is None
     m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=2, max_nnodes=3, run_dir="/nonexistent",
-                   own_failure=lambda i, code, last: f"ssh failed: {last}" if code == 255 else None)
+                   own_failure=lambda i, code, last, quiet: f"ssh failed: {last}" if code == 255 else None)
     m.agent_line(1, AttemptStarted(host="b", attempt=0, nodes=3, world_size=3, ranks=(1,)).to_line())
     assert m.why_lost(2, 255, "Timeout, server c not responding.") == "ssh failed: Timeout, server c not responding."
     assert m.why_lost(1, 137, "") == "its agent was killed by SIGKILL"
     assert m.why_lost(1, 1, "disttrain: rank 1 on b exited with code 1") is None  # its workers failed
     assert "before joining a round: no route" in m.why_lost(0, 1, "no route")  # never got that far
+
+
+def test_ssh_tells_a_killed_agent_from_a_lost_connection_by_the_silence_before():
+    """ssh exits 255 for both; a lost connection only after its keep-alives went unanswered."""
+    from disttrain.config.hosts import Host
+    from disttrain.launch.probe import SshTransport
+
+    ssh = SshTransport(Host(name="c"))
+    assert ssh.own_failure(255, "", quiet_s=0.4) == "its agent was killed by a signal: ssh exit 255 with its connection up"
+    assert ssh.own_failure(255, "", quiet_s=3.2) == "ssh failed: the connection was lost (exit 255)"
+    assert ssh.own_failure(255, "Timeout, server c not responding.", quiet_s=0.4) == \
+        "ssh failed: Timeout, server c not responding."
+    assert ssh.own_failure(1, "", quiet_s=0.4) is None
+
+
+def test_changes_one_round_answers_are_said_together_with_consistent_counts(tmp_path):
+    """A host lost, then back before the next round formed: one line, each entry's count its own."""
+    said = []
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path))
+    m.start(said.append)
+    started = lambda attempt, world: AttemptStarted(host="a", attempt=attempt, nodes=world, world_size=world,  # noqa: E731
+                                                    ranks=(0,)).to_line()
+    m.agent_line(0, started(0, 3))
+    m.agent_line(0, Beats(host="a", ranks={0: (3, 0.0)}).to_line())
+    m.leave(2, "its agent was killed by SIGKILL")
+    m._joined.put((2, object()))  # c answered again before the round formed
+    assert len(m.joined()) == 1
+    m.agent_line(0, started(1, 3))
+    m.agent_line(0, Beats(host="a", ranks={0: (1, 0.0)}).to_line())
+    m.rank_line("disttrain: resuming from step 12 in /ckpt (epoch 0, after 4 of its steps)")
+    m.poll()
+    assert said[-1].startswith("disttrain: membership: c left (its agent was killed by SIGKILL), then c joined "
+                               "(it answered again) -> 3 hosts, world size 3, resumed from step 12"), said
+    m.close()
+    record = json.loads((tmp_path / "membership.json").read_text())
+    assert [(c["change"], len(c["hosts"]), c["world_size"]) for c in record] == [
+        ("start", 3, 3), ("left", 2, None), ("joined", 3, 3)]
 
 
 def test_membership_says_each_change_when_the_next_round_trains(tmp_path):
@@ -101,7 +137,7 @@ def test_membership_says_each_change_when_the_next_round_trains(tmp_path):
     assert m.agent_line(0, started(0, 3))
     m.agent_line(0, Beats(host="a", ranks={0: (3, 0.0)}).to_line())  # round 0 trains: the start is settled
     assert said == []
-    assert m.leave(2, "ssh failed: Timeout") == [0, 1] and m.below_min() is None
+    assert m.leave(2, "ssh failed: Timeout") == [0, 1]
     assert said[-1].startswith("disttrain: lost c (ssh failed: Timeout): the other 2 host(s) regroup")
     m.agent_line(0, Beats(host="a", ranks={0: (9, 0.0)}).to_line())  # the old round still beating: not yet
     assert len(said) == 1
@@ -118,11 +154,6 @@ def test_membership_says_each_change_when_the_next_round_trains(tmp_path):
     assert [(c["change"], c["host"], c["world_size"], c["resumed_from"], c["hosts"]) for c in record] == [
         ("start", None, 3, None, ["a", "b", "c"]), ("left", "c", 2, 12, ["a", "b"])]
     assert record[1]["seconds"] >= record[1]["regrouped"] >= 0
-    # one more host lost: below MIN, the block names the hosts lost
-    m.leave(1, "its agent was killed by SIGKILL")
-    block = m.below_min()
-    assert block.startswith("disttrain: 1 host(s) left, below the minimum of --nnodes 2:3")
-    assert "c: ssh failed: Timeout; b: its agent was killed by SIGKILL" in block
 
 
 def test_agents_are_slots_and_hosts_keep_their_place(tmp_path):
@@ -167,7 +198,8 @@ def test_an_elastic_plan_keeps_its_range_and_each_host_its_place():
     assert plan.nodes[1].env["DISTTRAIN_HEARTBEAT_DIR"] == "/r/heartbeat/node2"
     from disttrain.agent.elastic_config import ELASTIC_RDZV_CONF, rdzv_configs
 
-    assert rdzv_configs(plan, plan.nodes[0]) == {"join_timeout": 120, "is_host": True, **ELASTIC_RDZV_CONF}
+    # the launcher holds the store: no node hosts it, node 0 included
+    assert rdzv_configs(plan, plan.nodes[0]) == {"join_timeout": 120, "is_host": False, **ELASTIC_RDZV_CONF}
     assert rdzv_configs(plan, plan.nodes[1])["is_host"] is False
     user = make_plan(spec.__class__(**{**spec.__dict__, "rdzv_conf": {"last_call_timeout": "7"}}), nodes,
                      python="/py", master_port=29500, run_id="r", run_dir="/r", inherited_env={}, node_ranks=(0, 2))
@@ -213,10 +245,12 @@ slurm3 = slurm_fixture(3, scope="function", name="slurm3")
 JOB = ["--samples", "120", "--epochs", "2", "--batch-size", "2", "--every", "4", "--pause", "0.2"]
 
 
-def start_job(cluster, tmp_path: Path, *extra: str, nnodes: str = "2:3") -> tuple[subprocess.Popen, Path, Path]:
+def start_job(cluster, tmp_path: Path, *extra: str, nnodes: str = "2:3", hosts=None) -> tuple[subprocess.Popen, Path, Path]:
+    """The job, launched from node0; on every node of the cluster, or on ``hosts`` (node0 then runs
+    only the launcher, as a login host does)."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir()
-    hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
+    hosts = ",".join(f"root@{node.ip}" for node in (hosts or cluster.nodes))
     argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "--nnodes", nnodes, "-n", "1",
             "--log-dir", str(tmp_path / "run"), *cluster.cli_ssh_args(), *extra, str(WORKER), "--out", str(out), "--ckpt", str(ckpt),
             *JOB]
@@ -317,6 +351,62 @@ def test_a_plain_torchrun_script_restarts_the_same_way(cluster3, tmp_path):
     worlds = [world for _, world, _, _ in rows]
     assert worlds[0] == 3 and worlds[-1] == 2 and sorted({step for *_, step in rows}) == list(range(40))
     cluster3.assert_nothing_left()
+
+
+cluster4 = cluster_fixture(4, name="cluster4", bridge=True)
+
+
+def agent_of(cluster, node) -> int:
+    """The pid of the disttrain agent on ``node`` (its python process whose parent is not one)."""
+    import psutil
+
+    for pid in cluster.processes_in(node):
+        try:
+            proc = psutil.Process(pid)
+            if "run_module('disttrain'" in " ".join(proc.cmdline()) and "python" not in proc.parent().name():
+                return pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no agent on {node}")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("loss", ["power_off", "agent_killed"])
+def test_the_first_host_lost_is_a_loss_like_any_other(cluster4, tmp_path, loss):
+    """node0 runs only the launcher, which holds the rendezvous store; the first host, once the
+    store's, goes (powered off, or its agent SIGKILLed): the other two go on, no sample lost."""
+    import os
+    import signal
+
+    hosts = cluster4.nodes[1:]
+    proc, out, ckpt = start_job(cluster4, tmp_path, hosts=hosts)
+    wait_for(proc, lambda: bench.complete_checkpoints(ckpt) and bench.step_of(out) >= 6, timeout=240)
+    if loss == "power_off":
+        cluster4.power_off(hosts[0])
+    else:
+        os.kill(agent_of(cluster4, hosts[0]), signal.SIGKILL)
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
+    why = "ssh failed: " if loss == "power_off" else "its agent was killed by a signal: ssh exit 255 with its connection up"
+    assert line.startswith(f"disttrain: membership: {hosts[0].ip} left ({why}"), line
+    accounting = bench.account(out, 120)
+    assert accounting["attempts"][0]["world_size"] == 3
+    # none lost; trained twice only the consumed % W a part-way epoch on a new world size repeats
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
+    record = record_of(tmp_path)
+    assert [(c["change"], c["host"], len(c["hosts"])) for c in record[:2]] == [
+        ("start", None, 3), ("left", hosts[0].ip, 2)]
+    # the counts agree: each round's world is its hosts (one worker each); the last is the last round's
+    worlds = [(c["world_size"], len(c["hosts"])) for c in record if c["world_size"] is not None]
+    assert all(world == count for world, count in worlds) and worlds[-1][0] == accounting["attempts"][-1]["world_size"]
+    if loss == "power_off":  # it stays down: the job ends on the other two
+        assert len(record) == 2 and record[1]["world_size"] == 2
+    else:  # its host still answers: it is admitted again
+        assert record[-1]["change"] == "joined" and record[-1]["host"] == hosts[0].ip
+    print(f"recovery ({loss}): {record[1]['seconds']} s (noticed {record[1]['noticed']} s, "
+          f"regrouped {record[1]['regrouped']} s); {line}")
+    cluster4.assert_nothing_left()
 
 
 @pytest.mark.timeout(300)

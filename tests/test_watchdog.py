@@ -12,7 +12,7 @@ import pytest
 
 from conftest import SCRIPTS, assert_all_gone, cli_env, descendants
 from disttrain.agent.stacks import where
-from disttrain.agent.watchdog import HANG_EXIT, Beat, stalled_for
+from disttrain.agent.watchdog import HANG_EXIT, Beat, freshest, stalled
 
 SLEEP_LINE = next(i for i, line in enumerate((SCRIPTS / "hang_rank1.py").read_text().splitlines(), 1)
                   if "time.sleep(600)" in line)
@@ -59,8 +59,9 @@ def test_where_names_the_innermost_frame_and_the_call_site():
 
 def test_stall_is_measured_from_the_freshest_rank():
     beats = [Beat(0, 1, Path("a"), 100.0), Beat(1, 2, Path("b"), 130.0)]
-    assert stalled_for(beats, 140.0) == 10.0
-    assert stalled_for([], 140.0) == 0.0  # nobody beat yet: not armed
+    assert stalled(freshest(beats), 140.0, 10) == 10.0 and stalled(freshest(beats), 139.0, 10) is None
+    assert freshest([]) is None  # nobody beat yet: not armed
+    assert stalled(0.0, 1e9, 0) is None  # no --hang-timeout: never
 
 
 @pytest.mark.timeout(90)

@@ -32,6 +32,7 @@ agent.hang         HangReport       agent -> launcher (stderr): its ranks at a h
 agent.failed       RankFailed       agent -> launcher (stderr): its first failed rank, timed on its worker
 agent.done         NodeDone         agent -> launcher (stderr) -> every other agent (stdin): its ranks exited 0
 agent.regroup      Regroup          launcher -> agent (stdin): hosts were lost, join the next round
+agent.stop         StopRequest      launcher -> agent (stdin), before EOF: why the job stops
 agent.attempt      AttemptStarted   agent -> launcher (stderr): a round's workers are starting
 launch.outcome     Outcome          how a launch ended (a batch step's, read by the submitter)
 slurm.batch_step   BatchStep        submitter -> the batch job's batch step (its environment)
@@ -372,6 +373,16 @@ class Regroup(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StopRequest(Message):
+    """The launcher stops this node (its stdin closes next): ``why``, for the node's last line --
+    not "got SIGTERM", which reads as if the user had sent it."""
+
+    kind: ClassVar[str] = "agent.stop"
+
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class AttemptStarted(Message):
     """An elastic node's agent, after each rendezvous round, as its workers start: the launcher
     learns each round's world (which the rendezvous, not the launcher, decided)."""
@@ -563,5 +574,5 @@ class InstanceEnv(Message):
 
 MESSAGES: dict[str, type[Message]] = {m.kind: m for m in (
     ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Alive, Beats, HangReport, NodeDone,
-    Regroup, AttemptStarted, Outcome, BatchStep, BatchStepEnded,
+    Regroup, StopRequest, AttemptStarted, Outcome, BatchStep, BatchStepEnded,
     RunClient, JobClient, RunSpec, FitRequest, SyncOffer, SyncWanted, InstanceEnv)}

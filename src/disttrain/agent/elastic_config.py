@@ -35,9 +35,10 @@ def rdzv_configs(plan: LaunchPlan, node: NodePlan, *, hosts_store: Callable[[str
     conf: dict = {"join_timeout": plan.rdzv_timeout_s}
     if plan.rdzv_backend == "c10d":
         # c10d guesses whether it hosts the store from the host name, which resolves to 127.0.0.1
-        # on many machines. A launcher that placed every node knows (node 0); a node started by
-        # hand looks at its own addresses.
-        is_host = hosts_store(plan.master_addr) if plan.by_hand else node.node_rank == 0
+        # on many machines. A launcher that placed every node knows: node 0 -- or nobody, for an
+        # elastic range, whose store the launcher holds (launch/rendezvous_store.py); a node
+        # started by hand looks at its own addresses.
+        is_host = hosts_store(plan.master_addr) if plan.by_hand else node.node_rank == 0 and not plan.elastic
         if is_host is not None:
             conf["is_host"] = is_host
         if plan.elastic and not plan.by_hand:

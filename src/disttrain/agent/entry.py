@@ -46,6 +46,7 @@ from ..wire import (
     PlanMessage,
     ProbeFacts,
     Regroup,
+    StopRequest,
     WireError,
     one_of,
 )
@@ -166,7 +167,7 @@ def serve(message: PlanMessage, lines: Lines, *, signalled_by: int | None = None
     link = LauncherLink()
     log = node_log(plan.run_dir, message.node_rank)
     watch_stdin(lines, lambda line: _request(line, link), signalled_by=signalled_by,
-                host=nodes[0].name, grace_s=plan.stop_grace_s, log=log)
+                host=nodes[0].name, grace_s=plan.stop_grace_s, log=log, on_stop=link.stopping)
     return run_node(plan, nodes[0], link=link)
 
 
@@ -177,9 +178,9 @@ def node_log(run_dir: str, node_rank: int) -> Path:
 
 def _request(line: bytes, link: LauncherLink) -> None:
     """A line from the launcher after the plan: the keep-alive, the dump request, another node done,
-    an elastic job's regroup."""
+    an elastic job's regroup, why the job stops."""
     try:
-        request = one_of(line, Alive, DumpRequest, NodeDone, Regroup)
+        request = one_of(line, Alive, DumpRequest, NodeDone, Regroup, StopRequest)
     except WireError as err:
         print(f"disttrain: warning: ignored a line from the launcher: {err}", file=sys.stderr, flush=True)
         return
@@ -189,12 +190,15 @@ def _request(line: bytes, link: LauncherLink) -> None:
         link.peer_done(request)
     elif isinstance(request, Regroup):
         link.regroups.request(request.lost)
+    elif isinstance(request, StopRequest):
+        link.stopping(request.why)
 
 
 def watch_stdin(lines: Lines, on_line: Callable[[bytes], None], *, signalled_by: int | None, host: str,
-                grace_s: float, log: Path | None = None, cut_off_s: float = CUT_OFF_S) -> None:
+                grace_s: float, log: Path | None = None, cut_off_s: float = CUT_OFF_S,
+                on_stop: Callable[[str], None] = lambda why: None) -> None:
     """In daemon threads: each line to ``on_line``; at EOF, or after ``cut_off_s`` without a line,
-    stop this node, with a deadline.
+    stop this node, with a deadline; ``on_stop`` hears why first (the node's last line says it).
 
     ssh/srun give the agent the launcher's pipe as stdin: EOF means the launcher is gone or
     wants us to stop. A launcher cut off by the network sends nothing at all, not even EOF
@@ -206,9 +210,10 @@ def watch_stdin(lines: Lines, on_line: Callable[[bytes], None], *, signalled_by:
     heard = [time.monotonic()]
     stopping = threading.Lock()
 
-    def stop(kill_self: bool, why: str | None) -> None:
+    def stop(kill_self: bool, why: str | None, reason: str) -> None:
         if not stopping.acquire(blocking=False):
             return  # the other thread is stopping the node already
+        on_stop(reason)
         if why:
             _note(why, log)
         if kill_self:
@@ -227,7 +232,8 @@ def watch_stdin(lines: Lines, on_line: Callable[[bytes], None], *, signalled_by:
         # A launcher that died has had the kernel send us SIGTERM already (PR_SET_PDEATHSIG).
         # A second one, landing while torch's agent stops the workers, cuts that short and can
         # leave it waiting at exit for log tailers that were never stopped: one signal only.
-        stop(signalled_by is None or not parent_gone(signalled_by), None)
+        gone = signalled_by is not None and parent_gone(signalled_by)
+        stop(not gone, None, "its launcher is gone" if gone else "the launcher stopped the job")
 
     def listen() -> None:
         while True:
@@ -236,7 +242,7 @@ def watch_stdin(lines: Lines, on_line: Callable[[bytes], None], *, signalled_by:
             if silent >= cut_off_s:
                 stop(True, f"disttrain: the agent on {host} heard nothing from its launcher for {silent:.0f} s "
                            "(the connection to it is lost: a network dropped, or its host is down); stopping "
-                           "this node's workers")
+                           "this node's workers", f"cut off from its launcher ({silent:.0f} s without a word)")
                 return
 
     threading.Thread(target=watch, name="stdin-watch", daemon=True).start()

@@ -25,8 +25,14 @@ PEER_NEWS_WAIT_S = 2.0  # how long a failure that lost a peer waits for the news
 
 
 class LauncherLink:
+    """The node's role under a launcher (``disttrain agent``): its progress goes up, the launcher
+    judges hangs and regroups; :class:`Standalone` is the role with no launcher above."""
+
+    linked = True
+
     def __init__(self) -> None:
         self.dog: Watchdog | None = None
+        self.stop_reason: str | None = None  # why the launcher stopped this node, once it did
         self._done: dict[int, str] = {}  # rank -> host: ranks of other nodes that exited 0
         self._news = threading.Event()
         self.regroups = Regroups()  # an elastic job's: the launcher's news of hosts lost
@@ -34,6 +40,13 @@ class LauncherLink:
     def send(self, line: str) -> None:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
+
+    say = send  # a line for the user: the launcher relays it
+
+    def stopping(self, why: str) -> None:
+        """The launcher stopped this node (closed its stdin, or fell silent): said so at the end,
+        not as a signal the user might think they sent."""
+        self.stop_reason = self.stop_reason or why
 
     def dump(self) -> None:
         if self.dog is not None:
@@ -65,3 +78,32 @@ class LauncherLink:
                     link.send(NodeDone(host=host, ranks=ranks()).to_line())
 
         metrics.configure(Succeeded(), "torchelastic")
+
+
+class Standalone:
+    """A node with no launcher above it (the local launcher runs it in its own process): it judges
+    its hangs itself (its watchdog), says its lines on stderr, and hears of no other node."""
+
+    linked = False
+
+    def __init__(self) -> None:
+        self.dog: Watchdog | None = None
+        self.stop_reason: str | None = None
+        self.regroups = Regroups()  # nobody requests one
+
+    def send(self, line: str) -> None:
+        """A message for a launcher: there is none."""
+
+    def say(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def dump(self) -> None: ...
+
+    def done_elsewhere(self, *, wait: bool) -> tuple[tuple[int, str], ...]:
+        return ()
+
+    def watch_success(self, host: str, ranks: Callable[[], tuple[int, ...]], role: str) -> None:
+        """No other node to tell."""
+
+
+Role = LauncherLink | Standalone

@@ -33,7 +33,7 @@ from .cgroup import Container
 from .elastic_config import endpoint, launch_config
 from .exit_abort import aborts_after_return
 from .exit_grace import exits_awaited
-from .link import LauncherLink
+from .link import Role, Standalone
 from .oom import OomWatch
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
@@ -142,36 +142,33 @@ def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailur
     return failures
 
 
-def _elastic(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None) -> contextlib.AbstractContextManager:
+def _elastic(plan: LaunchPlan, node: NodePlan, link: Role) -> contextlib.AbstractContextManager:
     """With ``--nnodes MIN:MAX``, torch's agent that regroups and numbers rounds (see elastic_agent)."""
     if not plan.elastic:
         return contextlib.nullcontext([])
 
     def on_attempt(attempt: int, group) -> None:
-        if link is not None:
-            link.send(AttemptStarted(host=node.name, attempt=attempt, nodes=group.group_world_size,
-                                     world_size=group.workers[0].world_size,
-                                     ranks=tuple(w.global_rank for w in group.workers)).to_line())
+        link.send(AttemptStarted(host=node.name, attempt=attempt, nodes=group.group_world_size,
+                                 world_size=group.workers[0].world_size,
+                                 ranks=tuple(w.global_rank for w in group.workers)).to_line())
 
-    regroups = link.regroups if link is not None else elastic_agent.Regroups()
-    return elastic_agent.installed(regroups=regroups, on_attempt=on_attempt)
+    return elastic_agent.installed(regroups=link.regroups, on_attempt=on_attempt)
 
 
 @contextlib.contextmanager
-def _watchdog(plan: LaunchPlan, node: NodePlan, link: LauncherLink | None, attempt: Attempt,
+def _watchdog(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt,
               sockets: str | None) -> Iterator[Watchdog | None]:
-    if link is None and not plan.hang_timeout_s:
+    """Alone, the node judges its hangs (under --hang-timeout); linked, it reports its ranks' progress."""
+    if not link.linked and not plan.hang_timeout_s:
         yield None
         return
-    say = (lambda line: print(line, file=sys.stderr, flush=True)) if link is None else link.send
-    recorders = flight.Recorders(sockets, plan.dist_backend, hang_timeout_s=plan.hang_timeout_s, say=say) \
+    recorders = flight.Recorders(sockets, plan.dist_backend, hang_timeout_s=plan.hang_timeout_s, say=link.say) \
         if sockets else None
     # SIGTERM to ourselves: torch's agent then stops the workers as on any stop request.
     with Watchdog(node.env[HEARTBEAT_DIR], plan.hang_timeout_s, node.name,
                   on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM), attempt=attempt, recorders=recorders,
-                  dist_backend=plan.dist_backend, report_to_launcher=None if link is None else link.send) as dog:
-        if link is not None:
-            link.dog = dog
+                  dist_backend=plan.dist_backend, report_to_launcher=link.send if link.linked else None) as dog:
+        link.dog = dog
         yield dog
 
 
@@ -202,8 +199,10 @@ def _recorder_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | N
 
 
 def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr,
-             link: LauncherLink | None = None) -> int:
-    """Start, watch and stop this node's workers; return the exit code for the launcher."""
+             link: Role | None = None) -> int:
+    """Start, watch and stop this node's workers; return the exit code for the launcher. ``link``:
+    the node's role under a launcher; None: alone (:class:`~disttrain.agent.link.Standalone`)."""
+    link = link or Standalone()
     say = lambda line: print(line, file=report_to, flush=True)  # noqa: E731
     config = launch_config(plan, node, cuda_devices=_cuda_devices(), prefix=line_prefix(plan, node), say=say)
     _quiet_torch_elastic()
@@ -232,7 +231,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(stores, attempt, group)
-        if link is not None and plan.nnodes > 1:
+        if plan.nnodes > 1:
             link.watch_success(node.name, lambda: attempt.ranks, config.role)
         try:
             if plan.run_path:  # a function entrypoint: started by multiprocessing (--start-method)
@@ -249,7 +248,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             first = root_cause(failures, plan.run_dir)
             failed = {f.rank for f in failures}
             finished = tuple((rank, node.name) for rank in attempt.ranks if rank not in failed)
-            if link is not None and plan.nnodes > 1:  # a rank of another node may have left first
+            if plan.nnodes > 1:  # a rank of another node may have left first
                 finished += link.done_elsewhere(wait=not finished and lost_a_peer(failure_lines(first, plan.run_dir)))
             if link is not None:  # for the launcher, which orders the nodes' failures by these times
                 print(failed_line(first, plan.run_dir), file=report_to, flush=True)
@@ -271,11 +270,10 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                 if dog.fired:  # judged here; under a launcher, the launcher prints the verdict
                     print(f"{dog.fired}\ndisttrain: stopped the job (exit {HANG_EXIT})", file=report_to, flush=True)
                 return HANG_EXIT
-            print(
-                f"disttrain: got {err.sigval.name}, stopped all {node.nproc} workers on {node.name}",
-                file=report_to,
-                flush=True,
-            )
+            said = (f"disttrain: stopped all {node.nproc} workers on {node.name}: {link.stop_reason}"
+                    if link.stop_reason else f"disttrain: got {err.sigval.name}, stopped all {node.nproc} workers "
+                    f"on {node.name}")
+            print(said, file=report_to, flush=True)
             return 128 + int(err.sigval)
         except KeyboardInterrupt:
             return 130

@@ -89,9 +89,16 @@ def worker_children() -> dict[int, int]:
     return out
 
 
-def stalled_for(beats: list[Beat], now: float) -> float:
-    """Seconds since the most recent progress of any rank (0 when none beat yet)."""
-    return now - max(b.mtime for b in beats) if beats else 0.0
+def freshest(beats: list[Beat]) -> float | None:
+    """The most recent progress of any rank (None when none beat yet: the watchdog is not armed)."""
+    return max((b.mtime for b in beats), default=None)
+
+
+def stalled(last_progress: float, now: float, timeout_s: float) -> float | None:
+    """The stall rule, the same for a node alone and for the launcher (which sees every host): the
+    seconds since the last progress once they reach the timeout, else None."""
+    quiet = now - last_progress
+    return quiet if timeout_s and quiet >= timeout_s else None
 
 
 def beats_line(host: str, beats: list[Beat], now: float) -> str:
@@ -182,7 +189,8 @@ class Watchdog:
                 if self._report is not None:
                     self._report(beats_line(self.host, beats, time.time()))  # also when empty: still here
                     continue
-                if stalled_for(beats, time.time()) < self.timeout_s:
+                last = freshest(beats)
+                if last is None or stalled(last, time.time(), self.timeout_s) is None:
                     continue
                 states = collect(self.workers(), host=self.host, dist_backend=self.dist_backend)
                 self.fired = verdict(states, world_size=self.attempt.world_size, timeout_s=self.timeout_s)

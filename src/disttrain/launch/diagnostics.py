@@ -18,24 +18,23 @@ from ..wire import Beats, WireError
 STRAGGLER_FACTOR = 1.3  # a rank this much slower than the median step time is named
 WINDOW_S = 20.0  # step rates are measured over this much recent time
 MIN_WINDOW_S = 6.0  # and judged only once this much is seen
-SILENT_S = 3.0  # an agent beats every second: a host this long without a word is cut off or stuck
 
 
 class Diagnostics:
-    def __init__(self, *, hang_timeout_s: float, say) -> None:
-        self.hang_timeout_s = hang_timeout_s
+    """Stragglers and steps/s per host from the agents' beats. Whether no rank moved at all (the
+    hang) is the supervisor's rule (:class:`~disttrain.launch.supervision.HangWatch`); ``late()``
+    says whether an agent's word is late, which freezes its ranks' rates (the supervisor's clock)."""
+
+    def __init__(self, *, say, late=lambda: False) -> None:
         self.say = say
-        self.last_progress: float | None = None  # launcher clock: the freshest progress of any rank
         self.hosts: dict[int, str] = {}  # rank -> host
         self.history: dict[int, deque[tuple[float, int]]] = {}  # rank -> (time, steps)
         self.first: dict[int, tuple[float, int]] = {}
         self.named: set[int] = set()  # stragglers already reported: once each, not every step
-        self.heard: dict[str, float] = {}  # host -> when its agent last sent its beats (launcher clock)
-        self.hung = False
+        self.late = late
 
     def reset(self) -> None:
         """A new round of an elastic job: other ranks, whose step counts start again."""
-        self.last_progress = None
         self.hosts.clear()
         self.history.clear()
         self.first.clear()
@@ -50,12 +49,8 @@ class Diagnostics:
         except WireError:  # not ours after all (another version's): shown to the user as it came
             return False
         now = time.monotonic()
-        self.heard[beats.host] = now
-        for rank, (steps, age) in beats.ranks.items():
+        for rank, (steps, _age) in beats.ranks.items():
             self.hosts[rank] = beats.host
-            progress = now - age
-            if self.last_progress is None or progress > self.last_progress:
-                self.last_progress = progress
             hist = self.history.setdefault(rank, deque())
             hist.append((now, steps))
             while hist and now - hist[0][0] > WINDOW_S:
@@ -63,12 +58,6 @@ class Diagnostics:
             self.first.setdefault(rank, (now, steps))
         self._stragglers()
         return True
-
-    def stalled(self, now: float | None = None) -> bool:
-        """No rank on any host progressed for the hang timeout (ranks that never beat do not count)."""
-        if not self.hang_timeout_s or self.last_progress is None or self.hung:
-            return False
-        return (now or time.monotonic()) - self.last_progress >= self.hang_timeout_s
 
     def _rates(self) -> dict[int, float]:
         rates = {}
@@ -78,15 +67,10 @@ class Diagnostics:
                 rates[rank] = (s1 - s0) / (t1 - t0)
         return rates
 
-    def silent_hosts(self, now: float | None = None) -> list[str]:
-        """Hosts whose agent said nothing for :data:`SILENT_S` (the network to them dropped?)."""
-        now = time.monotonic() if now is None else now
-        return sorted(host for host, heard in self.heard.items() if now - heard > SILENT_S)
-
     def _stragglers(self) -> None:
         # A host that fell silent freezes its ranks' rates at their last value while the others,
         # waiting for it in a collective, slow to nothing: no rate says anything then.
-        if self.silent_hosts():
+        if self.late():
             return
         rates = self._rates()
         if len(rates) < 2:

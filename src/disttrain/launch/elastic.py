@@ -6,12 +6,15 @@ decides who is a member, because it alone sees a host vanish:
 
 - **lost**: the host's agent ended without its workers failing -- the connection to it dropped
   (ssh's 255: no answer to its keep-alives), the agent was killed (a signal), or the agent said
-  nothing for :data:`SILENT_S` (it sends a line each second). The other agents are told to
-  regroup (:class:`~disttrain.wire.Regroup`); below MIN the job stops, naming the hosts lost. An
-  agent that ends with a failure of its workers is a failure of the job, as without a range.
+  nothing for the supervisor's :data:`~disttrain.launch.supervision.SILENT_S`. The other agents
+  are told to regroup (:class:`~disttrain.wire.Regroup`); below MIN the job stops, naming the hosts
+  lost (those decisions are :class:`~disttrain.launch.supervision.Elastic`'s). An agent that ends
+  with a failure of its workers is a failure of the job, as without a range.
 - **back**: every host of the list not running (unreachable at the start, or lost) is tried
-  again every :data:`RETRY_S` in the background, up to MAX running; one that answers the
-  preflight gets its plan and joins the next round (torch's agents make room for it).
+  again every :data:`RETRY_S` in the background, up to MAX running, once its backoff is over (a
+  host lost soon after it joined waits longer each time:
+  :class:`~disttrain.launch.supervision.Backoff`); one that answers the preflight gets its plan and
+  joins the next round (torch's agents make room for it).
 
 Each change is one line when the next round trains again -- which host left or joined, the
 new world size, the step the workers resumed from (``disttrain.resume()``'s own line), the
@@ -23,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
-import signal
 import subprocess
 import threading
 import time
@@ -37,16 +39,14 @@ from ..errors import DisttrainError, UsageError
 from ..preflight.checks import check_facts, fact_checks, first_failure
 from ..wire import AttemptStarted, Beats, HostFacts, WireError
 from ..workerenv import RESUMED_MARKER
+from .supervision import exit_cause
 
 RECORD = "membership.json"  # in the run folder: every change, as a JSON list of Change
-SILENT_S = 5.0  # an agent that said nothing this long is lost (it beats each second)
 RETRY_S = 3.0  # a host not running is tried again this often: its first RETRY_AT_FIRST tries,
 RETRY_AT_FIRST = 5  # then twice as long after each try that failed,
 RETRY_MAX_S = 30.0  # up to this
 RESUME_LINE_WAIT_S = 3.0  # after a round's first step, for rank 0's "resuming from step N" line
 FIRST_STEP_WAIT_S = 60.0  # a round whose ranks report no steps is said once its workers started, after this
-# An agent that ends with these was stopped from outside: a host going away, not its workers failing.
-_STOPPED_BY = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,18 +64,7 @@ class Change:
     seconds: float | None = None  # from the change to the round's first step (or its workers' start)
     noticed: float | None = None  # a host lost: seconds from its last word to the launcher's verdict
     regrouped: float | None = None  # seconds from the change to the next round's workers starting
-
-
-def stopped_by_signal(code: int) -> str | None:
-    """The signal's name when an agent's exit code says one ended it (a shell's 128+N, or -N)."""
-    number = -code if code < 0 else code - 128 if code > 128 else None
-    if number is None:
-        return None
-    try:
-        sig = signal.Signals(number)
-    except ValueError:
-        return None
-    return sig.name if sig in _STOPPED_BY else None
+    backoff: float | None = None  # a host lost soon after it joined: seconds before it may be tried again
 
 
 class Membership:
@@ -86,15 +75,18 @@ class Membership:
 
     def __init__(self, *, hosts: Sequence[str], running: Sequence[int], min_nnodes: int, max_nnodes: int,
                  run_dir: str, join: Callable[[int], subprocess.Popen] | None = None,
-                 own_failure: Callable[[int, int, str], str | None] | None = None,
-                 retry_s: float = RETRY_S, silent_s: float = SILENT_S) -> None:
+                 own_failure: Callable[[int, int, str, float | None], str | None] | None = None,
+                 retry_s: float = RETRY_S) -> None:
         self.hosts = tuple(hosts)
         self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.say: Callable[[str], None] = print
         self._record_path = Path(run_dir) / RECORD
         self._join = join
-        self._own_failure = own_failure or (lambda _index, _code, _last: None)
-        self._retry_s, self.silent_s = retry_s, silent_s
+        self._own_failure = own_failure or (lambda _index, _code, _last, _quiet: None)
+        self._retry_s = retry_s
+        # The supervisor's admission (room below MAX, a flapping host's backoff over): which of these
+        # host names may be tried now; None: all.
+        self.admit: Callable[[list[str], float], list[str]] | None = None
         self._lock = threading.Lock()
         self.agents: list[int] = list(running)  # agent slot -> host index
         self.members: set[int] = set(range(len(self.agents)))  # agent slots still members
@@ -227,15 +219,20 @@ class Membership:
         the changes it follows (not those that came after its start: the next round answers them)."""
         self._round_said = True
         settled = [entry for entry in self._pending if entry[3] <= started]
-        for change, at, formed, _ in settled:
+        # Several changes before one round (a host lost, then back before the round formed): the
+        # round's world is the last one's; the earlier ones are said with it, their counts kept.
+        for change, at, _formed, _ in settled[:-1]:
+            self._settle(change, at, None, None, say=False)
+        if settled:
+            change, at, formed, _ = settled[-1]
             self._settle(change, at, formed, trained_at if trained_at is not None else started,
-                         steps=trained_at is not None)
+                         steps=trained_at is not None, earlier=[c for c, *_ in settled[:-1] if c.change != "start"])
         self._pending = [entry for entry in self._pending if entry[3] > started]
         if settled:
             self._write()
 
     def _settle(self, change: Change, at: float, formed: float | None, when: float | None, *,
-                steps: bool = True, say: bool = True) -> None:
+                steps: bool = True, say: bool = True, earlier: Sequence[Change] = ()) -> None:
         attempt = world = None
         if self._round is not None and formed is not None:
             attempt, _, said = self._round
@@ -244,29 +241,25 @@ class Membership:
         done = dataclasses.replace(change, attempt=attempt, world_size=world, resumed_from=self._resumed,
                                    seconds=seconds, regrouped=None if formed is None else round(formed - at, 2))
         self.changes.append(done)
-        if say and change.change != "start":
-            self.say(membership_line(done, steps=steps))
+        if say and (change.change != "start" or earlier):
+            self.say(membership_line(done, steps=steps, earlier=earlier))
 
     # -- hosts that end ---------------------------------------------------------------------
 
-    def silent(self, slot: int) -> bool:
-        """Whether agent ``slot``, still running, has said nothing for too long."""
-        return slot in self.members and time.monotonic() - self._seen.get(slot, time.monotonic()) > self.silent_s
-
-    def why_lost(self, slot: int, code: int, last: str) -> str | None:
+    def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None:
         """Why agent ``slot``, which ended with ``code`` (and ``last`` as its last own line), means its
         host was lost; None: its workers failed (or it finished), which ends the job as usual."""
-        own = self._own_failure(self.agents[slot], code, last)
+        own = self._own_failure(self.agents[slot], code, last, quiet_s)
         if own:
             return own
-        sig = stopped_by_signal(code)
-        if sig:
-            return f"its agent was killed by {sig}"
+        killed = exit_cause(code)
+        if killed:
+            return killed
         if slot not in self._attempted:  # it never got as far as a round: the host, not the training
             return f"its agent ended (exit {code}) before joining a round: {last.strip() or 'no message'}"
         return None
 
-    def leave(self, slot: int, why: str) -> list[int]:
+    def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]:
         """Agent ``slot``'s host is lost: the slots that must regroup (the other members).
 
         The change dates from the host's last word (its agent speaks each second): when it went
@@ -278,7 +271,8 @@ class Membership:
             now = time.monotonic()
             last_word = min(self._seen.get(slot, now), now)
             change = Change(time=time.time() - (now - last_word), change="left", host=self.hosts[host], why=why,
-                            hosts=self.member_hosts(), noticed=round(now - last_word, 2))
+                            hosts=self.member_hosts(), noticed=round(now - last_word, 2),
+                            backoff=round(backoff, 1) if backoff else None)
             self._pending.append([change, last_word, None, now])
             left = len(self.members)
         if left >= self.min_nnodes:
@@ -293,16 +287,6 @@ class Membership:
             self.members.discard(slot)
             self.finished = True
         self._stop.set()
-
-    def below_min(self) -> str | None:
-        """The job's end, when fewer than MIN hosts are left: the block naming the hosts lost."""
-        if self.finished or len(self.members) >= self.min_nnodes or not self.lost:
-            return None
-        lost = "; ".join(f"{self.hosts[i]}: {why}" for i, why in self.lost.items())
-        return (f"disttrain: {len(self.members)} host(s) left, below the minimum of --nnodes "
-                f"{self.min_nnodes}:{self.max_nnodes}: stopped the job\n"
-                f"  hosts lost: {lost}\n"
-                f"  still running: {', '.join(self.member_hosts()) or 'none'}")
 
     # -- hosts that come back ---------------------------------------------------------------
 
@@ -341,8 +325,11 @@ class Membership:
             with self._lock:
                 running = {self.agents[s] for s in self.members} | self._joining
                 room = self.max_nnodes - len(running)
-                waiting = [i for i in range(len(self.hosts)) if i not in running
-                           and next_try.get(i, 0.0) <= time.monotonic()]
+                now = time.monotonic()
+                waiting = [i for i in range(len(self.hosts)) if i not in running and next_try.get(i, 0.0) <= now]
+            if self.admit is not None and waiting:
+                admitted = set(self.admit([self.hosts[i] for i in waiting], now))
+                waiting = [i for i in waiting if self.hosts[i] in admitted]
             for host in waiting[:max(0, room)]:
                 if self._stop.is_set():
                     return
@@ -378,9 +365,10 @@ def _dismiss(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def membership_line(change: Change, *, steps: bool = True) -> str:
-    """``disttrain: membership: 10.0.0.3 left (...) -> 2 hosts, world size 4, resumed from step 12, 6.1 s``."""
-    verb = {"left": "left", "joined": "joined"}.get(change.change, change.change)
+def membership_line(change: Change, *, steps: bool = True, earlier: Sequence[Change] = ()) -> str:
+    """``disttrain: membership: 10.0.0.3 left (...) -> 2 hosts, world size 4, resumed from step 12, 6.1 s``;
+    with ``earlier`` changes the same round answers: ``c left (...), then c joined (...) -> ...``."""
+    said = [f"{c.host} {c.change} ({c.why})" for c in (*earlier, change) if c.change != "start"]
     parts = [f"{len(change.hosts)} host{'s' if len(change.hosts) != 1 else ''}"]
     if change.world_size is not None:
         parts.append(f"world size {change.world_size}")
@@ -389,7 +377,7 @@ def membership_line(change: Change, *, steps: bool = True) -> str:
     if change.seconds is not None:
         parts.append(f"training again {change.seconds:.1f} s later" if steps
                      else f"workers started {change.seconds:.1f} s later (the script reports no steps)")
-    return f"disttrain: membership: {change.host} {verb} ({change.why}) -> {', '.join(parts)}"
+    return f"disttrain: membership: {', then '.join(said)} -> {', '.join(parts)}"
 
 
 def load_record(run_dir: str | Path) -> list[dict]:
@@ -403,13 +391,19 @@ def load_record(run_dir: str | Path) -> list[dict]:
 def starting_hosts(hosts: Sequence[Host], facts: Sequence[HostFacts | Exception], *, master_port: int,
                    min_nnodes: int, max_nnodes: int) -> tuple[list[int], dict[int, str]]:
     """Which hosts of an elastic range start: those that pass the preflight, at most ``max_nnodes``,
-    the first one required (it hosts the rendezvous); and why each other one waits.
+    each compared with the first that does (the reference: versions alike); and why each other one
+    waits. No host is required: the launcher holds the rendezvous (rendezvous_store.py).
 
     Fewer than ``min_nnodes``: the first failure, as without a range."""
-    check_facts(hosts[:1], facts[:1], master_port=master_port)  # the rendezvous' host must answer
-    starting, waiting = [0], {}
-    for i in range(1, len(hosts)):
-        failure = first_failure(fact_checks([hosts[0], hosts[i]], [facts[0], facts[i]], master_port=master_port))
+    ref = next((i for i in range(len(hosts))
+                if first_failure(fact_checks([hosts[i]], [facts[i]], master_port=master_port)) is None), None)
+    if ref is None:
+        check_facts(hosts, facts, master_port=master_port)  # raises the first failure
+    starting, waiting = [ref], {}
+    for i in range(len(hosts)):
+        if i == ref:
+            continue
+        failure = first_failure(fact_checks([hosts[ref], hosts[i]], [facts[ref], facts[i]], master_port=master_port))
         if failure is not None and failure.host == hosts[i].name:
             waiting[i] = failure.detail
         elif len(starting) < max_nnodes:
@@ -419,4 +413,4 @@ def starting_hosts(hosts: Sequence[Host], facts: Sequence[HostFacts | Exception]
     if len(starting) < min_nnodes:
         check_facts(hosts, facts, master_port=master_port)  # raises the first failure
         raise UsageError(f"only {len(starting)} of the hosts can start, fewer than --nnodes {min_nnodes}:{max_nnodes}")
-    return starting, waiting
+    return sorted(starting), waiting

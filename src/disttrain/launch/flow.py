@@ -24,7 +24,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -35,6 +34,8 @@ from ..private import private_opener
 from ..wire import (
     ALIVE_EVERY_S,
     Alive,
+    AttemptStarted,
+    Beats,
     DumpRequest,
     HangReport,
     NodeDone,
@@ -42,11 +43,25 @@ from ..wire import (
     PlanMessage,
     RankFailed,
     Regroup,
+    StopRequest,
     WireError,
 )
 from .diagnostics import Diagnostics
 from .elastic import Membership
 from .rootcause import first_in_time
+from .supervision import (
+    REGROUP_MARGIN_S,
+    AgentState,
+    Dump,
+    Elastic,
+    Event,
+    EventKind,
+    FailFast,
+    HangWatch,
+    RegroupWithout,
+    Stop,
+    Supervisor,
+)
 
 AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
@@ -178,165 +193,284 @@ def run_agents(
 
     ``membership`` (an elastic range): a node whose host is lost does not stop the others, which
     regroup, unless fewer than the minimum are left; hosts that answer again are relayed too.
+    What happens is decided by :class:`~disttrain.launch.supervision.Supervisor`; this function
+    and :class:`_Supervised` do the I/O.
     """
     Path(plan.run_dir).mkdir(parents=True, exist_ok=True)
-    lock = threading.Lock()
+    job = _Supervised(plan, membership, transcript)
+    previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return job.run(started, agent_cwd)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
-    def say(message: str) -> None:
-        with lock:
-            for out in filter(None, (sys.stderr, transcript)):
+
+class _Solo:
+    """The membership of a job without a range: nobody joins, nothing to record."""
+
+    def start(self, say) -> None: ...
+    def close(self) -> None: ...
+    def poll(self) -> None: ...
+    def agent_line(self, slot: int, line: str) -> bool: return False
+    def rank_line(self, text: str) -> None: ...
+    def joined(self) -> list[subprocess.Popen]: return []
+    def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
+    def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]: return []
+    def ended(self, slot: int) -> None: ...
+    def member_hosts(self) -> tuple[str, ...]: return ()
+
+
+class _Supervised:
+    """One launch's agents: their processes, streams and stdins, the supervisor that decides, and
+    what carries its decisions out."""
+
+    def __init__(self, plan: LaunchPlan, membership: Membership | None, transcript: TextIO | None) -> None:
+        self.plan = plan
+        self.lock = threading.Lock()
+        self.transcript = transcript
+        self.membership = membership or _Solo()
+        hosts = membership.member_hosts() if membership is not None else tuple(n.name for n in plan.nodes)
+        policies = [Elastic(min_nnodes=membership.min_nnodes, max_nnodes=membership.max_nnodes,
+                            regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S,
+                            store=f"{plan.master_addr}:{plan.master_port}")] if membership is not None \
+            else [FailFast()]
+        self.sup = Supervisor(hosts, policies=[*policies, HangWatch(plan.hang_timeout_s)])
+        if membership is not None:
+            elastic = self.sup.elastic
+            membership.admit = lambda hosts, now: [a.host for a in elastic.admit(self.sup, hosts, now)]
+        self.diag = Diagnostics(say=self.say, late=self.sup.late)
+        self.hangs: list[HangReport] = []
+        self.failed: dict[int, RankFailed] = {}  # per agent: its root cause, timed on its worker
+        self.dumped: tuple[int, ...] = ()
+        self.relay = Relay(Path(plan.run_dir), self.lock, transcript, self.consume, self.membership.rank_line)
+        self.stdins = Stdins()
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+        self.interrupted: list[int] = []
+        self.recorded: set[int] = set()  # lost slots the membership recorded
+        self.events: list[Event] = []  # from the relay threads to the loop
+        self.events_lock = threading.Lock()
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            for out in filter(None, (sys.stderr, self.transcript)):
                 out.write(message + "\n")
                 out.flush()
 
-    diag = Diagnostics(hang_timeout_s=plan.hang_timeout_s, say=say)
-    hangs: list[HangReport] = []
-    failed: dict[int, RankFailed] = {}  # per agent: its root cause, timed on its worker
+    def on_signal(self, signum, _frame) -> None:
+        self.interrupted.append(signum)
 
-    def consume(agent: int, line: str) -> bool:
+    def post(self, event: Event) -> None:
+        with self.events_lock:
+            self.events.append(event)
+
+    def consume(self, agent: int, line: str) -> bool:
         """An agent's message for the launcher, not shown: its heartbeats, its ranks at a hang,
         its workers done (passed on to the other agents), an elastic round's world."""
-        if membership is not None and membership.agent_line(agent, line):
-            diag.reset()  # a new round: its ranks and their step counts start again
+        now = time.monotonic()
+        if AttemptStarted.matches(line):
+            try:
+                self.post(Event(EventKind.ROUND, at=now, slot=agent, attempt=AttemptStarted.from_line(line).attempt))
+            except WireError:
+                pass
+        if self.membership.agent_line(agent, line):
+            self.diag.reset()  # a new round: its ranks and their step counts start again
             return True
+        if Beats.matches(line):
+            try:
+                beats = Beats.from_line(line)
+            except WireError:
+                beats = None
+            progress = max((now - age for _, age in beats.ranks.values()), default=None) if beats else None
+            self.post(Event(EventKind.HEARD, at=now, slot=agent, progress=progress))
+        else:
+            self.post(Event(EventKind.HEARD, at=now, slot=agent))
         try:
             if HangReport.matches(line):
-                hangs.append(HangReport.from_line(line))
+                self.hangs.append(HangReport.from_line(line))
                 return True
             if RankFailed.matches(line):
-                failed[agent] = RankFailed.from_line(line)
+                self.failed[agent] = RankFailed.from_line(line)
                 return True
             if NodeDone.matches(line):
                 done = NodeDone.from_line(line)
-                for index, proc in enumerate(procs):
+                for index, proc in enumerate(self.procs):
                     if index != agent and proc.poll() is None:
-                        stdins.send(proc, done.to_line())
+                        self.stdins.send(proc, done.to_line())
                 return True
         except WireError:
             return False
-        return diag.consume(line)
+        return self.diag.consume(line)
 
-    relay = Relay(Path(plan.run_dir), lock, transcript, consume,
-                  membership.rank_line if membership is not None else None)
-    stdins = Stdins()
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    interrupted: list[int] = []
-    done = threading.Event()
-
-    def on_signal(signum, _frame) -> None:
-        interrupted.append(signum)
-
-    def relay_agent(proc: subprocess.Popen) -> None:
-        index = len(procs)
-        procs.append(proc)
+    def relay_agent(self, proc: subprocess.Popen) -> None:
+        index = len(self.procs)
+        self.procs.append(proc)
         for stream, out, agent in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, index)):
-            pump = threading.Thread(target=relay.pump, args=(stream, out, agent), daemon=True)
+            pump = threading.Thread(target=self.relay.pump, args=(stream, out, agent), daemon=True)
             pump.start()
-            pumps.append(pump)
-        relay.drained[index] = pumps[-1]  # its own lines, read to the end once it exited
+            self.pumps.append(pump)
+        self.relay.drained[index] = self.pumps[-1]  # its own lines, read to the end once it exited
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    ended: _Ended | None = None
-    try:
-        for index, proc in enumerate(started):
-            stdins.send(proc, PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan, cwd=agent_cwd).to_line())
-            relay_agent(proc)
-        stdins.keep_alive(procs, done)
-        if membership is not None:
-            membership.start(say)
-        ended = _watch(procs, interrupted, diag, membership, relay, relay_agent, stdins)
-        if membership is not None:
-            membership.close()
-        if diag.hung:
-            _collect_hang_reports(procs, grace_s=plan.stop_grace_s + 15)
-        done.set()
-        stop(procs, grace_s=plan.stop_grace_s + 5, stdins=stdins)
-    finally:
-        done.set()
-        if membership is not None:
-            membership.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for pump in pumps:
-            pump.join(timeout=5)
-        relay.close()
-    summary = diag.summary()
-    if summary and not diag.hung and ended is None and not interrupted:
-        say(summary)
-    if diag.hung:
-        states = [state for report in hangs for state in report.ranks]
-        text = verdict(states, world_size=plan.world_size, timeout_s=plan.hang_timeout_s)
-        say(text)
-        say(f"disttrain: stopped the job on all {len(procs)} hosts (exit {HANG_EXIT})")
-        return Outcome(exit_code=HANG_EXIT, failed=None, report=text)
-    if interrupted:
-        return Outcome(exit_code=128 + interrupted[0], signal=interrupted[0])
-    if ended is None:
-        return Outcome(exit_code=0)
-    if ended.report:  # fewer hosts than the elastic minimum: the membership's own block
-        say(ended.report)
-    if ended.report:
-        return Outcome(exit_code=ended.code, failed=ended.index, report=ended.report)
-    # Every agent has stopped: all have said. (An elastic job's hosts that left earlier failed in
-    # rounds already over: there the agent heard of first stays the one reported.)
-    index, code = first_in_time(ended.index, ended.code, failed if membership is None else {})
-    return Outcome(exit_code=code, failed=index, report=relay.report(index))
+    def run(self, started: Sequence[subprocess.Popen], agent_cwd: str | None) -> Outcome:
+        plan, done = self.plan, threading.Event()
+        ended: Stop | None = None
+        try:
+            for index, proc in enumerate(started):
+                self.stdins.send(proc, PlanMessage(node_rank=plan.nodes[index].node_rank, plan=plan,
+                                                   cwd=agent_cwd).to_line())
+                self.relay_agent(proc)
+            self.stdins.keep_alive(self.procs, done)
+            self.membership.start(self.say)
+            ended = self.watch()
+            self.membership.close()
+            if self.dumped:
+                self._collect_hang_reports(grace_s=plan.stop_grace_s + 15)
+            done.set()
+            stop(self.procs, grace_s=plan.stop_grace_s + 5, stdins=self.stdins, why=self.why_stop(ended))
+        finally:
+            done.set()
+            self.membership.close()
+            for pump in self.pumps:
+                pump.join(timeout=5)
+            self.relay.close()
+        return self.outcome(ended)
 
-
-@dataclass(frozen=True)
-class _Ended:
-    """How the watch ended: agent ``index`` failed with ``code`` (``report``: the launcher's own words)."""
-
-    index: int
-    code: int
-    report: str = ""
-
-
-def _watch(procs: list[subprocess.Popen], interrupted: list[int], diag: Diagnostics,
-           membership: Membership | None, relay: Relay, relay_agent, stdins: Stdins) -> _Ended | None:
-    """Until every agent ended well (None), one failed, no rank moved for --hang-timeout (None,
-    ``diag.hung``: every agent is asked for its ranks) or a signal came; with ``membership``, a
-    lost host's agent is no failure while enough hosts are left."""
-    done: set[int] = set()
-    while not interrupted:
-        if diag.stalled():  # no rank anywhere moved: every agent reports its ranks, then stops
-            diag.hung = True
-            for proc in procs:
-                stdins.send(proc, DumpRequest().to_line())
+    def why_stop(self, ended: Stop | None) -> str | None:
+        """What an agent still running is told when the launcher stops it."""
+        if self.interrupted:
+            return f"the launcher got {signal.Signals(self.interrupted[0]).name}"
+        if ended is None:
             return None
-        for index, proc in enumerate(procs):
-            if index in done:
+        if ended.slot is not None:
+            row = self.sup.agents[ended.slot]
+            cause = (f"{row.host} was lost ({row.why})" if row.state is AgentState.LOST
+                     else f"the agent on {row.host} failed (exit {ended.code})")
+            return f"stopped by the launcher: {cause}" + (f", {ended.reason}" if ended.reason == "below the minimum"
+                                                          else "")
+        return f"stopped by the launcher: {ended.reason}"
+
+    def outcome(self, ended: Stop | None) -> Outcome:
+        summary = self.diag.summary()
+        if summary and not self.dumped and ended is None and not self.interrupted:
+            self.say(summary)
+        if self.dumped:
+            return Outcome(exit_code=HANG_EXIT, failed=None, report=self.verdict)
+        if self.interrupted:
+            return Outcome(exit_code=128 + self.interrupted[0], signal=self.interrupted[0])
+        if ended is None:
+            return Outcome(exit_code=0)
+        if ended.report:  # the launcher's own block (below the elastic minimum, a regroup that never formed)
+            self.say(ended.report)
+            return Outcome(exit_code=ended.code, failed=ended.slot, report=ended.report)
+        # Every agent has stopped: all have said. (An elastic job's hosts that left earlier failed in
+        # rounds already over: there the agent heard of first stays the one reported.)
+        index, code = first_in_time(ended.slot, ended.code, {} if self.sup.elastic else self.failed)
+        return Outcome(exit_code=code, failed=index, report=self.relay.report(index))
+
+    def watch(self) -> Stop | None:
+        """Until every agent ended well (None), one failed, no rank moved for --hang-timeout (None,
+        ``self.dumped``: every agent is asked for its ranks) or a signal came: events in, decisions out."""
+        while not self.interrupted:
+            ended = self._handle_pending()
+            if ended is not False:
+                return ended
+            for index, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is None or self.sup.agents[index].state.final or index in self.recorded:
+                    continue
+                if self.sup.agents[index].state is AgentState.HUNG:
+                    continue  # it reports its ranks, then stops: collected after the watch
+                cause = None
+                if code != 0:
+                    last = _last_line(self.relay, index)
+                    ended = self._handle_pending()  # its last lines, read to the end, are events too
+                    if ended is not False:
+                        return ended
+                    if self.sup.agents[index].state.final:
+                        continue  # judged meanwhile (its silence)
+                    quiet = time.monotonic() - self.sup.agents[index].heard
+                    cause = self.membership.why_lost(index, code, last, quiet)
+                else:
+                    self.membership.ended(index)
+                ended = self.act(self.sup.handle(Event(EventKind.EXITED, at=time.monotonic(), slot=index,
+                                                       code=code, cause=cause)))
+                if ended is not False:
+                    return ended
+            ended = self.act(self.sup.tick())
+            if ended is not False:
+                return ended
+            self.membership.poll()
+            for proc in self.membership.joined():
+                self.sup.handle(Event(EventKind.JOINED, at=time.monotonic(), host=self.membership.host_of(
+                    len(self.procs))))
+                self.relay_agent(proc)
+            if all(row.state.final for row in self.sup.agents.rows):
+                return None
+            time.sleep(0.1)
+        return None
+
+    def _handle_pending(self) -> Stop | None | bool:
+        """The events the relay threads posted, in order; the watch's end if one decided it, else False."""
+        with self.events_lock:
+            events, self.events = self.events, []
+        for event in events:
+            ended = self.act(self.sup.handle(event))
+            if ended is not False:
+                return ended
+        return False
+
+    def act(self, decisions: list) -> Stop | None | bool:
+        """Carry the decisions out; the watch's end (a Stop, or None after a Dump), else False."""
+        self._record_losses()
+        for decision in decisions:
+            if isinstance(decision, Stop):
+                return decision
+            if isinstance(decision, Dump):
+                self.dumped = decision.slots
+                for slot in decision.slots:
+                    self.stdins.send(self.procs[slot], DumpRequest().to_line())
+                return None
+            if isinstance(decision, RegroupWithout):
+                for slot in decision.slots:
+                    self.stdins.send(self.procs[slot], Regroup(lost=decision.lost).to_line())
+        return False
+
+    def _record_losses(self) -> None:
+        """Every host the supervisor found lost, into the membership's record once; a silent agent's
+        process is ended (its host's connection may hang for minutes)."""
+        for row in self.sup.agents.in_state(AgentState.LOST):
+            if row.slot in self.recorded:
                 continue
-            code = proc.poll()
-            why = None
-            if code is None and membership is not None and membership.silent(index):
-                why = f"its agent said nothing for {membership.silent_s:.0f} s"
+            self.recorded.add(row.slot)
+            elastic = self.sup.elastic
+            self.membership.leave(row.slot, row.why or "lost",
+                                  backoff=elastic.backoff.wait(row.host, time.monotonic()) if elastic else None)
+            proc = self.procs[row.slot]
+            if proc.poll() is None:
                 proc.kill()
-                code = proc.wait()
-            if code is None:
-                continue
-            done.add(index)
-            if code == 0:
-                if membership is not None:
-                    membership.ended(index)
-                continue
-            if membership is not None:
-                why = why or membership.why_lost(index, code, _last_line(relay, index))
-            if why is None:  # a node failed: the job cannot go on
-                return _Ended(index, code)
-            for other in membership.leave(index, why):
-                stdins.send(procs[other], Regroup(lost=(membership.host_of(index),)).to_line())
-            report = membership.below_min()
-            if report:
-                return _Ended(index, code, report)
-        if membership is not None:
-            membership.poll()
-            for proc in membership.joined():
-                relay_agent(proc)
-        if len(done) == len(procs):
-            return None
-        time.sleep(0.1)
-    return None
+
+    @property
+    def verdict(self) -> str:
+        states = [state for report in self.hangs for state in report.ranks]
+        return verdict(states, world_size=self.plan.world_size, timeout_s=self.plan.hang_timeout_s)
+
+    def _collect_hang_reports(self, *, grace_s: float) -> None:
+        """Every agent asked reports its ranks: the verdict as soon as all did (or the grace ran out),
+        then the stop; the agents stop their workers meanwhile."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            hosts = {report.host for report in self.hangs}
+            if len(hosts) >= len(self.dumped) or all(self.procs[s].poll() is not None for s in self.dumped):
+                break
+            time.sleep(0.05)
+        if all(self.procs[s].poll() is not None for s in self.dumped):
+            for slot in self.dumped:  # their last lines (a report) may still be in the pipe
+                pump = self.relay.drained.get(slot)
+                if pump is not None:
+                    pump.join(timeout=2)
+        self.say(self.verdict)
+        self.say(f"disttrain: stopped the job on all {len(self.procs)} hosts (exit {HANG_EXIT})")
 
 
 def _last_line(relay: Relay, index: int) -> str:
@@ -348,20 +482,14 @@ def _last_line(relay: Relay, index: int) -> str:
     return lines[-1] if lines else ""
 
 
-def _collect_hang_reports(procs: list[subprocess.Popen], *, grace_s: float) -> None:
-    """Every agent reports its ranks and stops its workers: wait for all."""
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def stop(procs: list[subprocess.Popen], *, grace_s: float, stdins: Stdins | None = None) -> None:
-    """Close every agent's stdin (it stops its workers), then kill what outlives the grace."""
+def stop(procs: list[subprocess.Popen], *, grace_s: float, stdins: Stdins | None = None,
+         why: str | None = None) -> None:
+    """Close every agent's stdin (it stops its workers; ``why`` first, for its last line), then kill
+    what outlives the grace."""
     stdins = stdins or Stdins()
     for proc in procs:
+        if why and proc.poll() is None:
+            stdins.send(proc, StopRequest(why=why).to_line())
         stdins.close(proc)
     deadline = time.monotonic() + grace_s
     for proc in procs:

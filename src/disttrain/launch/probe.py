@@ -59,6 +59,7 @@ from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import AgentLauncher, Events, Facts, LaunchContext
 from .elastic import Membership, starting_hosts
 from .flow import run_agents, start, stop
+from .rendezvous_store import LauncherStore, launcher_address
 
 PROBE_TIMEOUT_S = 30
 
@@ -77,9 +78,13 @@ class Transport(ABC):
     def argv(self, command: Sequence[str]) -> list[str]:
         """The local argv that runs ``command`` on the node."""
 
-    def own_failure(self, code: int, last: str) -> str | None:
-        """What the transport itself says went wrong (not the command), if that exit was its own."""
+    def own_failure(self, code: int, last: str, quiet_s: float | None = None) -> str | None:
+        """What the transport itself says went wrong (not the command), if that exit was its own;
+        ``quiet_s``: how long the agent had been silent when it ended (None: unknown)."""
         return None
+
+
+KILLED_QUIET_S = 2.0  # an elastic job's ssh gives up on a connection after 3 s without an answer
 
 
 class SshTransport(Transport):
@@ -92,13 +97,20 @@ class SshTransport(Transport):
     def argv(self, command: Sequence[str]) -> list[str]:
         return ssh_argv(self.host, command, options=self.options, env=self.env)
 
-    def own_failure(self, code: int, last: str) -> str | None:
+    def own_failure(self, code: int, last: str, quiet_s: float | None = None) -> str | None:
         if code != 255:
             return None
         # ssh's own last words, unless it had none (LogLevel=ERROR hides "Timeout, server not
         # responding"): then the last line is the agent's or a worker's, which would mislead.
         ours = last.strip() and not last.lstrip().startswith(("[", "disttrain"))
-        return f"ssh failed: {last.strip() if ours else 'the connection was lost (exit 255)'}"
+        if ours:
+            return f"ssh failed: {last.strip()}"
+        # A lost connection ends ssh only after its keep-alives went unanswered (seconds of silence
+        # from an agent that speaks each second); an agent killed by a signal (ssh exits 255 for a
+        # remote signal too) ends it at once, its last word a moment before.
+        if quiet_s is not None and quiet_s < KILLED_QUIET_S:
+            return "its agent was killed by a signal: ssh exit 255 with its connection up"
+        return "ssh failed: the connection was lost (exit 255)"
 
 
 class SrunTransport(Transport):
@@ -121,7 +133,7 @@ class SrunTransport(Transport):
             argv.append(f"--cpus-per-task={self.cpus}")
         return [*argv, *command]
 
-    def own_failure(self, code: int, last: str) -> str | None:
+    def own_failure(self, code: int, last: str, quiet_s: float | None = None) -> str | None:
         return last if last.startswith("srun: error") else None  # srun's own words, not the command's
 
 
@@ -287,6 +299,7 @@ class SessionLauncher(AgentLauncher):
     def __init__(self) -> None:
         self._sessions: list[ProbeSession] = []
         self._elastic: _ElasticStart | None = None
+        self._store: LauncherStore | None = None  # an elastic job's rendezvous store, held here
 
     @abstractmethod
     def rendezvous(self, spec: LaunchSpec, ctx: LaunchContext) -> tuple[str, int]:
@@ -343,6 +356,9 @@ class SessionLauncher(AgentLauncher):
             raise_on_failure(reach_round(self._sessions, hosts, facts, [a.listen for a in answers]))
         else:
             skip_reach(self._sessions)
+        if spec.elastic:  # the rendezvous store outlives any host: this process holds it (rendezvous_store.py)
+            self._store = LauncherStore(launcher_address(master), port)
+            master, port = self._store.address, self._store.port
         found = Facts(nodes=self.node_facts(spec, ctx, dict(zip(starting, facts))), master_addr=master,
                       master_port=port, where=self.where(facts), forwarded_env=self.forwarded(spec, ctx),
                       node_ranks=tuple(starting) if spec.elastic else None)
@@ -361,7 +377,7 @@ class SessionLauncher(AgentLauncher):
                 hosts=[t.name for t in start.transports], running=start.facts.node_ranks, run_dir=plan.run_dir,
                 min_nnodes=plan.min_nnodes, max_nnodes=min(plan.nnodes, len(start.transports)),
                 join=lambda index: self._join(start, index, events),
-                own_failure=lambda index, code, last: start.transports[index].own_failure(code, last))
+                own_failure=lambda index, code, last, quiet: start.transports[index].own_failure(code, last, quiet))
         return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript,
                           membership=membership)
 
@@ -398,6 +414,9 @@ class SessionLauncher(AgentLauncher):
             raise
 
     def close(self) -> None:
-        """End the sessions that never became agents."""
+        """End the sessions that never became agents; stop serving the rendezvous store."""
         close_all(self._sessions)
         self._sessions = []
+        if self._store is not None:
+            self._store.close()
+            self._store = None

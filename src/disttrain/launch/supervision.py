@@ -1,0 +1,417 @@
+"""The launcher's supervision of a running job as one state machine: a table of agents, a
+transitions table, events in, decisions out.
+
+Every node's agent is one row of :class:`Agents` (its host, its :class:`AgentState`, when it was
+last heard, its ranks' steps). Whatever happens -- an agent's line, its exit, a host that answers
+again, the clock -- is one :class:`Event`; :class:`Supervisor` moves the rows and asks its
+policies, each of which may return a decision:
+
+- :class:`Stop`: the job ends (a failure, fewer hosts than the minimum, a regroup that never
+  formed), with the exit code and the one block to show;
+- :class:`RegroupWithout`: these hosts are lost, the others form a new round (the value the
+  in-place regroup builds on: the lost hosts, the new members, the reason);
+- :class:`Dump`: no rank anywhere moved for ``--hang-timeout``: every agent reports its ranks;
+- :class:`Admit`: a host may be tried again (elastic range, room left, its backoff over);
+- nothing: go on.
+
+The policies: :class:`FailFast` (without a range: the first agent that does not end well ends the
+job), :class:`Elastic` (``--nnodes MIN:MAX``: a lost host is left behind while MIN remain, a host
+lost soon after it joined waits longer each time before it is admitted again), :class:`HangWatch`
+(one silence clock for every agent, one stall rule for every rank, paused while a regroup forms).
+
+No I/O here: the flow (:mod:`.flow`) relays the streams and turns decisions into wire messages;
+the tests drive this module with fake agents and a fake clock.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ..agent.watchdog import stalled
+
+SILENT_S = 5.0  # an agent speaks each second: this long without a word, its host is cut off or stuck
+LATE_S = 2.0  # an agent this long without a word: its ranks' progress is unknown, no hang is judged
+FLAP_WINDOW_S = 60.0  # a host lost within this long of joining is flapping
+BACKOFF_FIRST_S = 10.0  # the wait before admitting a flapping host again: this, doubled each flap,
+BACKOFF_MAX_S = 120.0  # up to this
+REGROUP_MARGIN_S = 15.0  # a regroup forms within the rendezvous timeout plus this, or the job stops
+
+
+class AgentState(str, Enum):
+    """Where one node's agent is, as the launcher sees it."""
+
+    STARTING = "starting"  # it has its plan; no round of workers yet
+    RUNNING = "running"  # its workers run in the current round
+    REGROUPING = "regrouping"  # told (or about) to form a new round without lost hosts
+    HUNG = "hung"  # asked for its ranks' states: no rank anywhere moved
+    DONE = "done"  # ended well (exit 0)
+    FAILED = "failed"  # ended with its workers' failure: the job's failure
+    LOST = "lost"  # its host is gone (connection dropped, agent killed, silent)
+    STOPPED = "stopped"  # stopped by the launcher (the job ended elsewhere)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def final(self) -> bool:
+        return self in FINAL
+
+
+FINAL = frozenset({AgentState.DONE, AgentState.FAILED, AgentState.LOST, AgentState.STOPPED})
+_ENDS = frozenset({AgentState.DONE, AgentState.FAILED, AgentState.LOST, AgentState.STOPPED})
+
+TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
+    AgentState.STARTING: frozenset({AgentState.RUNNING, AgentState.REGROUPING, AgentState.HUNG}) | _ENDS,
+    AgentState.RUNNING: frozenset({AgentState.RUNNING, AgentState.REGROUPING, AgentState.HUNG}) | _ENDS,
+    AgentState.REGROUPING: frozenset({AgentState.RUNNING, AgentState.REGROUPING, AgentState.HUNG}) | _ENDS,
+    AgentState.HUNG: frozenset({AgentState.STOPPED, AgentState.LOST, AgentState.FAILED, AgentState.DONE}),
+    AgentState.DONE: frozenset(),
+    AgentState.FAILED: frozenset(),
+    AgentState.LOST: frozenset(),
+    AgentState.STOPPED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A move the table does not allow: a bug in the launcher, never the user's doing."""
+
+
+# -- the table -------------------------------------------------------------------------------
+
+
+@dataclass
+class Agent:
+    """One row: agent ``slot`` runs on ``host``."""
+
+    slot: int
+    host: str
+    state: AgentState = AgentState.STARTING
+    heard: float = 0.0  # the launcher's clock: its last line
+    joined: float = 0.0  # when it got its plan
+    progress: float | None = None  # the launcher's clock: its ranks' freshest progress
+    steps: dict[int, int] = field(default_factory=dict)  # rank -> steps, in the current round
+    why: str | None = None  # a final state's cause, as the record says it
+
+
+class Agents:
+    """The table of agents, in slot order (a host that comes back gets a new slot)."""
+
+    def __init__(self) -> None:
+        self.rows: list[Agent] = []
+
+    def add(self, host: str, now: float) -> Agent:
+        row = Agent(slot=len(self.rows), host=host, heard=now, joined=now)
+        self.rows.append(row)
+        return row
+
+    def __getitem__(self, slot: int) -> Agent:
+        return self.rows[slot]
+
+    def move(self, slot: int, state: AgentState, why: str | None = None) -> None:
+        row = self.rows[slot]
+        if state not in TRANSITIONS[row.state]:
+            raise IllegalTransition(f"agent {slot} ({row.host}): {row.state} -> {state}")
+        row.state = state
+        if why is not None:
+            row.why = why
+
+    def live(self) -> list[Agent]:
+        """The members: agents not in a final state."""
+        return [row for row in self.rows if not row.state.final and row.state is not AgentState.HUNG]
+
+    def in_state(self, *states: AgentState) -> list[Agent]:
+        return [row for row in self.rows if row.state in states]
+
+
+# -- events and decisions --------------------------------------------------------------------
+
+
+class EventKind(str, Enum):
+    HEARD = "heard"  # a line from the agent (``progress``: its ranks' freshest progress, launcher clock)
+    ROUND = "round"  # the agent's workers started a round (``attempt``)
+    EXITED = "exited"  # the agent's process ended with ``code``; ``cause``: a lost host's, when known
+    JOINED = "joined"  # a host answered again: a new agent (``host``)
+    TICK = "tick"  # the clock moved
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    at: float
+    slot: int | None = None
+    host: str | None = None
+    code: int | None = None
+    cause: str | None = None  # EXITED: why its host is lost (None: its workers failed or it finished)
+    progress: float | None = None
+    steps: dict[int, int] | None = None
+    attempt: int | None = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The job ends: ``code`` its exit, ``slot`` the agent whose end it is (its report), ``report`` the
+    launcher's own block when it has one."""
+
+    code: int
+    reason: str
+    slot: int | None = None
+    report: str = ""
+
+
+@dataclass(frozen=True)
+class RegroupWithout:
+    """The hosts ``lost`` are gone; ``members`` (their slots ``slots``) form the next round."""
+
+    lost: tuple[str, ...]
+    members: tuple[str, ...]
+    slots: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Dump:
+    """No rank moved for the hang timeout: every live agent reports its ranks, then stops."""
+
+    slots: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Host ``host`` may be tried again now."""
+
+    host: str
+
+
+Decision = Stop | RegroupWithout | Dump | Admit
+
+
+def exit_cause(code: int) -> str | None:
+    """An agent's exit that means its host went away, as it was: a signal, or ssh's lost connection."""
+    number = -code if code < 0 else code - 128 if code > 128 else None
+    if number is not None:
+        try:
+            sig = signal.Signals(number)
+        except ValueError:
+            sig = None
+        if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            return f"its agent was killed by {sig.name}"
+    return None
+
+
+# -- the policies ----------------------------------------------------------------------------
+
+
+class FailFast:
+    """Without a range: an agent that ends otherwise than well (lost or failed) ends the job."""
+
+    def decide(self, sup: Supervisor, event: Event) -> Decision | None:
+        if event.kind is not EventKind.EXITED or event.code == 0:
+            return None
+        return Stop(code=event.code or 1, reason=event.cause or "its workers failed", slot=event.slot)
+
+
+@dataclass
+class Backoff:
+    """A flapping host's wait: each loss within :data:`FLAP_WINDOW_S` of joining doubles it, capped.
+
+    The bound: after its first flaps a host is admitted at most once every ``max_s`` seconds, so a
+    host that flaps every P seconds costs the others at most two regroups (its join, its loss) per
+    ``max_s + P`` seconds -- with R seconds a regroup, a share of at most 2R / (max_s + P) of the run.
+    """
+
+    first_s: float = BACKOFF_FIRST_S
+    max_s: float = BACKOFF_MAX_S
+    window_s: float = FLAP_WINDOW_S
+    flaps: dict[str, int] = field(default_factory=dict)
+    not_before: dict[str, float] = field(default_factory=dict)
+
+    def lost(self, host: str, *, joined: float, now: float) -> float:
+        """Host ``host`` (joined at ``joined``) was lost at ``now``: the wait before it is admitted again."""
+        if now - joined > self.window_s:
+            self.flaps.pop(host, None)
+            self.not_before.pop(host, None)
+            return 0.0
+        self.flaps[host] = self.flaps.get(host, 0) + 1
+        wait = min(self.max_s, self.first_s * 2 ** (self.flaps[host] - 1))
+        self.not_before[host] = now + wait
+        return wait
+
+    def wait(self, host: str, now: float) -> float:
+        return max(0.0, self.not_before.get(host, 0.0) - now)
+
+
+class Elastic:
+    """``--nnodes MIN:MAX``: a lost host is left behind while MIN remain; a host lost soon after it
+    joined backs off (:class:`Backoff`); a regroup that does not form in time stops the job."""
+
+    def __init__(self, *, min_nnodes: int, max_nnodes: int, regroup_s: float, store: str,
+                 backoff: Backoff | None = None) -> None:
+        self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
+        self.regroup_s = regroup_s
+        self.store = store  # where the rendezvous is, for the bounded wait's message
+        self.backoff = backoff or Backoff()
+        self.regroup_since: float | None = None
+
+    def decide(self, sup: Supervisor, event: Event) -> Decision | None:
+        if event.kind is EventKind.ROUND and not sup.agents.in_state(AgentState.REGROUPING):
+            self.regroup_since = None
+        if event.kind is EventKind.EXITED and event.code != 0:
+            row = sup.agents[event.slot]
+            if event.cause is None:  # its workers failed: the job's failure, as without a range
+                return Stop(code=event.code, reason="its workers failed", slot=event.slot)
+            self.backoff.lost(row.host, joined=row.joined, now=event.at)
+            return self._regroup(sup, (row,), event)
+        if event.kind is EventKind.TICK:
+            silent = [row for row in sup.agents.live() if event.at - row.heard > sup.silent_s]
+            if silent:
+                for row in silent:
+                    sup.agents.move(row.slot, AgentState.LOST, f"its agent said nothing for {sup.silent_s:.0f} s")
+                    self.backoff.lost(row.host, joined=row.joined, now=event.at)
+                return self._regroup(sup, tuple(silent), event)
+            if self.regroup_since is not None and event.at - self.regroup_since > self.regroup_s:
+                waiting = ", ".join(row.host for row in sup.agents.in_state(AgentState.REGROUPING))
+                return Stop(code=1, reason="regroup timed out",
+                            report=f"disttrain: the regroup did not form within {self.regroup_s:.0f} s "
+                                   f"(rendezvous {self.store}; waiting: {waiting or 'none'}): stopped the job")
+        return None
+
+    def _regroup(self, sup: Supervisor, lost: tuple[Agent, ...], event: Event) -> Decision:
+        members = sup.agents.live()
+        lost_hosts = tuple(row.host for row in lost)
+        if sup.finished:  # the job is done: nothing to regroup
+            return RegroupWithout(lost=lost_hosts, members=(), slots=(), reason=lost[0].why or "")
+        if len(members) < self.min_nnodes:
+            everyone = "; ".join(f"{row.host}: {row.why}" for row in sup.agents.in_state(AgentState.LOST))
+            return Stop(code=event.code if event.code else 1, reason="below the minimum", slot=lost[-1].slot,
+                        report=f"disttrain: {len(members)} host(s) left, below the minimum of --nnodes "
+                               f"{self.min_nnodes}:{self.max_nnodes}: stopped the job\n"
+                               f"  hosts lost: {everyone}\n"
+                               f"  still running: {', '.join(row.host for row in members) or 'none'}")
+        for row in members:
+            sup.agents.move(row.slot, AgentState.REGROUPING)
+        self.regroup_since = event.at
+        return RegroupWithout(lost=lost_hosts, members=tuple(row.host for row in members),
+                              slots=tuple(row.slot for row in members), reason="; ".join(
+                                  f"{row.host}: {row.why}" for row in lost))
+
+    def admit(self, sup: Supervisor, hosts: Sequence[str], now: float) -> list[Admit]:
+        """Which of ``hosts`` (not running) may be tried now: room below MAX, backoff over."""
+        room = self.max_nnodes - len(sup.agents.live())
+        running = {row.host for row in sup.agents.live()}
+        ready = [h for h in hosts if h not in running and self.backoff.wait(h, now) <= 0]
+        return [Admit(h) for h in ready[:max(0, room)]] if not sup.finished else []
+
+
+class HangWatch:
+    """One stall rule: no rank of any live agent moved for ``timeout_s`` -> dump; not while a
+    regroup forms (no rank can move then), nor before any rank moved at all, nor while an agent's
+    word is late (:data:`LATE_S`: its ranks may be moving; the silence clock decides first)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def decide(self, sup: Supervisor, event: Event) -> Decision | None:
+        if event.kind is not EventKind.TICK or not self.timeout_s:
+            return None
+        live = sup.agents.live()
+        if not live or any(row.state is AgentState.REGROUPING or event.at - row.heard > LATE_S for row in live):
+            return None
+        progress = [row.progress for row in live if row.progress is not None]
+        if not progress or stalled(max(progress), event.at, self.timeout_s) is None:
+            return None
+        for row in live:
+            sup.agents.move(row.slot, AgentState.HUNG)
+        return Dump(slots=tuple(row.slot for row in live),
+                    reason=f"no rank on any host progressed for {self.timeout_s:g} s")
+
+
+# -- the machine -----------------------------------------------------------------------------
+
+
+class Supervisor:
+    """The table, the policies, the loop's one entry (:meth:`handle`)."""
+
+    def __init__(self, hosts: Sequence[str], *, policies: Sequence, clock: Callable[[], float] = time.monotonic,
+                 silent_s: float = SILENT_S) -> None:
+        self.clock = clock
+        self.silent_s = silent_s
+        self.agents = Agents()
+        self.policies = list(policies)
+        self.finished = False  # an agent ended well: the job is done, nobody is admitted or regrouped
+        self.ended: Stop | None = None  # the decision that ended the job
+        now = clock()
+        for host in hosts:
+            self.agents.add(host, now)
+
+    @property
+    def elastic(self) -> Elastic | None:
+        return next((p for p in self.policies if isinstance(p, Elastic)), None)
+
+    def handle(self, event: Event) -> list[Decision]:
+        """Move the table for ``event``, then ask every policy; the decisions, in policy order."""
+        if self.ended is not None or not self._apply(event):
+            return []  # the job ended, or a late word of an agent already judged
+        decisions = []
+        for policy in self.policies:
+            decision = policy.decide(self, event)
+            if decision is not None:
+                decisions.append(decision)
+                if isinstance(decision, Stop):
+                    self.ended = decision
+                    self._stop_all()
+                    break
+        return decisions
+
+    def late(self, now: float | None = None) -> bool:
+        """Whether the ranks' rates say nothing now: a live agent's word is late (:data:`LATE_S`), or
+        the job ended (the rates of a host lost or stopped are frozen at their last value)."""
+        now = self.clock() if now is None else now
+        return self.ended is not None or any(now - row.heard > LATE_S for row in self.agents.live())
+
+    def tick(self) -> list[Decision]:
+        return self.handle(Event(EventKind.TICK, at=self.clock()))
+
+    def _apply(self, event: Event) -> bool:
+        """Move the table; False when the event concerns an agent already judged."""
+        if event.kind is EventKind.JOINED:
+            self.agents.add(event.host, event.at)
+            return True
+        if event.slot is None:
+            return True
+        row = self.agents[event.slot]
+        if row.state.final:
+            return False
+        row.heard = max(row.heard, event.at)
+        if event.kind is EventKind.HEARD:
+            if event.progress is not None and row.state is AgentState.STARTING:
+                self.agents.move(row.slot, AgentState.RUNNING)  # its ranks move (a job without rounds)
+            if event.progress is not None:
+                row.progress = event.progress if row.progress is None else max(row.progress, event.progress)
+            if event.steps:
+                row.steps.update(event.steps)
+        elif event.kind is EventKind.ROUND:
+            row.progress, row.steps = None, {}
+            if row.state is not AgentState.HUNG:
+                self.agents.move(row.slot, AgentState.RUNNING)
+        elif event.kind is EventKind.EXITED:
+            if event.code == 0:
+                self.agents.move(row.slot, AgentState.DONE, "it finished")
+                self.finished = True
+            elif row.state is AgentState.HUNG:  # as asked: reported its ranks, stopped
+                self.agents.move(row.slot, AgentState.STOPPED, "stopped after the hang verdict")
+                return False
+            elif event.cause is not None:
+                self.agents.move(row.slot, AgentState.LOST, event.cause)
+            else:
+                self.agents.move(row.slot, AgentState.FAILED, "its workers failed")
+        return True
+
+    def _stop_all(self) -> None:
+        for row in self.agents.rows:
+            if not row.state.final:
+                self.agents.move(row.slot, AgentState.STOPPED, "stopped by the launcher: the job ended elsewhere")

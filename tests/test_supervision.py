@@ -1,0 +1,267 @@
+"""The launcher's state machine (disttrain.launch.supervision), in-process: fake agents, a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain.launch.supervision import (
+    TRANSITIONS,
+    Admit,
+    AgentState,
+    Backoff,
+    Dump,
+    Elastic,
+    Event,
+    EventKind,
+    FailFast,
+    HangWatch,
+    IllegalTransition,
+    RegroupWithout,
+    Stop,
+    Supervisor,
+    exit_cause,
+)
+
+S = AgentState
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def elastic(hosts=("a", "b", "c", "d"), *, min_nnodes=2, hang_s=0.0, regroup_s=60.0, policies=None):
+    clock = Clock()
+    policy = Elastic(min_nnodes=min_nnodes, max_nnodes=len(hosts), regroup_s=regroup_s, store="10.0.0.9:29500")
+    sup = Supervisor(hosts, policies=policies or [policy, HangWatch(hang_s)], clock=clock)
+    return sup, clock
+
+
+def running(sup: Supervisor, clock: Clock, attempt: int = 0) -> None:
+    """Every live agent starts a round and its ranks move."""
+    for row in sup.agents.live():
+        sup.handle(Event(EventKind.ROUND, at=clock.now, slot=row.slot, attempt=attempt))
+        sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot, progress=clock.now, steps={row.slot: 1}))
+
+
+def beat_all(sup: Supervisor, clock: Clock, *, progress: float | None = None, but=()) -> None:
+    for row in sup.agents.live():
+        if row.host not in but:
+            sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot, progress=progress))
+
+
+def advance(sup: Supervisor, clock: Clock, seconds: float, *, progress=True, but=()) -> list:
+    """``seconds`` of one-second ticks, every agent (but ``but``) beating; ranks moving when ``progress``."""
+    out = []
+    for _ in range(int(seconds)):
+        clock.now += 1
+        beat_all(sup, clock, progress=clock.now if progress else None, but=but)
+        out += sup.tick()
+    return out
+
+
+def exited(sup: Supervisor, clock: Clock, slot: int, code: int, cause: str | None = None) -> list:
+    return sup.handle(Event(EventKind.EXITED, at=clock.now, slot=slot, code=code, cause=cause))
+
+
+# ---------------------------------------------------------------------------------- the table
+
+
+def test_every_transition_of_the_table_and_no_other():
+    for start in AgentState:
+        for end in AgentState:
+            sup, _ = elastic(("a",))
+            sup.agents[0].state = start
+            if end in TRANSITIONS[start]:
+                sup.agents.move(0, end)
+                assert sup.agents[0].state is end
+            else:
+                with pytest.raises(IllegalTransition, match=f"agent 0 \\(a\\): {start} -> {end}"):
+                    sup.agents.move(0, end)
+    assert all(not TRANSITIONS[s] for s in AgentState if s.final)
+    assert str(S.LOST) == "lost" and S.DONE.final and not S.HUNG.final
+
+
+def test_a_round_runs_and_the_job_finishes():
+    sup, clock = elastic(("a", "b"))
+    assert [r.state for r in sup.agents.rows] == [S.STARTING, S.STARTING]
+    running(sup, clock)
+    assert [r.state for r in sup.agents.rows] == [S.RUNNING, S.RUNNING]
+    assert advance(sup, clock, 10) == []
+    assert exited(sup, clock, 0, 0) == [] and exited(sup, clock, 1, 0) == []
+    assert [r.state for r in sup.agents.rows] == [S.DONE, S.DONE] and sup.finished
+
+
+def test_fail_fast_stops_at_the_first_failure_and_says_a_lost_host_as_it_was():
+    clock = Clock()
+    sup = Supervisor(("a", "b", "c"), policies=[FailFast()], clock=clock)
+    running(sup, clock)
+    (stop,) = exited(sup, clock, 1, 255, cause="ssh failed: connection lost")
+    assert stop == Stop(code=255, reason="ssh failed: connection lost", slot=1)
+    assert [r.state for r in sup.agents.rows] == [S.STOPPED, S.LOST, S.STOPPED]
+    assert sup.late()  # the job ended: no rank's rate says anything any more
+    assert sup.agents[0].why == "stopped by the launcher: the job ended elsewhere"
+    assert sup.agents[1].why == "ssh failed: connection lost"
+
+
+def test_exit_causes_name_the_signal():
+    assert exit_cause(-9) == exit_cause(137) == "its agent was killed by SIGKILL"
+    assert exit_cause(143) == "its agent was killed by SIGTERM"
+    assert exit_cause(1) is None and exit_cause(255) is None and exit_cause(128 + 11) is None
+
+
+# ---------------------------------------------------------------------------------- elastic
+
+
+def test_the_store_host_lost_is_a_loss_like_any_other():
+    """The first host held the rendezvous once; now the launcher does: its loss is one more regroup."""
+    sup, clock = elastic()
+    running(sup, clock)
+    (regroup,) = exited(sup, clock, 0, 255, cause="ssh failed: connection lost")
+    assert regroup == RegroupWithout(lost=("a",), members=("b", "c", "d"), slots=(1, 2, 3),
+                                     reason="a: ssh failed: connection lost")
+    assert [r.state for r in sup.agents.rows] == [S.LOST, S.REGROUPING, S.REGROUPING, S.REGROUPING]
+    running(sup, clock, attempt=1)
+    assert [r.state for r in sup.agents.rows[1:]] == [S.RUNNING] * 3 and sup.elastic.regroup_since is None
+
+
+def test_two_hosts_lost_at_once_by_their_silence_are_one_regroup():
+    sup, clock = elastic()
+    running(sup, clock)
+    decisions = advance(sup, clock, 7, but=("b", "c"))
+    assert decisions == [RegroupWithout(lost=("b", "c"), members=("a", "d"), slots=(0, 3),
+                                        reason="b: its agent said nothing for 5 s; c: its agent said nothing for 5 s")]
+    # their agents' exits come later (the flow killed them): already judged, nothing more
+    assert exited(sup, clock, 1, -9) == [] and sup.agents[1].state is S.LOST
+
+
+def test_a_loss_during_a_regroup_regroups_again_without_both():
+    sup, clock = elastic()
+    running(sup, clock)
+    exited(sup, clock, 3, 255, cause="ssh failed")
+    (again,) = exited(sup, clock, 2, -9, cause=exit_cause(-9))
+    assert again.lost == ("c",) and again.members == ("a", "b") and again.reason == "c: its agent was killed by SIGKILL"
+    assert [r.state for r in sup.agents.rows] == [S.REGROUPING, S.REGROUPING, S.LOST, S.LOST]
+
+
+def test_below_min_the_job_stops_naming_every_host_lost():
+    sup, clock = elastic(("a", "b", "c"))
+    running(sup, clock)
+    exited(sup, clock, 2, 255, cause="ssh failed")
+    (stop,) = exited(sup, clock, 1, 255, cause="ssh failed")
+    assert isinstance(stop, Stop) and stop.code == 255 and stop.slot == 1
+    assert stop.report.splitlines() == [
+        "disttrain: 1 host(s) left, below the minimum of --nnodes 2:3: stopped the job",
+        "  hosts lost: b: ssh failed; c: ssh failed", "  still running: a"]
+    assert sup.agents[0].state is S.STOPPED
+
+
+def test_a_failure_of_the_workers_ends_an_elastic_job_too():
+    sup, clock = elastic()
+    running(sup, clock)
+    (stop,) = exited(sup, clock, 1, 1)
+    assert stop == Stop(code=1, reason="its workers failed", slot=1) and sup.agents[1].state is S.FAILED
+
+
+def test_a_regroup_that_never_forms_ends_in_one_line_naming_the_store():
+    sup, clock = elastic(regroup_s=30)
+    running(sup, clock)
+    exited(sup, clock, 0, 255, cause="ssh failed")
+    decisions = advance(sup, clock, 40, progress=False)
+    (stop,) = decisions
+    assert stop.reason == "regroup timed out" and "\n" not in stop.report
+    assert stop.report == ("disttrain: the regroup did not form within 30 s (rendezvous 10.0.0.9:29500; "
+                           "waiting: b, c, d): stopped the job")
+
+
+def test_a_host_that_answers_again_is_admitted_when_there_is_room():
+    sup, clock = elastic(("a", "b", "c"))
+    running(sup, clock)
+    advance(sup, clock, 100)
+    exited(sup, clock, 2, 255, cause="ssh failed")  # lost long after it joined: no backoff
+    assert sup.elastic.admit(sup, ["c"], clock.now) == [Admit("c")]
+    sup.handle(Event(EventKind.JOINED, at=clock.now, host="c"))
+    assert sup.elastic.admit(sup, ["c"], clock.now) == []  # running again: no room, no second copy
+    assert sup.agents[3].host == "c" and sup.agents[3].state is S.STARTING
+
+
+def test_a_flapping_host_waits_longer_each_time_up_to_the_cap():
+    sup, clock = elastic(("a", "b", "c"))
+    running(sup, clock)
+    waits = []
+    for _ in range(6):  # down and up every 10 s: lost 10 s after each join
+        slot = sup.agents.rows[-1].slot
+        advance(sup, clock, 10)
+        exited(sup, clock, slot, 255, cause="ssh failed")
+        waits.append(sup.elastic.backoff.wait("c", clock.now))
+        assert sup.elastic.admit(sup, ["c"], clock.now) == []
+        clock.now += waits[-1]
+        assert sup.elastic.admit(sup, ["c"], clock.now) == [Admit("c")]
+        sup.handle(Event(EventKind.JOINED, at=clock.now, host="c"))
+        running(sup, clock)
+    assert waits == [10, 20, 40, 80, 120, 120]
+    # a host that stays up past the window starts again from no backoff
+    advance(sup, clock, 61)
+    exited(sup, clock, sup.agents.rows[-1].slot, 255, cause="ssh failed")
+    assert sup.elastic.backoff.wait("c", clock.now) == 0
+
+
+def test_the_backoffs_bound():
+    """After its first flaps, at most one admission per max_s: two regroups per max_s + period."""
+    backoff = Backoff()
+    now, admitted = 0.0, []
+    while now < 3600:
+        admitted.append(now)
+        now += 10  # it stays 10 s, then is lost
+        now += backoff.lost("c", joined=now - 10, now=now)
+    gaps = [b - a for a, b in zip(admitted, admitted[1:])]
+    assert max(gaps) == backoff.max_s + 10 and gaps[4:] == [backoff.max_s + 10] * len(gaps[4:])
+    assert len(admitted) <= 3600 / (backoff.max_s + 10) + 5
+
+
+# ---------------------------------------------------------------------------------- hang watch
+
+
+def test_no_progress_anywhere_for_the_timeout_asks_every_agent_to_dump():
+    sup, clock = elastic(("a", "b"), hang_s=10)
+    running(sup, clock)
+    start, decisions = clock.now, []
+    while not decisions:
+        decisions = advance(sup, clock, 1, progress=False)
+    assert decisions == [Dump(slots=(0, 1), reason="no rank on any host progressed for 10 s")]
+    assert clock.now - start == 10  # judged on the tick that reaches the timeout, not later
+    assert [r.state for r in sup.agents.rows] == [S.HUNG, S.HUNG]
+    assert exited(sup, clock, 0, 124) == [] and sup.agents[0].state is S.STOPPED
+
+
+def test_one_rank_moving_keeps_the_job_alive():
+    sup, clock = elastic(("a", "b"), hang_s=10)
+    running(sup, clock)
+    for _ in range(20):
+        clock.now += 1
+        sup.handle(Event(EventKind.HEARD, at=clock.now, slot=0, progress=clock.now))
+        sup.handle(Event(EventKind.HEARD, at=clock.now, slot=1, progress=None))
+        assert sup.tick() == [] and not sup.late()
+    clock.now += 3  # nobody heard for 3 s: late, no rate judged
+    assert sup.late()
+
+
+def test_a_hang_during_a_regroup_is_no_hang_verdict():
+    sup, clock = elastic(hang_s=5, regroup_s=30)
+    running(sup, clock)
+    exited(sup, clock, 3, 255, cause="ssh failed")
+    assert advance(sup, clock, 20, progress=False) == []  # the regroup forms: no rank can move meanwhile
+    running(sup, clock, attempt=1)
+    (dump,) = advance(sup, clock, 7, progress=False)  # the new round hangs: judged as usual
+    assert isinstance(dump, Dump) and dump.slots == (0, 1, 2)
+
+
+def test_a_hang_and_a_loss_at_once_is_the_loss():
+    """A silent host stalls everyone: the loss is the cause, the others regroup, no verdict."""
+    sup, clock = elastic(hang_s=5)
+    running(sup, clock)
+    decisions = advance(sup, clock, 6, progress=False, but=("d",))
+    assert [type(d) for d in decisions] == [RegroupWithout] and decisions[0].lost == ("d",)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from ..agent.verdict import verdict
+from ..agent.verdict import verdict, warm
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
 from ..private import private_opener
@@ -321,6 +321,8 @@ class _Supervised:
                                                    cwd=agent_cwd).to_line())
                 self.relay_agent(proc)
             self.stdins.keep_alive(self.procs, done)
+            if plan.hang_timeout_s:  # the verdict's import, ahead (see verdict.warm)
+                threading.Thread(target=warm, name="verdict-import", daemon=True).start()
             self.membership.start(self.say)
             ended = self.watch()
             self.membership.close()

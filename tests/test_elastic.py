@@ -457,6 +457,44 @@ def test_a_slurm_node_that_loses_power_is_left_behind(slurm3, tmp_path):
         time.sleep(0.2)
 
 
+slurm4 = slurm_fixture(4, scope="function", name="slurm4")
+
+
+@pytest.mark.timeout(500)
+def test_the_allocations_first_node_lost_under_salloc_is_a_loss_like_any_other(slurm4, tmp_path):
+    """``salloc --no-kill`` on a login host (node0, outside the allocation): the launcher runs there and
+    holds the store; the allocation's first node (node1, once the store's host) is powered off: the
+    other two go on, no sample lost. (Under sbatch the launcher is the batch step, on the first node:
+    its loss is the launcher's -- Slurm's batch host -- and ends the job, as any launcher's does.)"""
+    out, ckpt, run = tmp_path / "out", tmp_path / "ckpt", tmp_path / "run"
+    out.mkdir()
+    argv = ["salloc", "--nodes=3", "--exclude=node0", "--no-kill", sys.executable, "-m", "disttrain", "run",
+            "--nnodes", "2:3", "-n", "1", "--log-dir", str(run), str(WORKER), "--out", str(out), "--ckpt", str(ckpt),
+            *JOB]
+    proc = slurm4.popen_in("node0", argv, cwd=ROOT, env=slurm4.env(PYTHONPATH=bench.worker_env()["PYTHONPATH"]),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    wait_for(proc, lambda: bench.complete_checkpoints(ckpt) and bench.step_of(out) >= 6, timeout=300)
+    slurm4.rig.power_off("node1")
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
+    assert line.startswith("disttrain: membership: node1 left (") and "-> 2 hosts, world size 2, resumed from step " \
+        in line, line
+    accounting = bench.account(out, 120)
+    assert accounting["attempts"][0]["world_size"] == 3 and accounting["attempts"][-1]["world_size"] == 2
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
+    assert [c["change"] for c in record_of(tmp_path)] == ["start", "left"]
+    print(f"recovery (the allocation's first node): {record_of(tmp_path)[1]['seconds']} s; {line}")
+    deadline = time.monotonic() + 20
+    while True:  # Slurm's daemons stay; nothing of the job does
+        left = [_cmdline(pid) for node in slurm4.rig.nodes for pid in slurm4.rig.processes_in(node)
+                if "disttrain" in _cmdline(pid) or "elastic_train" in _cmdline(pid)]
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"processes left behind: {left}"
+        time.sleep(0.2)
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

@@ -1,4 +1,4 @@
-"""``disttrain tune ls | show NAME | resume NAME | stop NAME``: hyperparameter tuning jobs."""
+"""``disttrain tune run SCRIPT | ls | show NAME | resume NAME | stop NAME``: hyperparameter tuning jobs."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from .job import add_store_arg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    tune = sub.add_parser("tune", help="list, inspect, resume and stop hyperparameter tuning jobs",
-                          description="Tuning jobs started by a SageMaker HyperparameterTuner (Optuna studies kept "
-                          "beside the job store); every trial is a recorded job (disttrain jobs ls).")
+    tune = sub.add_parser("tune", help="tune a script; list, inspect, resume and stop hyperparameter tuning jobs",
+                          description="Tuning jobs started by `disttrain tune run SCRIPT` or a SageMaker "
+                          "HyperparameterTuner (Optuna studies kept beside the job store); every trial is a "
+                          "recorded job (disttrain jobs ls).")
     actions = tune.add_subparsers(dest="action", required=True, metavar="ACTION")
     ls = actions.add_parser("ls", help="tuning jobs, newest first")
     ls.add_argument("--json", action="store_true", help="print DescribeHyperParameterTuningJob for each, as JSON")
@@ -28,7 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     stop = actions.add_parser("stop", help="stop a tuning job and its running trials")
     stop.add_argument("name", metavar="NAME")
     stop.set_defaults(handler=handle_stop)
-    for p in (ls, show, resume, stop):
+    from . import tune_run
+
+    run = tune_run.add_parser(actions)
+    for p in (run, ls, show, resume, stop):
         add_store_arg(p)
 
 

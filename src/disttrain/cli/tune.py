@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
+from . import tune_run
 from .job import add_store_arg
+from .tune_run import use_store as _use_store
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,18 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     stop = actions.add_parser("stop", help="stop a tuning job and its running trials")
     stop.add_argument("name", metavar="NAME")
     stop.set_defaults(handler=handle_stop)
-    from . import tune_run
-
     run = tune_run.add_parser(actions)
     for p in (run, ls, show, resume, stop):
         add_store_arg(p)
-
-
-def _use_store(args: argparse.Namespace) -> None:
-    """--store: the job store (and the tuning store beside it) for everything this command does,
-    the loop's trials included."""
-    if args.store:
-        os.environ["DISTTRAIN_STORE"] = os.path.abspath(args.store)
 
 
 def _when(stamp: float | None) -> str:

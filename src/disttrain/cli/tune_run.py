@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -83,9 +84,7 @@ def handle_run(args: argparse.Namespace) -> int:
     from ..sagemaker.tunerbase import _check_trial, log_path
     from ..sagemaker.tunerloop import run_tuning
     from ..sagemaker.tuning import create_study, describe, new_tuning_name
-    from .tune import _use_store
-
-    _use_store(args)
+    use_store(args)
     keys = merged(args)
     name = keys["name"] or new_tuning_name(Path(keys["script"]).stem)
     config = tuning_config(keys, name)
@@ -107,6 +106,13 @@ def handle_run(args: argparse.Namespace) -> int:
             f"(disttrain tune show {name}; disttrain jobs logs JOB)")
         return 1
     return 0 if state == "Completed" else 1
+
+
+def use_store(args: argparse.Namespace) -> None:
+    """--store: the job store (and the tuning store beside it) for everything a ``tune`` action does,
+    the loop's trials included."""
+    if args.store:
+        os.environ["DISTTRAIN_STORE"] = os.path.abspath(args.store)
 
 
 # --- the keys: the file's, then the command line's ----------------------------------------------

@@ -546,5 +546,6 @@ def test_output_on_the_page_is_what_the_command_prints(block: Marked, tmp_path: 
     for command, expected in commands_and_outputs(block.body):
         got = run_as_on_the_page(command, tmp_path)
         want = normalise("\n".join(expected))
-        assert matches(want, got, digits_of(block.arg)), f"{block.page}:{block.line}: `{command}` now prints:\n" + "\n".join(got) + \
+        assert matches(want, got, digits_of(block.arg)), \
+            f"{block.page}:{block.line}: `{command}` now prints:\n" + "\n".join(got) + \
             "\n\nthe page shows (normalised):\n" + "\n".join(want)

@@ -8,12 +8,11 @@ arguments and objective, never more than ``--parallel`` at once, and the best th
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, disttrain
+from conftest import cli_env, disttrain, write
 from disttrain.store import JobStore
 
 pytest.importorskip("optuna")
@@ -39,12 +38,9 @@ def expected(hps: dict) -> float:
 
 
 @pytest.fixture
-def script_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTTRAIN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("DISTTRAIN_STORE", str(tmp_path / "jobs.db"))
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "loss.py").write_text(textwrap.dedent(SCRIPT))
-    return tmp_path
+def script_home(job_home):
+    write(job_home / "loss.py", SCRIPT)
+    return job_home
 
 
 def tune(*args: str, cwd: Path):
@@ -77,7 +73,7 @@ def test_four_trials_two_at_a_time_best_is_the_minimum(script_home):
 
 
 def test_the_same_from_a_file_grid(script_home):
-    (script_home / "tune.yaml").write_text(textwrap.dedent("""\
+    write(script_home / "tune.yaml", """\
         script: loss.py
         param: {layers: "1:2", opt: [adam, sgd]}
         set: {lr: 0.3, epochs: 1}
@@ -86,7 +82,7 @@ def test_the_same_from_a_file_grid(script_home):
         direction: maximize
         strategy: Grid
         parallel: 2
-        """))
+        """)
     done = tune("run", "--config", "tune.yaml", "--name", "grid", cwd=script_home)
     assert done.returncode == 0, done.stdout + done.stderr
     with JobStore() as store:

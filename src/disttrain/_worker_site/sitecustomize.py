@@ -1,11 +1,13 @@
-"""What every worker of a ``--hang-timeout`` run loads before the user's code, for any script.
+"""What every PyTorch worker loads before the user's code, for any script.
 
 The agent puts this file's folder first on every PyTorch worker's ``PYTHONPATH`` (it holds
-nothing else but ``_disttrain_group_check.py``, which checks a script's own ``init_process_group``
-against the launcher's rank, world size and address), so that Python's ``site`` imports it at start-up, and a plain torchrun
-script (its own ``init_process_group``, no ``import disttrain``) is covered as well as one that
-uses the runtime. It keeps ``python script.py`` as it is -- ``sys.argv``, ``__main__``,
-``sys.path[0]``, spawned DataLoader workers -- and runs the ``sitecustomize`` it shadows, if any.
+nothing else but ``_disttrain_group_check.py``), so that Python's ``site`` imports it at start-up,
+and a plain torchrun script (its own ``init_process_group``, no ``import disttrain``) is covered
+as well as one that uses the runtime. It keeps ``python script.py`` as it is -- ``sys.argv``,
+``__main__``, ``sys.path[0]``, spawned DataLoader workers -- and runs the ``sitecustomize`` it
+shadows, if any. In every worker a launcher started (``WORLD_SIZE`` set), a script's own
+``init_process_group`` is checked against the launcher's rank, world size and address
+(``_disttrain_group_check.py``). The rest is for ``--hang-timeout`` runs only.
 
 Nothing happens until the process imports torch (``torch.distributed.distributed_c10d``, which
 ``import torch`` loads): a post-import hook then, in the first process of the rank to get there

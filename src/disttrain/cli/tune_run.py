@@ -84,6 +84,7 @@ def handle_run(args: argparse.Namespace) -> int:
     from ..sagemaker.tunerbase import _check_trial, log_path
     from ..sagemaker.tunerloop import run_tuning
     from ..sagemaker.tuning import create_study, describe, new_tuning_name
+
     use_store(args)
     keys = merged(args)
     name = keys["name"] or new_tuning_name(Path(keys["script"]).stem)

@@ -220,6 +220,8 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     # A job instance's workers see its folder at /opt/ml; the tool is checked here, on their machine.
     opt_ml = (instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.name, say=say)
               if node.opt_ml else [])
+    if plan.framework == "pytorch":  # the worker bootstrap: a script's own process group is checked
+        env.update(flight.site_env({**os.environ, **env}))
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(tf_node_env(dict(env), host=node.name, nproc=node.nproc, world_size=plan.world_size,
                                report_to=report_to))

@@ -24,6 +24,8 @@ declare -A NEED=(
   [/usr/bin/mpicc]=libopenmpi-dev
   # tests/test_sagemaker.py: a private /opt/ml for users other than root
   [/usr/bin/bwrap]=bubblewrap
+  # tests/test_docs_browser.py: the built site in a real browser (~2.5 min and ~480 MB here, with recommends)
+  [/usr/bin/chromium]=chromium
 )
 
 missing=()

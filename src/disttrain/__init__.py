@@ -30,6 +30,7 @@ _EXPORTS = {
     "accuracy": "runtime.metrics",
     "print0": "runtime.metrics",
     "barrier": "runtime.metrics",
+    "log": "runtime.track",
     "checkpoint": "runtime.checkpoint",
     "accumulate": "runtime.accumulate",
     "Accumulator": "runtime.accumulate",
@@ -70,5 +71,6 @@ if TYPE_CHECKING:  # pragma: no cover
         topk_correct,
     )
     from .runtime.resume import TrainingState, resume
+    from .runtime.track import log
     from .runtime.strategies import unwrap
     from .trainer import Trainer

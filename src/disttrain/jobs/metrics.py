@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import UsageError
+from ..linetap import Tapped
 from ..tbevents import EventFile
 
 STEP_NAMES = ("step", "iteration", "iter", "epoch")  # a series by one of these names is the plots' x axis
@@ -87,7 +88,7 @@ class MetricWatcher:
 
     def tap(self, transcript: TextIO) -> TextIO:
         """``transcript``, with each line written to it also fed here, timed as written."""
-        return _Tapped(transcript, self.feed) if self.definitions else transcript
+        return Tapped(transcript, self.feed) if self.definitions else transcript
 
     def __enter__(self) -> MetricWatcher:
         if self.definitions:
@@ -134,28 +135,6 @@ class MetricWatcher:
                     self.events_dir = None  # no TensorBoard: do not try again
             if self._events is not None:
                 self._events.add(rows)
-
-
-class _Tapped:
-    """A transcript that also hands each complete line to ``sink(time, line)`` as it is written."""
-
-    def __init__(self, out: TextIO, sink) -> None:
-        self._out, self._sink = out, sink
-        self._partial = ""
-        self._lock = threading.Lock()  # the relay writes from one thread per agent stream
-
-    def write(self, text: str) -> int:
-        written = self._out.write(text)
-        with self._lock:
-            lines = (self._partial + text).split("\n")
-            self._partial = lines.pop()
-            now = time.time()
-            for line in lines:
-                self._sink(now, line)
-        return written
-
-    def __getattr__(self, name: str):
-        return getattr(self._out, name)  # flush, close, name...
 
 
 def plot_axes(series: dict[str, list[tuple[float, float]]]) -> tuple[str, dict[str, tuple[list, list]]]:

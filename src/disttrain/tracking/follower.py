@@ -29,6 +29,7 @@ from ..workerenv import RESUMED_MARKER
 from .sink import Sink, open_sink
 
 _RESUMED = re.compile(re.escape(RESUMED_MARKER) + r"(\d+)")
+FOLLOW_POLL_S = 0.25
 STOP_WAIT_S = 60.0  # at the end, for the tracker to take what is queued
 
 
@@ -50,6 +51,7 @@ class RunTracker:
         self._queue: queue.SimpleQueue[tuple[str, tuple] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._send, name="disttrain-tracker", daemon=True)
         self._failed = False
+        self._follower: threading.Thread | None = None
         if self.sink is not None:
             self._thread.start()
 
@@ -84,6 +86,35 @@ class RunTracker:
                 values = {f"rank{record.get('rank')}/{k}": v for k, v in values.items()}
             self._put("metrics", values, record.get("step"), record["t"])
 
+    def follow_files(self, poll_s: float = FOLLOW_POLL_S) -> None:
+        """Read the ranks' stdout files in the run folder as they grow (``attempt_<k>/rank<R>.stdout``):
+        the launcher that runs its node in this process (``disttrain run`` on this machine) relays
+        through torch's own tail, not through a transcript."""
+        self._stop_follow = threading.Event()
+        self._follower = threading.Thread(target=self._follow, args=(poll_s,), name="disttrain-track-files",
+                                          daemon=True)
+        self._follower.start()
+
+    def _follow(self, poll_s: float) -> None:
+        offsets: dict[Path, int] = {}
+        partial: dict[Path, bytes] = {}
+        while True:
+            stopping = self._stop_follow.wait(poll_s)
+            now = self.clock()
+            for path in sorted(self.run_dir.glob("attempt_*/rank*.stdout")):
+                try:
+                    with open(path, "rb") as fh:
+                        fh.seek(offsets.get(path, 0))
+                        chunk = fh.read()
+                except OSError:
+                    continue
+                offsets[path] = offsets.get(path, 0) + len(chunk)
+                *lines, partial[path] = (partial.get(path, b"") + chunk).split(b"\n")
+                for line in lines:
+                    self.line(line.decode(errors="replace"), now)
+            if stopping:
+                return
+
     def tap(self, transcript: TextIO | None) -> TextIO:
         """A transcript for the launch (``Events.transcript``) whose lines also come here."""
         return Tapped(transcript, lambda when, line: self.line(line, when))
@@ -92,6 +123,9 @@ class RunTracker:
         """The run ended: its end record, ``goodput.json``, and to the tracker the goodput, the
         membership changes, the hang verdict, ``artifacts`` and the exit; the goodput (or None)."""
         hung = exit_code == HANG_EXIT
+        if self._follower is not None:  # read to the end first
+            self._stop_follow.set()
+            self._follower.join(timeout=STOP_WAIT_S)
         with self._lock:
             if self._file is not None:
                 self._record({"kind": "end", "t": self.clock(), "exit_code": exit_code, "hung": hung})
@@ -100,6 +134,7 @@ class RunTracker:
         self.goodput = goodput.from_run_dir(self.run_dir)
         if self.goodput is not None:
             (self.run_dir / goodput.FILE).write_text(json.dumps(self.goodput, indent=1) + "\n")
+        if self.goodput is not None and self.sink is not None:  # without a tracker: the file only
             self.say(f"disttrain: {goodput.summary(self.goodput)} ({self.run_dir / goodput.FILE})")
         if self.sink is not None:
             if self.goodput is not None:

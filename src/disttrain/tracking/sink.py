@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import shlex
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -89,3 +90,19 @@ def text_file(folder: Path, name: str, text: str) -> Path:
 
 def env(name: str, default: str) -> str:
     return os.environ.get(name) or default
+
+
+def script_params(argv: Sequence[str], script_args: Sequence[str]) -> dict[str, str]:
+    """A run's parameters: its command line whole, and the script's ``--name value`` (or
+    ``--name=value``; a flag alone is ``true``) as hyperparameters ``hp.name``."""
+    params = {"argv": shlex.join(argv)}
+    args = list(script_args)
+    for i, arg in enumerate(args):
+        if not arg.startswith("--") or arg == "--":
+            continue
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "true"
+        if name:
+            params[f"hp.{name}"] = value
+    return params

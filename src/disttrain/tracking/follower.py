@@ -150,8 +150,9 @@ class RunTracker:
                 self._put("text", "membership.json", json.dumps(changes, indent=1))
             if hung and report:
                 self._put("text", "hang_verdict.txt", report)
-            elif exit_code and report:
-                self._put("text", "failure.txt", report)
+            elif exit_code:
+                self._put("text", "failure.txt", report or f"the run ended with exit code {exit_code}; "
+                          f"its logs: {self.run_dir}")
             for path in artifacts:
                 if Path(path).is_file():
                     self._put("artifact", Path(path))

@@ -245,3 +245,48 @@ def test_unknown_tracker_and_ranks_without_tracker(tmp_path):
     assert proc.returncode == 2 and "--track 'neptune': choose one of mlflow, trackio, wandb" in proc.stderr
     proc = disttrain("run", "-n", "1", "--track-ranks", str(SCRIPTS / "tracked.py"))
     assert proc.returncode == 2 and "--track-ranks needs --track" in proc.stderr
+
+
+@pytest.mark.timeout(240)
+def test_job_with_track_key_goodput_in_its_record(tmp_path):
+    """A job spec's ``track:`` key: the job as a W&B run (offline), its goodput in the job record and
+    ``jobs show``, model.tar.gz among the run's files."""
+    pytest.importorskip("wandb")
+    import yaml
+
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), DISTTRAIN_STORE=str(tmp_path / "jobs.db"),
+                  WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wb"), WANDB_SILENT="true")
+    spec = {"name": "tracked", "entry_point": "tracked.py", "source_dir": str(SCRIPTS), "instance_count": 1,
+            "processes_per_instance": 2, "hyperparameters": {"lr": 0.1}, "track": "wandb"}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    proc = disttrain("job", "run", str(tmp_path / "job.yaml"), env=env, timeout=200)
+    assert proc.returncode == 0, proc.stderr
+    shown = disttrain("jobs", "show", "1", "--json", env=env)
+    record = json.loads(shown.stdout)
+    assert record["goodput"]["exit_code"] == 0 and record["goodput"]["seconds"]["training"] > 0
+    assert record["goodput"]["notes"] == []  # the steps were seen
+    assert "goodput " in disttrain("jobs", "show", "1", env=env).stdout
+    (path,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    files, config, losses = set(), {}, []
+    for rec in _wandb_records(path):
+        kind = rec.WhichOneof("record_type")
+        if kind == "files":
+            files |= {f.path for f in rec.files.files}
+        elif kind == "run":
+            config.update({item.key: json.loads(item.value_json) for item in rec.run.config.update})
+        elif kind == "history":
+            losses += [json.loads(i.value_json) for i in rec.history.item if (i.key or "/".join(i.nested_key)) == "loss"]
+    assert {"model.tar.gz", "goodput.json"} <= files and config["hp.lr"] == "0.1"
+    assert losses == pytest.approx([1 / (s + 1) + 0.5 for s in range(6)])
+
+
+def test_job_spec_track_key_is_checked(tmp_path):
+    from disttrain.errors import UsageError
+    from disttrain.jobs.spec import spec_from_mapping
+
+    base = {"name": "t", "entry_point": "tracked.py", "source_dir": str(SCRIPTS)}
+    with pytest.raises(UsageError, match="track: 'comet': choose one of mlflow, trackio, wandb"):
+        spec_from_mapping({**base, "track": "comet"}, base_dir=tmp_path)
+    with pytest.raises(UsageError, match="track_ranks: true needs track"):
+        spec_from_mapping({**base, "track_ranks": True}, base_dir=tmp_path)
+    assert spec_from_mapping({**base, "track": "mlflow", "track_ranks": True}, base_dir=tmp_path).container.track_mode == "ranks"

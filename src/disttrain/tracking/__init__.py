@@ -12,6 +12,6 @@ when asked (``--track-ranks``). Each tracker is configured its own way (``MLFLOW
 
 from __future__ import annotations
 
-from .sink import TRACKERS, Sink, check_tracker, open_sink, script_params
+from .sink import TRACKERS, Sink, check_tracker, open_sink, script_params, sink_class
 
-__all__ = ["TRACKERS", "Sink", "check_tracker", "open_sink", "script_params"]
+__all__ = ["TRACKERS", "Sink", "check_tracker", "open_sink", "script_params", "sink_class"]

@@ -59,18 +59,23 @@ class Sink(ABC):
         """The exit: 0 finished, else failed (128 + a signal: killed); the run is closed."""
 
 
-def open_sink(tracker: str, name: str, *, params: Mapping[str, str], parent: Sink | None = None) -> Sink:
+def sink_class(tracker: str, *, where: str = "--track") -> type[Sink]:
     """The sink of ``tracker`` (checked), its client imported now; without it, one line naming
-    the extra (a UsageError: exit 2)."""
-    check_tracker(tracker)
+    the extra (a UsageError: exit 2) -- said before a job starts, not at its end."""
+    check_tracker(tracker, where=where)
     module = importlib.import_module(f".{_MODULES[tracker]}", __package__)
     cls: type[Sink] = module.SINK
     try:
         importlib.import_module(cls.client)
     except ImportError:
-        raise UsageError(f"--track {tracker}: the {tracker} client is not installed; "
+        raise UsageError(f"{where} {tracker}: the {tracker} client is not installed; "
                          "pip install 'disttrain[track]'") from None
-    return cls(name, params=params, parent=parent)
+    return cls
+
+
+def open_sink(tracker: str, name: str, *, params: Mapping[str, str], parent: Sink | None = None) -> Sink:
+    """A new run of ``tracker`` (see :func:`sink_class`)."""
+    return sink_class(tracker)(name, params=params, parent=parent)
 
 
 def status(exit_code: int) -> str:

@@ -290,3 +290,36 @@ def test_job_spec_track_key_is_checked(tmp_path):
     with pytest.raises(UsageError, match="track_ranks: true needs track"):
         spec_from_mapping({**base, "track_ranks": True}, base_dir=tmp_path)
     assert spec_from_mapping({**base, "track": "mlflow", "track_ranks": True}, base_dir=tmp_path).container.track_mode == "ranks"
+
+
+@pytest.mark.timeout(400)
+def test_tuner_trials_are_child_runs_in_mlflow(mlflow_uri, tmp_path, monkeypatch):
+    pytest.importorskip("optuna")
+    from mlflow.tracking import MlflowClient
+
+    from disttrain.sagemaker.pytorch import PyTorch
+    from disttrain.sagemaker.tuner import ContinuousParameter, HyperparameterTuner
+
+    for key, value in {"DISTTRAIN_HOME": str(tmp_path / "home"), "DISTTRAIN_STORE": str(tmp_path / "jobs.db"),
+                       "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": mlflow_uri,
+                       "MLFLOW_EXPERIMENT_NAME": "tuned"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "loss.py").write_text(
+        "import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr', type=float)\n"
+        "a = p.parse_args()\nprint(f'loss={(a.lr - 0.3) ** 2:.6f}', flush=True)\n")
+    est = PyTorch(entry_point="loss.py", source_dir="src", instance_type="ml.c5.xlarge", framework_version="2.1",
+                  py_version="py3", disttrain={"private_opt_ml": "off", "track": "mlflow"})
+    tuner = HyperparameterTuner(est, "loss", {"lr": ContinuousParameter(0.01, 1.0)},
+                                metric_definitions=[{"Name": "loss", "Regex": r"loss=([0-9.]+)"}],
+                                objective_type="Minimize", max_jobs=2, max_parallel_jobs=2, random_seed=7,
+                                base_tuning_job_name="tr")
+    tuner.fit()
+    client = MlflowClient(mlflow_uri)
+    runs = {run.info.run_name: run for run in _runs(client, "tuned")}
+    parent = runs.pop(tuner.latest_tuning_job.name)
+    assert parent.info.status == "FINISHED" and parent.data.params["max_jobs"] == "2"
+    assert len(runs) == 2 and all(r.data.tags.get("mlflow.parentRunId") == parent.info.run_id for r in runs.values())
+    assert all(r.info.status == "FINISHED" and "goodput" in r.data.metrics for r in runs.values())
+    assert sorted(step for step, _ in _metric_steps(client, parent.info.run_id, "loss")) == [0, 1]

@@ -26,7 +26,8 @@ from ..launch.elastic import load_record
 from ..plan.launch import LaunchPlan
 from ..private import private_opener, write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
-from ..tracking import Sink, sink_class
+from ..tracking import sink_class
+from ..tracking.sink import PARENT_ENV
 from ..tracking.follower import RunTracker
 from ..wire import JobClient
 from . import container  # SageMaker's container around the script (hooks marked "container:")
@@ -173,7 +174,7 @@ class JobRun(JobBatchStepEvents):
         self.transcript: TextIO | None = None
         self.watch: container.Watch | None = None
         self.tracker: RunTracker | None = None  # the job's records (goodput) and its tracker run
-        self.parent: Sink | None = None  # a tuning job's tracker run, whose child this job is
+        self.parent = os.environ.get(PARENT_ENV) or None  # a tuning job's tracker run: this job is its child
 
     @property
     def id(self) -> int:

@@ -37,7 +37,7 @@ class RunTracker:
     """One run's records and, when ``tracker`` names one, its tracker run (see the module)."""
 
     def __init__(self, run_dir: str | Path, *, tracker: str | None, name: str, params: Mapping[str, str],
-                 parent: Sink | None = None, say: Callable[[str], None] | None = None,
+                 parent: str | None = None, say: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.run_dir = Path(run_dir)
         self.name = name

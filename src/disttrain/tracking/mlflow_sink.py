@@ -19,7 +19,7 @@ class MlflowSink(Sink):
     tracker = "mlflow"
     client = "mlflow"
 
-    def __init__(self, name: str, *, params: Mapping[str, str], parent: Sink | None = None) -> None:
+    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -27,7 +27,7 @@ class MlflowSink(Sink):
         experiment = env("MLFLOW_EXPERIMENT_NAME", PROJECT)
         found = self._client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else self._client.create_experiment(experiment)
-        tags = {"mlflow.parentRunId": parent.run_id} if parent is not None else {}
+        tags = {"mlflow.parentRunId": parent} if parent else {}
         self._run = self._client.create_run(experiment_id, run_name=name, tags=tags)
         if params:
             self._client.log_batch(self.run_id, params=[Param(k, str(v)[:MAX_PARAM]) for k, v in params.items()])

@@ -16,6 +16,8 @@ from ..errors import UsageError
 TRACKERS = ("mlflow", "trackio", "wandb")
 _MODULES = {"mlflow": "mlflow_sink", "trackio": "trackio_sink", "wandb": "wandb_sink"}
 PROJECT = "disttrain"  # the experiment / project when the tracker's own variable names none
+# A tuning job's tracker run, for the runners of its trials (Sink.child_key): their runs are its children.
+PARENT_ENV = "DISTTRAIN_TRACK_PARENT"
 
 
 def check_tracker(name: str | None, *, where: str = "--track") -> str | None:
@@ -28,19 +30,25 @@ def check_tracker(name: str | None, *, where: str = "--track") -> str | None:
 
 
 class Sink(ABC):
-    """One tracker run. ``parent``: the sink of the run it belongs to (a tuning job's trial)."""
+    """One tracker run. ``parent``: the :attr:`child_key` of the run it belongs to (a tuning job's
+    trial belongs to the tuning job's run)."""
 
     tracker: ClassVar[str]
     client: ClassVar[str]  # the module whose absence means the extra is missing
 
     @abstractmethod
-    def __init__(self, name: str, *, params: Mapping[str, str], parent: Sink | None = None) -> None:
+    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
         """Start the run named ``name`` with its parameters."""
 
     @property
     @abstractmethod
     def run_id(self) -> str:
-        """The tracker's id of this run (said to the user, used for child runs)."""
+        """The tracker's id of this run (said to the user)."""
+
+    @property
+    def child_key(self) -> str:
+        """What a child run names its parent by (MLflow: the run id; W&B and Trackio: the group)."""
+        return self.run_id
 
     @abstractmethod
     def metrics(self, values: Mapping[str, float], step: int | None, wall_time: float) -> None:
@@ -73,7 +81,7 @@ def sink_class(tracker: str, *, where: str = "--track") -> type[Sink]:
     return cls
 
 
-def open_sink(tracker: str, name: str, *, params: Mapping[str, str], parent: Sink | None = None) -> Sink:
+def open_sink(tracker: str, name: str, *, params: Mapping[str, str], parent: str | None = None) -> Sink:
     """A new run of ``tracker`` (see :func:`sink_class`)."""
     return sink_class(tracker)(name, params=params, parent=parent)
 

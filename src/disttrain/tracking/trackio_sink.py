@@ -17,13 +17,13 @@ class TrackioSink(Sink):
     tracker = "trackio"
     client = "trackio"
 
-    def __init__(self, name: str, *, params: Mapping[str, str], parent: Sink | None = None) -> None:
+    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
         import trackio
 
         self._name = name
         with _quiet():  # its banner on stdout would land in the middle of the run's output
             self._run = trackio.init(project=env("TRACKIO_PROJECT", PROJECT), name=name, config=dict(params),
-                                     group=parent.run_id if parent is not None else None, embed=False,
+                                     group=parent or None, embed=False,
                                      auto_log_cpu=False, auto_log_gpu=False)
         self._files = Path(tempfile.mkdtemp(prefix="disttrain-trackio-"))
 

@@ -16,11 +16,11 @@ class WandbSink(Sink):
     tracker = "wandb"
     client = "wandb"
 
-    def __init__(self, name: str, *, params: Mapping[str, str], parent: Sink | None = None) -> None:
+    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
         import wandb
 
         self._run = wandb.init(project=env("WANDB_PROJECT", PROJECT), name=name, config=dict(params),
-                               group=parent.run_id if parent is not None else None, reinit="create_new",
+                               group=parent or None, reinit="create_new",
                                settings=wandb.Settings(console="off", silent=True))
         self._files = Path(tempfile.mkdtemp(prefix="disttrain-wandb-"))
         self._step = 0
@@ -28,6 +28,10 @@ class WandbSink(Sink):
     @property
     def run_id(self) -> str:
         return self._run.id
+
+    @property
+    def child_key(self) -> str:
+        return self._run.name  # the group of a tuning job's trials is named for it
 
     def metrics(self, values: Mapping[str, float], step: int | None, wall_time: float) -> None:
         # W&B's step only grows: a point at an earlier step (a resumed run redoing steps, the

@@ -323,3 +323,22 @@ def test_tuner_trials_are_child_runs_in_mlflow(mlflow_uri, tmp_path, monkeypatch
     assert len(runs) == 2 and all(r.data.tags.get("mlflow.parentRunId") == parent.info.run_id for r in runs.values())
     assert all(r.info.status == "FINISHED" and "goodput" in r.data.metrics for r in runs.values())
     assert sorted(step for step, _ in _metric_steps(client, parent.info.run_id, "loss")) == [0, 1]
+
+
+@pytest.mark.timeout(200)
+def test_bench_tracked_in_trackio(tmp_path):
+    """``disttrain bench --track``: one run, samples/s at each world size, the bench's JSON."""
+    pytest.importorskip("trackio")
+    store = tmp_path / "store"
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), TRACKIO_DIR=str(store), TRACKIO_PROJECT="bench")
+    proc = disttrain("bench", str(SCRIPTS / "bench_tiny.py"), "-n", "1,2", "--repeat", "1", "--global-batch", "16",
+                     "--steps", "4", "--warmup", "2", "--track", "trackio", "--", "--timer", "--samples", "256",
+                     timeout=190, env=env)
+    assert proc.returncode == 0, proc.stderr
+    read = ("from trackio import SQLiteStorage as S; import json; "
+            "print(json.dumps([S.get_runs('bench'), S.get_logs('bench', S.get_runs('bench')[0])]))")
+    runs, logs = json.loads(subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True,
+                                           timeout=60, check=True).stdout.splitlines()[-1])
+    assert runs == ["bench-bench_tiny"]
+    assert sorted(row["step"] for row in logs if "samples_per_s" in row) == [1, 2]
+    assert [row["speedup"] for row in logs if row.get("step") == 1 and "speedup" in row] == [1.0]

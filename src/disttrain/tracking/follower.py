@@ -48,7 +48,7 @@ class RunTracker:
         self.goodput: dict[str, Any] | None = None
         self._file: TextIO | None = None
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[str, tuple] | None] = queue.SimpleQueue()
+        self._queue: queue.Queue[tuple[str, tuple] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._send, name="disttrain-tracker", daemon=True)
         self._failed = False
         self._follower: threading.Thread | None = None
@@ -179,18 +179,47 @@ class RunTracker:
         if self.sink is not None and not self._failed:
             self._queue.put((what, args))
 
+    def flush(self) -> None:
+        """Wait until the tracker took every record queued so far."""
+        if self.sink is not None and self._thread.is_alive():
+            self._queue.join()
+
     def _send(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if self._failed:
-                continue
-            what, args = item
+            items = [self._queue.get()]
+            while True:  # what else came meanwhile: consecutive points go in one call
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                getattr(self.sink, what)(*args)
-            except Exception as err:  # a tracker must never fail the run: said once, then dropped
-                self._failed = True
-                self.say(f"disttrain: warning: the {self.sink.tracker} tracker failed ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}); the run's records stay in "
-                         f"{self.run_dir}")
+                self._do([item for item in items if item is not None])
+            finally:
+                for _ in items:
+                    self._queue.task_done()
+            if None in items:
+                return
+
+    def _do(self, items: list[tuple[str, tuple]]) -> None:
+        points: list[tuple] = []
+        for what, args in items:
+            if what == "metrics":
+                points.append(args)
+                continue
+            if points:
+                self._call("points", points)
+                points = []
+            self._call(what, *args)
+        if points:
+            self._call("points", points)
+
+    def _call(self, what: str, *args) -> None:
+        if self._failed:
+            return
+        try:
+            getattr(self.sink, what)(*args)
+        except Exception as err:  # a tracker must never fail the run: said once, then dropped
+            self._failed = True
+            first = str(err).splitlines()[0] if str(err) else ""
+            self.say(f"disttrain: warning: the {self.sink.tracker} tracker failed ({type(err).__name__}: {first}); "
+                     f"the run's records stay in {self.run_dir}")

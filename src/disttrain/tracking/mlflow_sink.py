@@ -6,12 +6,13 @@ setting: ``MLFLOW_TRACKING_URI`` (a server, or a local ``./mlruns`` without it),
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .sink import PROJECT, Sink, env, status
 
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+MAX_BATCH = 1000  # metrics in one log_batch
 MAX_PARAM = 6000  # MLflow's limit on a parameter's value (longer ones are refused)
 
 
@@ -41,6 +42,14 @@ class MlflowSink(Sink):
 
         stamp = int(wall_time * 1000)
         self._client.log_batch(self.run_id, metrics=[Metric(k, v, stamp, step or 0) for k, v in values.items()])
+
+    def points(self, points: Sequence[tuple[Mapping[str, float], int | None, float]]) -> None:
+        from mlflow.entities import Metric
+
+        batch = [Metric(k, v, int(wall_time * 1000), step or 0) for values, step, wall_time in points
+                 for k, v in values.items()]
+        for start in range(0, len(batch), MAX_BATCH):  # MLflow's limit of metrics in one call
+            self._client.log_batch(self.run_id, metrics=batch[start:start + MAX_BATCH])
 
     def text(self, name: str, text: str) -> None:
         self._client.log_text(self.run_id, text, name)

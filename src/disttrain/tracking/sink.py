@@ -54,6 +54,11 @@ class Sink(ABC):
     def metrics(self, values: Mapping[str, float], step: int | None, wall_time: float) -> None:
         """A point of each series at ``step`` (None: the tracker's next)."""
 
+    def points(self, points: Sequence[tuple[Mapping[str, float], int | None, float]]) -> None:
+        """Several ``(values, step, wall_time)`` at once (trackers with a batch call override it)."""
+        for values, step, wall_time in points:
+            self.metrics(values, step, wall_time)
+
     @abstractmethod
     def text(self, name: str, text: str) -> None:
         """A text file of the run (the hang verdict, the membership record, goodput)."""

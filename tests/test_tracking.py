@@ -15,8 +15,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, cli_env, disttrain
 
+from conftest import SCRIPTS, cli_env, disttrain
 from disttrain import trackline
 from disttrain.tracking.follower import RunTracker
 
@@ -275,7 +275,8 @@ def test_job_with_track_key_goodput_in_its_record(tmp_path):
         elif kind == "run":
             config.update({item.key: json.loads(item.value_json) for item in rec.run.config.update})
         elif kind == "history":
-            losses += [json.loads(i.value_json) for i in rec.history.item if (i.key or "/".join(i.nested_key)) == "loss"]
+            losses += [json.loads(i.value_json) for i in rec.history.item
+                       if (i.key or "/".join(i.nested_key)) == "loss"]
     assert {"model.tar.gz", "goodput.json"} <= files and config["hp.lr"] == "0.1"
     assert losses == pytest.approx([1 / (s + 1) + 0.5 for s in range(6)])
 
@@ -289,7 +290,8 @@ def test_job_spec_track_key_is_checked(tmp_path):
         spec_from_mapping({**base, "track": "comet"}, base_dir=tmp_path)
     with pytest.raises(UsageError, match="track_ranks: true needs track"):
         spec_from_mapping({**base, "track_ranks": True}, base_dir=tmp_path)
-    assert spec_from_mapping({**base, "track": "mlflow", "track_ranks": True}, base_dir=tmp_path).container.track_mode == "ranks"
+    spec = spec_from_mapping({**base, "track": "mlflow", "track_ranks": True}, base_dir=tmp_path)
+    assert spec.container.track_mode == "ranks"
 
 
 @pytest.mark.timeout(400)
@@ -342,3 +344,46 @@ def test_bench_tracked_in_trackio(tmp_path):
     assert runs == ["bench-bench_tiny"]
     assert sorted(row["step"] for row in logs if "samples_per_s" in row) == [1, 2]
     assert [row["speedup"] for row in logs if row.get("step") == 1 and "speedup" in row] == [1.0]
+
+
+def test_a_tracker_that_fails_is_said_once_and_the_records_stay(tmp_path, monkeypatch):
+    """A tracker that fails mid-run (its server gone) never fails the run: one warning, then
+    nothing more is sent; track.jsonl and goodput.json are whole."""
+    from disttrain.tracking import follower
+    from disttrain.tracking.sink import Sink
+
+    class Failing(Sink):
+        tracker = client = "failing"
+
+        def __init__(self, name, *, params, parent=None):
+            self.calls = []
+
+        run_id = "r1"
+
+        def metrics(self, values, step, wall_time):
+            self.calls.append(("metrics", step))
+            raise ConnectionError("the server went away\nmore lines")
+
+        def text(self, name, text):
+            self.calls.append(("text", name))
+
+        def artifact(self, path):
+            self.calls.append(("artifact", path))
+
+        def finish(self, exit_code):
+            self.calls.append(("finish", exit_code))
+
+    monkeypatch.setattr(follower, "open_sink", lambda tracker, name, **kw: Failing(name, **kw))
+    said: list[str] = []
+    clock = [100.0]
+    tracker = RunTracker(tmp_path / "run", tracker="failing", name="run-1", params={}, clock=lambda: clock[0],
+                         say=said.append)
+    _fed(tracker, clock)
+    data = tracker.finish(0)
+    assert [line for line in said if "tracker failed" in line] == [
+        "disttrain: warning: the failing tracker failed (ConnectionError: the server went away); the run's records "
+        f"stay in {tmp_path / 'run'}"]
+    assert tracker.sink.calls == [("metrics", 0)]  # nothing after the failure
+    assert data["seconds"]["checkpoint"] == pytest.approx(0.5)
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "run" / "track.jsonl").read_text().splitlines()]
+    assert kinds.count("metrics") == 9 and kinds[-1] == "end"

@@ -71,6 +71,6 @@ if TYPE_CHECKING:  # pragma: no cover
         topk_correct,
     )
     from .runtime.resume import TrainingState, resume
-    from .runtime.track import log
     from .runtime.strategies import unwrap
+    from .runtime.track import log
     from .trainer import Trainer

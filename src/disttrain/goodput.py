@@ -123,7 +123,8 @@ def _rounds(t0: float, t1: float, hosts: int, changes: Sequence[Mapping[str, Any
 
 def _resumed(records: Sequence[Mapping[str, Any]], rnd: Mapping[str, Any]) -> int | None:
     """The step this round resumed from: rank 0's resume line in it, else its membership change's."""
-    said = [int(r["step"]) for r in records if r.get("kind") == "resumed" and rnd["begin"] <= float(r["t"]) < rnd["end"]]
+    said = [int(r["step"]) for r in records
+            if r.get("kind") == "resumed" and rnd["begin"] <= float(r["t"]) < rnd["end"]]
     if said:
         return said[0]
     change = rnd["change"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import queue
 import re
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO

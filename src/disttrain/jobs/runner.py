@@ -27,8 +27,8 @@ from ..plan.launch import LaunchPlan
 from ..private import private_opener, write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
 from ..tracking import sink_class
-from ..tracking.sink import PARENT_ENV
 from ..tracking.follower import RunTracker
+from ..tracking.sink import PARENT_ENV
 from ..wire import JobClient
 from . import container  # SageMaker's container around the script (hooks marked "container:")
 from .launchers import launcher_for

@@ -83,7 +83,9 @@ def launcher_side(records: int) -> dict[str, float | str]:
     from disttrain.tracking.follower import RunTracker
 
     result: dict[str, float | str] = {}
+    here = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)  # MLflow on a SQLite file keeps its artifacts in ./mlruns
         os.environ.update(WANDB_MODE="offline", WANDB_DIR=f"{tmp}/wb", WANDB_SILENT="true", TRACKIO_DIR=f"{tmp}/tk",
                           MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db")
         lines = [trackline.encode("metrics", rank=0, step=s, values={"loss": 1.0 / (s + 1), "lr": 0.01}, reduced=True)
@@ -102,6 +104,7 @@ def launcher_side(records: int) -> dict[str, float | str]:
             run.flush()  # until the tracker's thread took every record
             result[name] = round((time.perf_counter() - began) / records * 1e6, 1)
             run.finish(0)
+        os.chdir(here)
     return result
 
 

@@ -5,6 +5,7 @@ Trackio's own settings say so). A trial is in its tuning job's group."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -45,6 +46,7 @@ class TrackioSink(Sink):
         self._run.log({"exit_code": float(exit_code)})
         with _quiet():
             self._run.finish()
+        shutil.rmtree(self._files, ignore_errors=True)  # the text files, stored by Trackio by now
 
 
 @contextlib.contextmanager

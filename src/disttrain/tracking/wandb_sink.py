@@ -5,6 +5,7 @@ console is not captured: the run's output is in its run folder already."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,6 +49,7 @@ class WandbSink(Sink):
     def finish(self, exit_code: int) -> None:
         self._run.summary["exit_code"] = exit_code
         self._run.finish(exit_code=exit_code)
+        shutil.rmtree(self._files, ignore_errors=True)  # the text files, in the run's own folder by now
 
 
 SINK = WandbSink

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from .. import goodput, trackline
 from ..agent.watchdog import HANG_EXIT
+from ..atomic import write_atomic
 from ..launch.elastic import load_record
 from ..linetap import Tapped
 from ..private import private_opener
@@ -133,7 +134,7 @@ class RunTracker:
                 self._file = None
         self.goodput = goodput.from_run_dir(self.run_dir)
         if self.goodput is not None:
-            (self.run_dir / goodput.FILE).write_text(json.dumps(self.goodput, indent=1) + "\n")
+            write_atomic(self.run_dir / goodput.FILE, json.dumps(self.goodput, indent=1) + "\n", mode=0o600)
         if self.goodput is not None and self.sink is not None:  # without a tracker: the file only
             self.say(f"disttrain: {goodput.summary(self.goodput)} ({self.run_dir / goodput.FILE})")
         if self.sink is not None:

@@ -4,6 +4,7 @@ Trackio against its local store (TRACKIO_DIR), W&B offline (its run file read ba
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import signal
@@ -257,7 +258,8 @@ def test_job_with_track_key_goodput_in_its_record(tmp_path):
     env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), DISTTRAIN_STORE=str(tmp_path / "jobs.db"),
                   WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wb"), WANDB_SILENT="true")
     spec = {"name": "tracked", "entry_point": "tracked.py", "source_dir": str(SCRIPTS), "instance_count": 1,
-            "processes_per_instance": 2, "hyperparameters": {"lr": 0.1}, "track": "wandb"}
+            "processes_per_instance": 2, "hyperparameters": {"lr": 0.1}, "track": "wandb",
+            "metric_definitions": [{"Name": "loss", "Regex": r'"loss":([0-9.]+)'}]}  # the track lines themselves
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     proc = disttrain("job", "run", str(tmp_path / "job.yaml"), env=env, timeout=200)
     assert proc.returncode == 0, proc.stderr
@@ -278,6 +280,8 @@ def test_job_with_track_key_goodput_in_its_record(tmp_path):
             losses += [json.loads(i.value_json) for i in rec.history.item
                        if (i.key or "/".join(i.nested_key)) == "loss"]
     assert {"model.tar.gz", "goodput.json"} <= files and config["hp.lr"] == "0.1"
+    if importlib.util.find_spec("matplotlib"):  # the metric_definitions series, drawn
+        assert "metrics.png" in files
     assert losses == pytest.approx([1 / (s + 1) + 0.5 for s in range(6)])
 
 

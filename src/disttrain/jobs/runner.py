@@ -265,13 +265,18 @@ class JobRun(JobBatchStepEvents):
         container.mark_success(layout)
         return self._end(JobState.COMPLETED, 0, metrics=metrics, artifacts=artifacts)
 
+    def _plot(self) -> list[Path]:
+        if self.tracker is None or self.tracker.sink is None:
+            return []
+        return _plot_series(self.store, self.id, self.layout.logs / "metrics.png", self.record.name)
+
     def _end(self, state: JobState, exit_code: int, *, failure: str | None = None, **fields) -> JobRecord:
         changes = load_record(self.layout.logs)  # an elastic job's membership changes, if any
         if changes:
             fields["membership"] = changes
         if self.tracker is not None:
-            model = self.layout.packed / "model.tar.gz"
-            fields["goodput"] = self.tracker.finish(exit_code, report=failure, artifacts=[model])
+            artifacts = [self.layout.packed / "model.tar.gz", *self._plot()]
+            fields["goodput"] = self.tracker.finish(exit_code, report=failure, artifacts=artifacts)
             self.tracker = None
         if state is JobState.FAILED and failure:
             for inst in self.layout.instances:
@@ -290,6 +295,20 @@ class JobRun(JobBatchStepEvents):
             line += f", exit code {exit_code}; see `disttrain jobs show {record.id}`"
         self.say(line)
         return record
+
+
+def _plot_series(store: JobStore, job_id: int, png: Path, title: str) -> list[Path]:
+    """The job's metric_definitions series drawn into ``png`` for its tracker; none without series
+    or matplotlib (a plot is a nicety: it never fails the job)."""
+    from .metrics import plot_series
+
+    series = store.metric_series(job_id)
+    if not series:
+        return []
+    try:
+        return [plot_series(series, png, title)]
+    except (DisttrainError, OSError, ValueError):
+        return []
 
 
 def job_params(spec: JobSpec) -> dict[str, str]:

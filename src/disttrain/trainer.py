@@ -33,7 +33,7 @@ import torch
 
 from .checkpoint_url import join, location
 from .errors import UsageError
-from .runtime import checkpoint, strategies
+from .runtime import checkpoint, strategies, track
 from .runtime.accumulate import Accumulator
 from .runtime.context import context
 from .runtime.data import prepare
@@ -247,6 +247,8 @@ class Trainer:
                           for k, v in record.items() if k != "epoch")
         if self.progress:
             print0(f"epoch {record['epoch']}: {shown}")
+        track.record("metrics", step=record["epoch"], reduced=True, values={  # already over every rank
+            key: value for key, value in record.items() if isinstance(value, (int, float)) and key != "epoch"})
         if not context().is_main or self.run_dir is None:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)

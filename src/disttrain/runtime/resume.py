@@ -25,6 +25,7 @@ with 128 + the signal (see :mod:`.preemption`).
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from torch.utils.data import (
 from ..checkpoint_url import is_url, location
 from ..errors import DisttrainError, UsageError
 from ..workerenv import CHECKPOINT_DIR, RESUMED_MARKER
-from . import checkpoint, comm, loop, preemption, rng
+from . import checkpoint, comm, loop, preemption, rng, track
 from .context import Context, context, current_runtime
 from .data import with_sampler
 from .samplers import EvalShardSampler, rest_of_epoch
@@ -198,6 +199,7 @@ class TrainingState:
             "world_size": self._ctx.world_size,
         }
         generator = getattr(self._loader, "generator", None)
+        began = time.perf_counter()
         path = checkpoint.save(
             self.directory, step=self.step, keep_last=self.keep_last,
             asynchronous=self.asynchronous if asynchronous is None else asynchronous,
@@ -205,6 +207,8 @@ class TrainingState:
             **self._objects,
         )
         self._saved_step = self.step
+        # The time the step was blocked (an async save: its staging copy), for the run's goodput.
+        track.record("checkpoint", step=self.step, seconds=round(time.perf_counter() - began, 4))
         return path
 
     def close(self) -> None:

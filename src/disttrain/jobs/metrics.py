@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 

@@ -179,7 +179,7 @@ def bench_split(cluster, kind: str) -> dict:
     argv = [sys.executable, "-m", "disttrain", "bench", "--hosts", hosts, "-n", "1", "--no-preflight",
             *ssh, "--env", "OMP_NUM_THREADS=1", "--comm", "--link-gbit", "0.05", "--steps", "4",
             "--warmup", "2", "--global-batch", "16", "--repeat", "1", "--json", str(SCRIPTS / "comm_bound.py"),
-            "--", "--kind", kind]
+            "--", "--kind", kind, "--samples", "1024", "--epochs", "1"]
     result = cluster.run_in("node0", argv, timeout=400, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (comm_result,) = json.loads(result.stdout)["communication"]
@@ -195,7 +195,9 @@ def test_bench_puts_a_wire_bound_job_on_the_communication_side(cluster):
     # 4.2 MB between 2 hosts at 50 Mbit/s: the ring all-reduce cannot take less than 0.67 s.
     assert split["ring_bound_s"] == pytest.approx(0.671, abs=0.01)
     assert split["comm_s"] > 0.5 * split["ring_bound_s"]
-    assert split["recommended"] == "powersgd", split  # 4 MB -> a few kB: far faster here
+    # 4 MB -> a few kB: far faster here; but the script measures no accuracy, so plain DDP it is.
+    assert split["speedup"]["powersgd"] > 2 and split["recommended"] == "none", split
+    assert "never chosen for speed alone" in split["recommendation"]
 
 
 @pytest.mark.timeout(450)

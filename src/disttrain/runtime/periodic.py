@@ -48,9 +48,8 @@ from torch.distributed.algorithms.model_averaging import averagers
 from torch.distributed.algorithms.model_averaging import utils as averaging
 
 from ..errors import UsageError
-from .comm import DEFAULT_PERIOD
 
-__all__ = ["DEFAULT_PERIOD", "OUTER_LR", "OUTER_MOMENTUM", "attach", "epoch_end", "rank_state",
+__all__ = ["OUTER_LR", "OUTER_MOMENTUM", "attach", "epoch_end", "rank_state",
            "restore", "shared_state", "state_bytes"]
 
 # DiLoCo's outer SGD, as the paper tuned it (Nesterov momentum 0.9, learning rate 0.7).

@@ -159,3 +159,19 @@ def test_a_regroup_restarts_the_period_from_the_anchor(home, tmp_path):
     assert len(starts) == 1 and got["world_size"] == 3 and got["resumed_from"] == 30
     assert "saved by 2 ranks and is resumed by 3" in result.stderr
     assert got["steps"] > 30  # trained on to the end (fewer steps per epoch with 3 ranks)
+
+
+@pytest.mark.timeout(200)
+def test_the_trainer_runs_diloco_and_checkpoints_its_anchor_at_epoch_ends(home, tmp_path):
+    import torch
+
+    result = disttrain("run", "-n", "2", "--grad-compression", "diloco:2", str(SCRIPTS / "trainer_ranks.py"),
+                       str(tmp_path / "ckpt"), timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    newest = sorted((tmp_path / "ckpt").glob("step_*"))[-1]
+    saved = torch.load(newest / "state.pt", weights_only=True)
+    (shared,) = saved["periodic_sync"]
+    # At an epoch's end the replicas are one model again: the anchor is the model's weights.
+    weights = list(saved["model"].values())
+    assert shared["mode"] == "diloco" and shared["step"] == 0 and shared["received"] is None
+    assert all(torch.equal(a, w) for a, w in zip(shared["anchor"], weights, strict=True))

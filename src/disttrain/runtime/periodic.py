@@ -67,12 +67,17 @@ class Synchronizer:
     mode = ""
 
     def __init__(self, ddp: Any, optimizer: Any, period: int) -> None:
-        self.ddp = ddp
+        self._ddp = weakref.ref(ddp)  # the registry is weak on the model: hold no strong reference back
         self.optimizer = optimizer
         self.period = period
         self.params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.group = dist.group.WORLD
         self._hook = optimizer.register_step_post_hook(self._after_step)
+
+    @property
+    def training(self) -> bool:
+        ddp = self._ddp()
+        return ddp is not None and ddp.training
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         raise NotImplementedError
@@ -283,7 +288,7 @@ def active() -> list[Synchronizer]:
 def epoch_end() -> None:
     """A training loader from ``prepare()`` ran out: every model in training synchronises."""
     for sync in active():
-        if sync.ddp.training:
+        if sync.training:
             sync.flush()
 
 

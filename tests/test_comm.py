@@ -173,13 +173,19 @@ def test_powersgd_resumed_after_a_lost_host_ends_bit_exact(shaped, tmp_path):
     shaped.assert_nothing_left()
 
 
+# Each mode runs to the script's end: a budget of steps that covers the timed ones, and two periods
+# of local SGD / DiLoCo (2 x 16), after the warm-up.
+BUDGET = {"wire": ("--samples", "576", "--epochs", "1"),  # 36 steps of 16 samples
+          "compute": ("--samples", "1024", "--epochs", "20")}  # 2 steps of 256 samples an epoch
+
+
 def bench_split(cluster, kind: str) -> dict:
     hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
     ssh = cluster.cli_ssh_args()
     argv = [sys.executable, "-m", "disttrain", "bench", "--hosts", hosts, "-n", "1", "--no-preflight",
             *ssh, "--env", "OMP_NUM_THREADS=1", "--comm", "--link-gbit", "0.05", "--steps", "4",
             "--warmup", "2", "--global-batch", "16", "--repeat", "1", "--json", str(SCRIPTS / "comm_bound.py"),
-            "--", "--kind", kind, "--samples", "576", "--epochs", "1"]
+            "--", "--kind", kind, *BUDGET[kind]]
     result = cluster.run_in("node0", argv, timeout=520, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (comm_result,) = json.loads(result.stdout)["communication"]

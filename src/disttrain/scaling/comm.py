@@ -310,7 +310,7 @@ def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TR
     ``disttrain run`` after the other, ``spec.repeat`` rounds with the order rotated, the best
     run of each kept (with that run's convergence). ``plain``: samples/s per count already
     measured (the bench's own runs, which stop after the timed steps): plain DDP runs again to
-    the end for its accuracy, and the better rate counts."""
+    the end for its accuracy only, its rate staying the one measured."""
     no_sync = {BENCH_NO_SYNC: "1", BENCH_FLUSH_DENORMAL: "1"}
     # OpenMP threads busy-wait between parallel regions: fastest on free cores, far slower when
     # other threads hold them; the reference takes the better of both ways of waiting.
@@ -358,7 +358,8 @@ def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TR
                     end = runner.parse_summary(count_run.stdout)
                     ends[label] = Convergence(train_loss=end.get("train_loss"), val_accuracy=end.get("val_accuracy"))
                     state[label] = parsed[1].get("comm_state_bytes") or 0
-                rates[key] = max(rate, rates.get(key, 0.0))
+                if not (key == "plain" and known):  # the bench's own plain runs give its rate, as before
+                    rates[key] = max(rate, rates.get(key, 0.0))
         results.append(CommResult(
             nproc=n, world_size=world, global_batch=spec.global_batch, plain=rates.get("plain"),
             compute_only=rates.get("reference"), compressed={k: rates[k] for k in tried if k in rates},

@@ -90,7 +90,8 @@ def _add_options(p: argparse.ArgumentParser, default) -> None:
                    help="print every count's command and launch spec (--env values left out) and exit")
     p.add_argument("--comm", action="store_true", default=default(False),
                    help="also split each multi-process step into compute and communication (a run "
-                   "without gradient sync), try gradient compressions, and say whether to use one")
+                   "without gradient sync), run gradient compressions, local SGD and DiLoCo to the script's "
+                   "end (throughput and validation accuracy), and say which mode to use")
     p.add_argument("--link-gbit", type=float, default=default(None), metavar="G",
                    help="with --comm: the link's rate in Gbit/s, to compare with the all-reduce bound")
     p.add_argument("-m", "--module", action="store_true", default=default(False),

@@ -73,9 +73,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "folder, or an fsspec URL such as s3://bucket/run (credentials from the AWS chain)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="steps between checkpoints for disttrain.resume() (0: at each epoch's end)")
-    p.add_argument("--grad-compression", default=None, metavar="none|fp16|bf16|powersgd[:R]",
-                   help="how DDP compresses gradients for the all-reduce, for scripts using "
-                   "disttrain.prepare (DISTTRAIN_GRAD_COMPRESSION; see `disttrain bench --comm`)")
+    p.add_argument("--grad-compression", default=None,
+                   metavar="none|fp16|bf16|powersgd[:R]|localsgd[:H]|diloco[:H]",
+                   help="how DDP communicates, for scripts using disttrain.prepare: a gradient compression, "
+                   "or local SGD / DiLoCo synchronising every H steps (DISTTRAIN_GRAD_COMPRESSION; "
+                   "see `disttrain bench --comm`)")
     p.add_argument("--bucket-mb", default=None, metavar="MB",
                    help="DDP's gradient bucket size in MB for disttrain.prepare (default 25)")
     add_track_args(p)

@@ -31,6 +31,7 @@ from ..agent.verdict import verdict
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
 from ..private import private_opener
+from ..trackline import MARKER as TRACK_MARKER
 from ..wire import (
     ALIVE_EVERY_S,
     Alive,
@@ -105,8 +106,9 @@ class Relay:
                 in_dump = False
             with self._lock:
                 if not in_dump:
-                    out.write(line)
-                    out.flush()
+                    if not (match and text.startswith(TRACK_MARKER)):  # for the tracker (the transcript) only
+                        out.write(line)
+                        out.flush()
                     if self._transcript is not None:
                         self._transcript.write(line)
                         self._transcript.flush()

@@ -38,6 +38,7 @@ SRC = ROOT / "src" / "disttrain"
 README = ROOT / "README.md"
 PAGES = sorted(DOCS.glob("*.md"))
 README_MAX_LINES = 250
+README_DOOR_WIDTH = 90
 # The host the pages' outputs were recorded on; it and this machine's name both read as <HOST>.
 RECORDED_HOST = "vm"
 
@@ -111,6 +112,9 @@ def test_readme_is_short_and_its_links_resolve():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
     assert lines[2] == "```bash" and lines[3].startswith("make demo") and lines[4].startswith("make test"), \
         "the README starts with the two commands: make demo, make test"
+    # GitHub's README column at 1280 px shows about 95 characters of a code line: the door's block shows whole
+    assert max(len(lines[3]), len(lines[4])) <= README_DOOR_WIDTH, \
+        f"the README's two commands are wider than {README_DOOR_WIDTH} characters: cut on GitHub at 1280 px"
     for target in LINK.findall(README.read_text()):
         if "://" in target or target.startswith("#"):
             continue

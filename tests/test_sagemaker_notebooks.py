@@ -178,6 +178,23 @@ def test_seed_article_notebook_untouched(job_home):
     assert series["valid:accuracy"][-1][1] > 0.8
 
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_v3_example_on_the_sagemaker_page(job_home):
+    """docs/sagemaker.md's SDK v3 example as it is: ModelTrainer on 2 instances with Torchrun, then the tuner
+    over it; the best trial is the one with the least of the recorded objectives."""
+    done = subprocess.run([sys.executable, "-m", "disttrain", "sagemaker", "run",
+                           str(EXAMPLES / "sagemaker_v3" / "notebook.py")], capture_output=True, text=True,
+                          timeout=280, cwd=job_home, env=cli_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "status: Completed" in done.stdout
+    assert "host algo-2 rank 1/2 epoch 2 loss=" in done.stdout  # the second instance trained too
+    said = (done.stdout + done.stderr).splitlines()
+    objectives = [float(line.rsplit("loss=", 1)[1].split()[0]) for line in said if ") Completed: loss=" in line]
+    assert len(objectives) == 4
+    assert float(done.stdout.strip().splitlines()[-1].split()[-1]) == min(objectives)
+
 SCRIPT = """\
 import sys
 import sagemaker

@@ -6,7 +6,10 @@ alternating which goes first in each repeat so that drift on a shared machine hi
 The ratio of medians (disttrain / torchrun) is the cost of what disttrain adds; goal <= 1.05.
 The machine's load average before and after is kept, to judge the numbers, with the CPU time
 each launch used (launcher and workers): on a shared machine the wall time mostly measures the
-other load, the CPU time what each launcher does.
+other load, the CPU time what each launcher does. Each launch also gets a timeline (see
+:func:`timed`): where its seconds went, to find a launcher's idle waits; ``--baseline-src`` adds a
+third launcher, disttrain imported from another source tree, to time a change before and after
+under the same load.
 
 Prints one JSON object and writes it to bench/results/torchrun-compare-<date>-<machine>-<n>cpu.json.
 """

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import psutil
@@ -51,6 +52,36 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "home"
     monkeypatch.setenv("DISTTRAIN_HOME", str(path))
     return path
+
+
+@pytest.fixture
+def job_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A job test's own world: DISTTRAIN_HOME and the job store (the tuning store beside it) in
+    tmp_path, one thread per process (parallel jobs on a small machine), no bucket map from the
+    environment, and tmp_path as the working directory (SDK paths are relative to it)."""
+    monkeypatch.setenv("DISTTRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DISTTRAIN_STORE", str(tmp_path / "jobs.db"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("DISTTRAIN_BUCKETS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def write(path: Path, text: str) -> Path:
+    """``text`` (dedented) at ``path``, its folders made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _needs_namespace():
+    from disttrain.agent.optml import namespace_tool
+
+    tool, why = namespace_tool()
+    return pytest.mark.skipif(tool is None, reason=f"no mount namespace here: {why}")
+
+
+needs_namespace = _needs_namespace()  # a test that needs a private /opt/ml (a mount namespace)
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -273,3 +273,14 @@ def test_trainer_checkpoints_and_best_model_at_a_url(ctx, tmp_path):
     assert [r["epoch"] for r in again.fit(3)] == [2]  # resumed from the store
     fs = open_url(f"memory://{tmp_path.name}").fs
     assert fs.exists(f"/{tmp_path.name}/{BEST_MODEL}") and fs.exists(f"/{tmp_path.name}/step_00000003/{MARKER}")
+
+
+def test_staging_keeps_cpu_state_as_it_is():
+    """The async staging copy pins only CUDA tensors (tests/gpu holds the CUDA side): CPU state is
+    passed through as the same objects, nested structure and plain values untouched."""
+    from disttrain.runtime.checkpoint_write_remote import on_host
+
+    weight = torch.ones(3)
+    state = {"model": {"w": weight}, "opt": [{"step": 4, "lr": 0.1}], "name": "x"}
+    staged = on_host(state)
+    assert staged["model"]["w"] is weight and staged["opt"] == [{"step": 4, "lr": 0.1}] and staged["name"] == "x"

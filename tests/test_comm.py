@@ -173,20 +173,26 @@ def test_powersgd_resumed_after_a_lost_host_ends_bit_exact(shaped, tmp_path):
     shaped.assert_nothing_left()
 
 
+# Each mode runs to the script's end: a budget of steps that covers the timed ones, and two periods
+# of local SGD / DiLoCo (2 x 16), after the warm-up.
+BUDGET = {"wire": ("--samples", "576", "--epochs", "1"),  # 36 steps of 16 samples
+          "compute": ("--samples", "1024", "--epochs", "20")}  # 2 steps of 256 samples an epoch
+
+
 def bench_split(cluster, kind: str) -> dict:
     hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
     ssh = cluster.cli_ssh_args()
     argv = [sys.executable, "-m", "disttrain", "bench", "--hosts", hosts, "-n", "1", "--no-preflight",
             *ssh, "--env", "OMP_NUM_THREADS=1", "--comm", "--link-gbit", "0.05", "--steps", "4",
             "--warmup", "2", "--global-batch", "16", "--repeat", "1", "--json", str(SCRIPTS / "comm_bound.py"),
-            "--", "--kind", kind]
-    result = cluster.run_in("node0", argv, timeout=400, cwd=ROOT)
+            "--", "--kind", kind, *BUDGET[kind]]
+    result = cluster.run_in("node0", argv, timeout=520, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (comm_result,) = json.loads(result.stdout)["communication"]
     return comm_result
 
 
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(600)
 def test_bench_puts_a_wire_bound_job_on_the_communication_side(cluster):
     cluster.shape("50mbit")
     split = bench_split(cluster, "wire")
@@ -195,10 +201,12 @@ def test_bench_puts_a_wire_bound_job_on_the_communication_side(cluster):
     # 4.2 MB between 2 hosts at 50 Mbit/s: the ring all-reduce cannot take less than 0.67 s.
     assert split["ring_bound_s"] == pytest.approx(0.671, abs=0.01)
     assert split["comm_s"] > 0.5 * split["ring_bound_s"]
-    assert split["recommended"] == "powersgd", split  # 4 MB -> a few kB: far faster here
+    # 4 MB -> a few kB: far faster here; but the script measures no accuracy, so plain DDP it is.
+    assert split["speedup"]["powersgd"] > 2 and split["recommended"] == "none", split
+    assert "never chosen for speed alone" in split["recommendation"]
 
 
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(600)
 def test_bench_puts_an_arithmetic_bound_job_on_the_compute_side(cluster):
     cluster.shape("50mbit")
     split = bench_split(cluster, "compute")

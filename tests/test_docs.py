@@ -19,6 +19,7 @@ import argparse
 import ast
 import contextlib
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -37,6 +38,7 @@ SRC = ROOT / "src" / "disttrain"
 README = ROOT / "README.md"
 PAGES = sorted(DOCS.glob("*.md"))
 README_MAX_LINES = 250
+README_DOOR_WIDTH = 90
 # The host the pages' outputs were recorded on; it and this machine's name both read as <HOST>.
 RECORDED_HOST = "vm"
 
@@ -110,6 +112,9 @@ def test_readme_is_short_and_its_links_resolve():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
     assert lines[2] == "```bash" and lines[3].startswith("make demo") and lines[4].startswith("make test"), \
         "the README starts with the two commands: make demo, make test"
+    # GitHub's README column at 1280 px shows about 95 characters of a code line: the door's block shows whole
+    assert max(len(lines[3]), len(lines[4])) <= README_DOOR_WIDTH, \
+        f"the README's two commands are wider than {README_DOOR_WIDTH} characters: cut on GitHub at 1280 px"
     for target in LINK.findall(README.read_text()):
         if "://" in target or target.startswith("#"):
             continue
@@ -117,6 +122,38 @@ def test_readme_is_short_and_its_links_resolve():
         assert (ROOT / path).exists(), f"README.md links to {target}, which does not exist"
         if anchor and path.endswith(".md"):
             assert anchor in _anchors(ROOT / path), f"README.md links to {target}: no such heading"
+
+
+# "the README's *Quick start* section", "*Strategies* section": a heading named in prose, checked like a link.
+SECTION_REF = re.compile(r"(?:\b([\w.-]+)'s )?\*([^*\n]+)\* section")
+
+
+def _headings(page: Path) -> set[str]:
+    """Each heading's text as a reader sees it (no backticks or emphasis)."""
+    return {re.sub(r"[`*_]", "", m.group(1)).strip() for line in _outside_fences(page.read_text())
+            if (m := re.match(r"#{1,6}\s+(.*?)\s*#*$", line))}
+
+
+def test_prose_references_to_sections_resolve():
+    unresolved = []
+    for page in [README, *PAGES]:
+        text = re.sub(r"`[^`]*`", "", " ".join(_outside_fences(page.read_text())))  # code spans show, not cite
+        for owner, title in SECTION_REF.findall(text):
+            target = {"README": README, "": page}.get(owner, DOCS / owner)
+            if owner and owner != "README" and not owner.endswith(".md"):
+                target = page  # "the page's *X* section", "this guide's"
+            if not target.exists() or title.strip() not in _headings(target):
+                unresolved.append(f"{page.name}: *{title}* section ({target.name} has no such heading)")
+    assert not unresolved, "prose names sections that do not exist: " + "; ".join(unresolved)
+
+
+def test_prose_reference_check_catches_a_missing_section(tmp_path: Path):
+    page = tmp_path / "p.md"
+    page.write_text("# Title\n\n## Real one\n\nSee the README's *Surviving failures* section and the *Real one* "
+                    "section.\n")
+    refs = SECTION_REF.findall(" ".join(_outside_fences(page.read_text())))
+    assert refs == [("README", "Surviving failures"), ("", "Real one")]
+    assert "Surviving failures" not in _headings(README) and "Real one" in _headings(page)
 
 
 def _anchors(page: Path) -> set[str]:
@@ -409,17 +446,57 @@ def normalise(text: str, *, home: str | None = None) -> list[str]:
     return [" ".join(line.split()) for line in text.strip("\n").splitlines()]
 
 
-def matches(expected: list[str], actual: list[str]) -> bool:
-    """``...`` alone on a line: any lines; ``...`` inside a line: any text."""
+# A number with a fractional part (2.1465, 2.1464616537094114, 3.2e-05): compared to the precision the
+# block's marker states (``<!-- rerun: floats to 4 digits -->``), as a float computed the same way may
+# differ in its last digits on another CPU (vectorised sums in another order).
+FLOAT = re.compile(r"[-+]?\d+\.\d+(?:[eE][-+]?\d+)?")
+PRECISION = re.compile(r"floats to (\d+) digits")
+
+
+def digits_of(marker_arg: str) -> int | None:
+    m = PRECISION.fullmatch(marker_arg.strip())
+    assert m or not marker_arg.strip(), f"unknown rerun marker argument {marker_arg!r} (floats to N digits)"
+    return int(m.group(1)) if m else None
+
+
+def _line_matches(head: str, line: str, digits: int | None) -> bool:
+    pieces = head.split("...")
+    if digits is None:
+        return re.fullmatch(".*?".join(map(re.escape, pieces)), line) is not None
+    wanted, patterns = [], []
+    for piece in pieces:  # each float of the page becomes a group, its value compared below
+        pattern, at = "", 0
+        for m in FLOAT.finditer(piece):
+            pattern += re.escape(piece[at:m.start()]) + f"({FLOAT.pattern})"
+            wanted.append(float(m.group()))
+            at = m.end()
+        patterns.append(pattern + re.escape(piece[at:]))
+    found = re.fullmatch(".*?".join(patterns), line)
+    return found is not None and all(math.isclose(float(got), want, rel_tol=10.0 ** -digits)
+                                     for got, want in zip(found.groups(), wanted))
+
+
+def matches(expected: list[str], actual: list[str], digits: int | None = None) -> bool:
+    """``...`` alone on a line: any lines; ``...`` inside a line: any text; with ``digits``, numbers
+    with a fractional part agree to that many significant digits."""
     if not expected:
         return not actual
     head, rest = expected[0], expected[1:]
     if head == "...":
-        return any(matches(rest, actual[i:]) for i in range(len(actual) + 1))
+        return any(matches(rest, actual[i:], digits) for i in range(len(actual) + 1))
     if not actual:
         return False
-    pattern = ".*?".join(re.escape(part) for part in head.split("..."))
-    return re.fullmatch(pattern, actual[0]) is not None and matches(rest, actual[1:])
+    return _line_matches(head, actual[0], digits) and matches(rest, actual[1:], digits)
+
+
+def test_floats_compare_to_the_stated_precision():
+    page = ['[rank0] {"epochs": 1, ..., "train_loss": 2.1464616537094114, "val_accuracy": 0.59}']
+    other_cpu = ['[rank0] {"epochs": 1, "world_size": 2, "train_loss": 2.1464616457621255, "val_accuracy": 0.59}']
+    assert not matches(page, other_cpu)  # bit for bit: true on one machine only
+    assert matches(page, other_cpu, digits=6) and matches(page, other_cpu, digits=4)
+    assert not matches(page, [other_cpu[0].replace("2.14646164", "2.15")], digits=4)  # a real change
+    assert not matches(page, [other_cpu[0].replace('"epochs": 1', '"epochs": 2')], digits=4)  # integers exact
+    assert matches(["loss 2.1465, 2.2 s ..."], ["loss 2.1464, 2.2 s and more"], digits=4)  # a rounding flip
 
 
 def commands_and_outputs(block: list[str]) -> list[tuple[str, list[str]]]:
@@ -473,5 +550,6 @@ def test_output_on_the_page_is_what_the_command_prints(block: Marked, tmp_path: 
     for command, expected in commands_and_outputs(block.body):
         got = run_as_on_the_page(command, tmp_path)
         want = normalise("\n".join(expected))
-        assert matches(want, got), f"{block.page}:{block.line}: `{command}` now prints:\n" + "\n".join(got) + \
+        assert matches(want, got, digits_of(block.arg)), \
+            f"{block.page}:{block.line}: `{command}` now prints:\n" + "\n".join(got) + \
             "\n\nthe page shows (normalised):\n" + "\n".join(want)

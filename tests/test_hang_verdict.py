@@ -126,7 +126,9 @@ def test_the_recorder_of_the_backend_in_use_is_dumped(backend, handler):
 def test_the_bootstrap_goes_first_on_the_workers_path():
     env = flight.worker_env(sockets="/tmp/s", inherited={"PYTHONPATH": "/mine"})
     assert env["PYTHONPATH"] == f"{flight.SITE_DIR}:/mine" and env["DISTTRAIN_HANG_SOCKETS"] == "/tmp/s"
-    assert sorted(p.name for p in flight.SITE_DIR.iterdir() if p.suffix == ".py") == ["sitecustomize.py"]
+    # nothing else there: every module in it is importable in the workers, beside the user's own
+    assert sorted(p.name for p in flight.SITE_DIR.iterdir() if p.suffix == ".py") == ["_disttrain_group_check.py",
+                                                                                      "sitecustomize.py"]
     assert "DISTTRAIN_HANG_SOCKETS" in (flight.SITE_DIR / "sitecustomize.py").read_text()
 
 

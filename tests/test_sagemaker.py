@@ -11,14 +11,12 @@ import json
 import os
 import sys
 import tarfile
-import textwrap
 import warnings
 from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, disttrain
-from disttrain.agent.optml import namespace_tool
+from conftest import cli_env, disttrain, needs_namespace, write
 from disttrain.errors import UsageError
 from disttrain.store import JobStore
 
@@ -27,27 +25,8 @@ pytestmark = pytest.mark.timeout(180)
 HOSTILE = "a b; $(touch /tmp/pwned-sm) 'q'"
 
 
-@pytest.fixture
-def sm_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTTRAIN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("DISTTRAIN_STORE", str(tmp_path / "jobs.db"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def opt_listing() -> tuple[bool, list[str]]:
     return os.path.exists("/opt/ml"), sorted(os.listdir("/opt")) if os.path.isdir("/opt") else []
-
-
-needs_namespace = pytest.mark.skipif(namespace_tool()[0] is None,
-                                     reason=f"no mount namespace here: {namespace_tool()[1]}")
-
-
-def write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(text))
-    return path
 
 
 LITERAL_SCRIPT = """\
@@ -70,22 +49,22 @@ LITERAL_SCRIPT = """\
 
 
 @needs_namespace
-def test_estimator_two_instances_torch_distributed_literal_opt_ml(sm_home):
+def test_estimator_two_instances_torch_distributed_literal_opt_ml(job_home):
     import fsspec
 
     import disttrain.sagemaker as sagemaker
     from disttrain.sagemaker.pytorch import PyTorch
 
-    write(sm_home / "src" / "train.py", LITERAL_SCRIPT)
-    write(sm_home / "data" / "a.txt", "hello\n")
+    write(job_home / "src" / "train.py", LITERAL_SCRIPT)
+    write(job_home / "data" / "a.txt", "hello\n")
     before = opt_listing()
     hps = {"note": HOSTILE, "flag": True, "off": False, "x": 3, "lr": 0.1, "sizes": [1, 2]}
     est = PyTorch(entry_point="train.py", source_dir="src", role=sagemaker.get_execution_role(),
                   instance_count=2, instance_type="ml.c5.xlarge", framework_version="2.1", py_version="py3",
                   hyperparameters=hps, distribution={"torch_distributed": {"enabled": True}},
-                  output_path=f"file://{sm_home}/out",
+                  output_path=f"file://{job_home}/out",
                   metric_definitions=[{"Name": "loss", "Regex": r"loss=([0-9.]+)"}])
-    est.fit({"training": str(sm_home / "data")})
+    est.fit({"training": str(job_home / "data")})
 
     assert opt_listing() == before  # the machine's /opt (and absence of /opt/ml) untouched
     assert not Path("/tmp/pwned-sm").exists()
@@ -124,7 +103,7 @@ def test_estimator_two_instances_torch_distributed_literal_opt_ml(sm_home):
     env = cli_env()
     shown = disttrain("jobs", "show", job.name, env=env)
     assert "metric loss:" in shown.stdout
-    png = sm_home / "metrics.png"
+    png = job_home / "metrics.png"
     plotted = disttrain("jobs", "metrics", job.name, "--plot", str(png), "--json", env=env)
     assert plotted.returncode == 0, plotted.stderr
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
@@ -136,19 +115,19 @@ def test_estimator_two_instances_torch_distributed_literal_opt_ml(sm_home):
     assert list((job_dir / "tensorboard").glob("events.out.tfevents.*"))  # tensorboard --logdir ~/.disttrain/jobs
 
 
-def test_bad_input_is_one_line_and_nothing_is_recorded(sm_home):
+def test_bad_input_is_one_line_and_nothing_is_recorded(job_home):
     from disttrain.sagemaker import RenamedArgumentWarning
     from disttrain.sagemaker.pytorch import PyTorch
 
-    write(sm_home / "src" / "train.py", "print('hi')\n")
+    write(job_home / "src" / "train.py", "print('hi')\n")
     with pytest.raises(TypeError, match="unexpected keyword argument 'instance_cuont'"):
         PyTorch(entry_point="train.py", source_dir="src", instance_cuont=2)
     with pytest.warns(RenamedArgumentWarning, match="train_instance_count has been renamed.*instance_count"):
         est = PyTorch(entry_point="train.py", source_dir="src", train_instance_count=2)
     assert est.instance_count == 2
-    out = f"file://{sm_home}/out"
+    out = f"file://{job_home}/out"
     cases = [
-        (dict(), {"training": str(sm_home / "missing")}, "inputs.training: .*missing does not exist"),
+        (dict(), {"training": str(job_home / "missing")}, "inputs.training: .*missing does not exist"),
         (dict(distribution={"torch_distributd": {"enabled": True}}), None, "unknown key 'torch_distributd'"),
         (dict(distribution={"torch_distributed": {"enabled": True}, "mpi": {"enabled": True}}), None,
          "torch_distributed and mpi cannot be combined"),
@@ -165,13 +144,13 @@ def test_bad_input_is_one_line_and_nothing_is_recorded(sm_home):
         assert "\n" not in str(err.value)
     with JobStore() as store:
         assert store.list() == []
-    assert not (sm_home / "out").exists()
+    assert not (job_home / "out").exists()
 
 
-def test_max_run_exceeded_is_failed(sm_home, capsys):
+def test_max_run_exceeded_is_failed(job_home, capsys):
     from disttrain.sagemaker import Estimator, UnexpectedStatusException
 
-    write(sm_home / "src" / "sleepy.py", "import time\nprint('start', flush=True)\ntime.sleep(300)\n")
+    write(job_home / "src" / "sleepy.py", "import time\nprint('start', flush=True)\ntime.sleep(300)\n")
     est = Estimator(entry_point="sleepy.py", source_dir="src", max_run=3, disttrain={"private_opt_ml": "off"})
     est.fit(wait=False, logs=False)  # returns at once; the job runs on
     assert est.latest_training_job.describe()["TrainingJobStatus"] == "InProgress"
@@ -188,7 +167,7 @@ def test_max_run_exceeded_is_failed(sm_home, capsys):
 
 
 
-def test_max_run_that_fires_before_the_launch_starts_is_failed(sm_home, monkeypatch):
+def test_max_run_that_fires_before_the_launch_starts_is_failed(job_home, monkeypatch):
     """The max_run timer's SIGTERM reaching the runner outside the launch (here: a slow probe of
     the instances, before the launch stops on SIGTERM itself) was recorded Stopped, "stopped by
     SIGTERM" (issue 27); whichever of max_run and a stop comes first decides the record, once."""
@@ -198,7 +177,7 @@ def test_max_run_that_fires_before_the_launch_starts_is_failed(sm_home, monkeypa
     from disttrain.jobs.spec import spec_from_mapping
     from disttrain.launch.local import InstancesLauncher
 
-    write(sm_home / "src" / "quick.py", "print('ran', flush=True)\n")
+    write(job_home / "src" / "quick.py", "print('ran', flush=True)\n")
     probed = []
 
     def slow_facts(self, spec, ctx):
@@ -208,7 +187,7 @@ def test_max_run_that_fires_before_the_launch_starts_is_failed(sm_home, monkeypa
 
     monkeypatch.setattr(InstancesLauncher, "facts", slow_facts)
     spec = spec_from_mapping({"name": "slowstart", "entry_point": "quick.py", "source_dir": "src", "max_run": 1,
-                              "private_opt_ml": "off"}, base_dir=sm_home)
+                              "private_opt_ml": "off"}, base_dir=job_home)
     record = run_job(spec)
     assert probed and str(record.state) == "Failed", record.failure
     assert record.failure.startswith("MaxRuntimeExceeded") and record.exit_code == 143
@@ -253,21 +232,21 @@ CHECKPOINT_SCRIPT = """\
 
 @needs_namespace
 @pytest.mark.parametrize("where", ["file", "s3"])
-def test_checkpoints_restored_and_synced(sm_home, where, request):
+def test_checkpoints_restored_and_synced(job_home, where, request):
     from disttrain.sagemaker import Estimator
 
-    write(sm_home / "src" / "ckpt.py", CHECKPOINT_SCRIPT)
+    write(job_home / "src" / "ckpt.py", CHECKPOINT_SCRIPT)
     if where == "file":
-        uri = f"file://{sm_home}/ckpts"
-        write(sm_home / "ckpts" / "step.txt", "41")
-        read = lambda: (sm_home / "ckpts" / "step.txt").read_text()  # noqa: E731
+        uri = f"file://{job_home}/ckpts"
+        write(job_home / "ckpts" / "step.txt", "41")
+        read = lambda: (job_home / "ckpts" / "step.txt").read_text()  # noqa: E731
     else:
         fs, bucket = request.getfixturevalue("s3")
         uri = f"s3://{bucket}/ckpts"
         fs.pipe(f"{bucket}/ckpts/step.txt", b"41")
         read = lambda: fs.cat(f"{bucket}/ckpts/step.txt").decode()  # noqa: E731
     est = Estimator(entry_point="ckpt.py", source_dir="src", checkpoint_s3_uri=uri,
-                    output_path=f"file://{sm_home}/out")
+                    output_path=f"file://{job_home}/out")
     est.fit()
     assert read() == "42"
     if where == "file":  # a second job resumes from what the first one synced
@@ -298,17 +277,17 @@ def tiny_wheel(folder: Path) -> Path:
     return path
 
 
-def test_requirements_txt_into_the_jobs_own_environment(sm_home):
+def test_requirements_txt_into_the_jobs_own_environment(job_home):
     from disttrain.sagemaker import Estimator, UnexpectedStatusException
 
-    wheel = tiny_wheel(sm_home / "wheels")
-    write(sm_home / "src" / "train.py", """\
+    wheel = tiny_wheel(job_home / "wheels")
+    write(job_home / "src" / "train.py", """\
         import tinydep14, torch, mylib
         print("dep:", tinydep14.VALUE, "torch:", torch.__version__, mylib.NAME, flush=True)
     """)
-    write(sm_home / "lib" / "mylib" / "__init__.py", "NAME = 'dependency copied beside the code'\n")
-    (sm_home / "src" / "requirements.txt").write_text(f"tinydep14 @ file://{wheel}\n")
-    est = Estimator(entry_point="train.py", source_dir="src", dependencies=[str(sm_home / "lib" / "mylib")],
+    write(job_home / "lib" / "mylib" / "__init__.py", "NAME = 'dependency copied beside the code'\n")
+    (job_home / "src" / "requirements.txt").write_text(f"tinydep14 @ file://{wheel}\n")
+    est = Estimator(entry_point="train.py", source_dir="src", dependencies=[str(job_home / "lib" / "mylib")],
                     disttrain={"private_opt_ml": "off"})
     est.fit()
     job_dir = Path(est.latest_training_job.describe()["JobDir"])
@@ -320,7 +299,7 @@ def test_requirements_txt_into_the_jobs_own_environment(sm_home):
     with pytest.raises(ImportError):
         __import__("tinydep14")  # never installed into the user's own environment
     # a requirement that cannot install: the job fails naming requirements.txt, before Running
-    (sm_home / "src" / "requirements.txt").write_text(f"torch==0.0.1 @ file://{wheel}\n")
+    (job_home / "src" / "requirements.txt").write_text(f"torch==0.0.1 @ file://{wheel}\n")
     with pytest.raises(UnexpectedStatusException, match="requirements.txt"):
         est.fit()
     described = est.latest_training_job.describe()
@@ -342,10 +321,10 @@ PS_SCRIPT = """\
 """
 
 
-def test_parameter_server_tf_config_per_instance(sm_home):
+def test_parameter_server_tf_config_per_instance(job_home):
     from disttrain.sagemaker.tensorflow import TensorFlow
 
-    write(sm_home / "src" / "ps.py", PS_SCRIPT)
+    write(job_home / "src" / "ps.py", PS_SCRIPT)
     est = TensorFlow(entry_point="ps.py", source_dir="src", instance_count=2, model_dir=False,
                      distribution={"parameter_server": {"enabled": True}}, disttrain={"private_opt_ml": "off"})
     est.fit()
@@ -360,13 +339,13 @@ def test_parameter_server_tf_config_per_instance(sm_home):
 
 
 
-def test_parameter_server_ps_task_slow_to_start_is_kept_until_it_serves(sm_home):
+def test_parameter_server_ps_task_slow_to_start_is_kept_until_it_serves(job_home):
     """A ps task still starting (imports on a loaded machine) when the master's task ended was
     stopped before it wrote anything: the job Completed without its output (issue 27). The ps task
     is now stopped once it serves on its address (or has ended)."""
     from disttrain.sagemaker.tensorflow import TensorFlow
 
-    write(sm_home / "src" / "ps.py", PS_SCRIPT)
+    write(job_home / "src" / "ps.py", PS_SCRIPT)
     est = TensorFlow(entry_point="ps.py", source_dir="src", instance_count=1, model_dir=False,
                      hyperparameters={"ps-start": 3}, distribution={"parameter_server": {"enabled": True}},
                      disttrain={"private_opt_ml": "off"})
@@ -420,7 +399,7 @@ MPI_SCRIPT = """\
 """
 
 
-def test_mpi_two_processes(sm_home):
+def test_mpi_two_processes(job_home):
     import shutil
 
     if not shutil.which("mpirun"):
@@ -428,8 +407,8 @@ def test_mpi_two_processes(sm_home):
     pytest.importorskip("mpi4py")
     from disttrain.sagemaker.pytorch import PyTorch
 
-    write(sm_home / "src" / "mpi_train.py", MPI_SCRIPT)
-    est = PyTorch(entry_point="mpi_train.py", source_dir="src", instance_count=2, output_path=f"file://{sm_home}/out",
+    write(job_home / "src" / "mpi_train.py", MPI_SCRIPT)
+    est = PyTorch(entry_point="mpi_train.py", source_dir="src", instance_count=2, output_path=f"file://{job_home}/out",
                   distribution={"mpi": {"enabled": True, "processes_per_host": 1, "custom_mpi_options": "-x FOO=1"}})
     est.fit()
     job_dir = Path(est.latest_training_job.describe()["JobDir"])
@@ -442,22 +421,22 @@ def test_mpi_two_processes(sm_home):
 
 @needs_namespace
 @pytest.mark.timeout(400)
-def test_seed_tensorflow_notebook(sm_home):
+def test_seed_tensorflow_notebook(job_home):
     """The seed article's notebook cell (SDK v1 names) and its training script, as the README runs them."""
     pytest.importorskip("tensorflow")
     example = Path(__file__).resolve().parents[1] / "examples" / "sagemaker_tf"
-    env = cli_env(DISTTRAIN_HOME=str(sm_home / "home"), DISTTRAIN_STORE=str(sm_home / "jobs.db"),
-                  OUTPUT_URL=f"file://{sm_home}/out", EPOCHS="2")
+    env = cli_env(DISTTRAIN_HOME=str(job_home / "home"), DISTTRAIN_STORE=str(job_home / "jobs.db"),
+                  OUTPUT_URL=f"file://{job_home}/out", EPOCHS="2")
     import subprocess
 
     done = subprocess.run([sys.executable, str(example / "notebook.py")], capture_output=True, text=True,
-                          env=env, timeout=360, cwd=sm_home)
+                          env=env, timeout=360, cwd=job_home)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "train_instance_count has been renamed" in done.stderr
     model = done.stdout.strip().splitlines()[-1].removeprefix("model: ").removeprefix("file://")
     with tarfile.open(model) as tar:
         assert {"classifier.keras", "vocab.txt"} <= set(tar.getnames())
-    with JobStore(sm_home / "jobs.db") as store:
+    with JobStore(job_home / "jobs.db") as store:
         series = store.metric_series(store.list()[0].id)
     assert series["valid:accuracy"][-1][1] > 0.8
 
@@ -517,7 +496,7 @@ MWMS_SCRIPT = """\
 
 
 @pytest.mark.timeout(300)
-def test_multi_worker_mirrored_strategy_keras_fit(sm_home):
+def test_multi_worker_mirrored_strategy_keras_fit(job_home):
     pytest.importorskip("tensorflow")
     from disttrain.tfconfig import have_tf_keras
 
@@ -525,7 +504,7 @@ def test_multi_worker_mirrored_strategy_keras_fit(sm_home):
         pytest.skip("tf-keras is not installed (the job would refuse to start, naming it)")
     from disttrain.sagemaker.tensorflow import TensorFlow
 
-    write(sm_home / "src" / "mwms.py", MWMS_SCRIPT)
+    write(job_home / "src" / "mwms.py", MWMS_SCRIPT)
     est = TensorFlow(entry_point="mwms.py", source_dir="src", instance_count=2, model_dir=False,
                      distribution={"multi_worker_mirrored_strategy": {"enabled": True}},
                      metric_definitions=[{"Name": "loss", "Regex": r"loss=([0-9.]+)"}],
@@ -565,7 +544,7 @@ ANALYTICS_SCRIPT = """\
 """
 
 
-def test_training_job_analytics_dataframe_as_the_sdk(sm_home):
+def test_training_job_analytics_dataframe_as_the_sdk(job_home):
     """The SDK's TrainingJobAnalytics frame: timestamp (seconds since the metric's first point),
     metric_name, value; metrics in the order of metric_definitions; without pandas, one line."""
     pytest.importorskip("pandas")
@@ -574,7 +553,7 @@ def test_training_job_analytics_dataframe_as_the_sdk(sm_home):
     from disttrain.sagemaker import Estimator, TrainingJobAnalytics
     from disttrain.sagemaker.analytics import PANDAS_MISSING
 
-    write(sm_home / "src" / "epochs.py", ANALYTICS_SCRIPT)
+    write(job_home / "src" / "epochs.py", ANALYTICS_SCRIPT)
     est = Estimator(entry_point="epochs.py", source_dir="src", disttrain={"private_opt_ml": "off"},
                     metric_definitions=[{"Name": "loss", "Regex": r"loss=([0-9.]+)"},
                                         {"Name": "acc", "Regex": r"acc=([0-9.]+)"}])
@@ -590,8 +569,8 @@ def test_training_job_analytics_dataframe_as_the_sdk(sm_home):
     assert analytics.dataframe() is frame and analytics.dataframe(force_refresh=True) is not frame  # cached
     only = TrainingJobAnalytics(est.latest_training_job.name, metric_names=["acc"]).dataframe()
     assert only["metric_name"].tolist() == ["acc"] * 3
-    analytics.export_csv(str(sm_home / "metrics.csv"))
-    assert (sm_home / "metrics.csv").read_text().splitlines()[0] == ",timestamp,metric_name,value"
+    analytics.export_csv(str(job_home / "metrics.csv"))
+    assert (job_home / "metrics.csv").read_text().splitlines()[0] == ",timestamp,metric_name,value"
 
     hidden = ("import sys; sys.modules['pandas'] = None\n"  # as if pandas were not installed
               "from disttrain.errors import UsageError\n"
@@ -625,14 +604,14 @@ def tensorboard_scalars(logdir: Path) -> list[tuple[str, int, float]]:
     return [(tag, s.step, round(s.value, 4)) for tag in events.Tags()["scalars"] for s in events.Scalars(tag)]
 
 
-def test_tensorboard_event_file_grows_while_the_job_runs(sm_home):
+def test_tensorboard_event_file_grows_while_the_job_runs(job_home):
     pytest.importorskip("tensorboard")
     import time
 
     from disttrain.sagemaker import Estimator
 
-    write(sm_home / "src" / "live.py", LIVE_SCRIPT)
-    go = sm_home / "go"
+    write(job_home / "src" / "live.py", LIVE_SCRIPT)
+    go = job_home / "go"
     est = Estimator(entry_point="live.py", source_dir="src", hyperparameters={"go": str(go)},
                     disttrain={"private_opt_ml": "off"},
                     metric_definitions=[{"Name": "loss", "Regex": r"loss=([0-9.]+)"}])
@@ -663,20 +642,20 @@ SM_ONLY_SCRIPT = """\
 """
 
 
-def test_without_a_mount_namespace_one_line_names_the_fix_and_sm_scripts_run(sm_home):
+def test_without_a_mount_namespace_one_line_names_the_fix_and_sm_scripts_run(job_home):
     """A machine that cannot make a mount namespace (here: neither unshare nor bwrap on PATH)."""
     import subprocess
 
     import yaml
 
-    write(sm_home / "src" / "sm_only.py", SM_ONLY_SCRIPT)
-    (sm_home / "bin").mkdir()
-    env = cli_env(PATH=str(sm_home / "bin"))
-    spec = {"name": "nons", "entry_point": "sm_only.py", "source_dir": str(sm_home / "src"), "instance_count": 2,
-            "output_path": str(sm_home / "out")}
-    (sm_home / "auto.yaml").write_text(yaml.safe_dump(spec))
-    (sm_home / "required.yaml").write_text(yaml.safe_dump({**spec, "private_opt_ml": "required"}))
-    done = disttrain("job", "run", str(sm_home / "auto.yaml"), env=env, timeout=150)
+    write(job_home / "src" / "sm_only.py", SM_ONLY_SCRIPT)
+    (job_home / "bin").mkdir()
+    env = cli_env(PATH=str(job_home / "bin"))
+    spec = {"name": "nons", "entry_point": "sm_only.py", "source_dir": str(job_home / "src"), "instance_count": 2,
+            "output_path": str(job_home / "out")}
+    (job_home / "auto.yaml").write_text(yaml.safe_dump(spec))
+    (job_home / "required.yaml").write_text(yaml.safe_dump({**spec, "private_opt_ml": "required"}))
+    done = disttrain("job", "run", str(job_home / "auto.yaml"), env=env, timeout=150)
     assert done.returncode == 0, done.stderr
     said = [line for line in done.stderr.splitlines() if "private /opt/ml" in line]
     assert len(said) == 1 and "apt-get install bubblewrap" in said[0] and "SM_* run" in said[0]
@@ -684,7 +663,7 @@ def test_without_a_mount_namespace_one_line_names_the_fix_and_sm_scripts_run(sm_
         (record,) = store.list()
     for host in ("algo-1", "algo-2"):  # the script that reads SM_* ran on both instances
         assert (Path(record.job_dir) / host / "model" / "who.txt").read_text() == host
-    refused = disttrain("job", "run", str(sm_home / "required.yaml"), env=env, timeout=60)
+    refused = disttrain("job", "run", str(job_home / "required.yaml"), env=env, timeout=60)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "private_opt_ml: required, but this machine cannot make a private /opt/ml" in refused.stderr
     with JobStore() as store:

@@ -20,27 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
-from disttrain.agent.optml import namespace_tool
+from conftest import cli_env, needs_namespace
 from disttrain.store import JobStore
 
 pytestmark = pytest.mark.timeout(300)
 NOTEBOOKS = Path(__file__).parent / "notebooks"
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SAMPLE_BUCKET = "sagemaker-sample-files"  # what the get-started notebooks' data cell reads
-needs_namespace = pytest.mark.skipif(namespace_tool()[0] is None,
-                                     reason=f"no mount namespace here: {namespace_tool()[1]}")
-
-
-@pytest.fixture
-def nb_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTTRAIN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("DISTTRAIN_STORE", str(tmp_path / "jobs.db"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("DISTTRAIN_BUCKETS", raising=False)
-    return tmp_path
-
-
 def run_notebook(folder: Path, name: str, cwd: Path, *args: str, timeout: float = 280):
     """A copy of the notebook's folder (the notebook writes beside itself, as in Jupyter), run untouched."""
     work = cwd / folder.name
@@ -60,10 +46,10 @@ def serve_mnist(fs, tmp: Path) -> None:
 
 
 @needs_namespace
-def test_v3_model_trainer_torchrun_notebook_untouched(nb_home):
+def test_v3_model_trainer_torchrun_notebook_untouched(job_home):
     """SDK v3: ModelTrainer + Torchrun on 2 instances, v3's hyperparameter rendering, SM_HOST_COUNT,
     literal /opt/ml, _latest_training_job's status and artifacts, the default bucket (a local folder)."""
-    done = run_notebook(NOTEBOOKS / "v3_model_trainer", "model_trainer_torchrun.ipynb", nb_home)
+    done = run_notebook(NOTEBOOKS / "v3_model_trainer", "model_trainer_torchrun.ipynb", job_home)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     # cell 1's install is not run, and says so in one line
@@ -81,7 +67,7 @@ def test_v3_model_trainer_torchrun_notebook_untouched(nb_home):
     assert run["hyperparameters"] == {"epochs": "3", "use_bias": "true", "ids": "[1, 2]", "lr": "0.5"}
     assert run["distributed"] == {"process_count_per_node": 1, "smp": None} and run["world"] == 2
     # the default bucket is a folder beside the job store; model.tar.gz is there
-    local = nb_home / "home" / "buckets" / "sagemaker-us-east-1-000000000000" / "mt-torchrun" / job / "model.tar.gz"
+    local = job_home / "home" / "buckets" / "sagemaker-us-east-1-000000000000" / "mt-torchrun" / job / "model.tar.gz"
     with tarfile.open(local) as tar:
         assert {"model.pt", "run.json"} <= set(tar.getnames())
     with JobStore() as store:
@@ -98,12 +84,12 @@ def test_v3_model_trainer_torchrun_notebook_untouched(nb_home):
         assert shown == '2 {"epochs": 3, "use_bias": true, "ids": [1, 2], "lr": 0.5}'
 
 
-def test_v3_local_training_notebook_untouched(nb_home):
+def test_v3_local_training_notebook_untouched(job_home):
     """SDK v3's distributed local-training shape: Compute(instance_type="local_cpu", instance_count=2),
     Torchrun, Mode.LOCAL_CONTAINER; then the tree SDK local mode leaves under the container root
     (compressed_artifacts/, artifacts/model and artifacts/output from both instances, no algo-N/input/shared),
     checked by the notebook itself; `%env`, `!cmd`, `%%writefile {expr}`, `display()` and `%matplotlib`."""
-    done = run_notebook(NOTEBOOKS / "v3_local_training", "local_training_torchrun.ipynb", nb_home)
+    done = run_notebook(NOTEBOOKS / "v3_local_training", "local_training_torchrun.ipynb", job_home)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "cell 1: skipped `%matplotlib inline` (display settings do not apply here)" in done.stderr
@@ -111,7 +97,7 @@ def test_v3_local_training_notebook_untouched(nb_home):
     assert "rank 0 loss=" in out and "rank 1 loss=" in out and "env=yes" in out  # %env reached the job
     assert "['model.tar.gz', 'output.tar.gz']" in out  # display() of a list
     assert "status: Completed" in out
-    root = nb_home / "v3_local_training"
+    root = job_home / "v3_local_training"
     with tarfile.open(root / "compressed_artifacts" / "model.tar.gz") as tar:
         assert set(tar.getnames()) == {"model-0.pt", "model-1.pt"}  # every instance's /opt/ml/model
     with tarfile.open(root / "compressed_artifacts" / "output.tar.gz") as tar:
@@ -119,12 +105,12 @@ def test_v3_local_training_notebook_untouched(nb_home):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
-def test_v3_tuning_notebook_describe_analytics_display(nb_home):
+def test_v3_tuning_notebook_describe_analytics_display(job_home):
     """SDK v3's tuner over a ModelTrainer: describe() is the tuning job resource (sagemaker-core's names),
     analytics().dataframe() shown with display(), as the v3 tuning example reads them."""
     pytest.importorskip("optuna")
     pytest.importorskip("pandas")
-    done = run_notebook(NOTEBOOKS / "v3_tuning", "tuning_describe.ipynb", nb_home)
+    done = run_notebook(NOTEBOOKS / "v3_tuning", "tuning_describe.ipynb", job_home)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     for line in ("name: True", "status: Completed", "completed: 3", "best: True", "objective: loss", "rows: 3"):
@@ -134,14 +120,14 @@ def test_v3_tuning_notebook_describe_analytics_display(nb_home):
 
 
 @pytest.mark.timeout(360)
-def test_pytorch_get_started_notebook_untouched(nb_home, s3):
+def test_pytorch_get_started_notebook_untouched(job_home, s3):
     """AWS's PyTorch MNIST get-started cells: Session(), default_bucket(), upload_data(), PyTorch(...).fit,
     model_data; the default bucket at the S3 endpoint; `!pygmentize` run, `%store` skipped."""
     fs, _ = s3
     if not fs.exists(SAMPLE_BUCKET):
         fs.mkdir(SAMPLE_BUCKET)
-    serve_mnist(fs, nb_home)
-    done = run_notebook(NOTEBOOKS / "pytorch_mnist", "get_started_mnist_train.ipynb", nb_home)
+    serve_mnist(fs, job_home)
+    done = run_notebook(NOTEBOOKS / "pytorch_mnist", "get_started_mnist_train.ipynb", job_home)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Test set: Average loss:" in done.stdout and "Saving the model" in done.stdout
     model = done.stdout.split("Model artifact saved at:\n ", 1)[1].splitlines()[0]
@@ -156,13 +142,13 @@ def test_pytorch_get_started_notebook_untouched(nb_home, s3):
 
 
 @pytest.mark.timeout(420)
-def test_tensorflow_get_started_notebook_untouched(nb_home, s3):
+def test_tensorflow_get_started_notebook_untouched(job_home, s3):
     pytest.importorskip("tensorflow")
     fs, _ = s3
     if not fs.exists(SAMPLE_BUCKET):
         fs.mkdir(SAMPLE_BUCKET)
-    serve_mnist(fs, nb_home)
-    done = run_notebook(NOTEBOOKS / "tensorflow_mnist", "get_started_mnist_train.ipynb", nb_home, timeout=400)
+    serve_mnist(fs, job_home)
+    done = run_notebook(NOTEBOOKS / "tensorflow_mnist", "get_started_mnist_train.ipynb", job_home, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Test set: loss=" in done.stdout
     model = done.stdout.split("Model artifact saved at:\n ", 1)[1].splitlines()[0]
@@ -174,23 +160,40 @@ def test_tensorflow_get_started_notebook_untouched(nb_home, s3):
 
 @needs_namespace
 @pytest.mark.timeout(420)
-def test_seed_article_notebook_untouched(nb_home):
+def test_seed_article_notebook_untouched(job_home):
     """The seed article's cell as it was written (import sagemaker, SDK v1 names), as a notebook."""
     pytest.importorskip("tensorflow")
     done = subprocess.run([sys.executable, "-m", "disttrain", "sagemaker", "run",
                            str(EXAMPLES / "sagemaker_tf" / "notebook.ipynb")], capture_output=True, text=True,
-                          timeout=400, cwd=nb_home, env=cli_env(EPOCHS="2"))
+                          timeout=400, cwd=job_home, env=cli_env(EPOCHS="2"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "train_instance_count has been renamed" in done.stderr
     model = done.stdout.strip().splitlines()[-1].removeprefix("model: ")
     assert model.startswith("s3://sagemaker-us-east-1-000000000000/")
-    bucket_folder = nb_home / "home" / "buckets"
+    bucket_folder = job_home / "home" / "buckets"
     with tarfile.open(bucket_folder / model[len("s3://"):]) as tar:
         assert {"classifier.keras", "vocab.txt"} <= set(tar.getnames())
     with JobStore() as store:
         series = store.metric_series(store.list()[0].id)
     assert series["valid:accuracy"][-1][1] > 0.8
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_v3_example_on_the_sagemaker_page(job_home):
+    """docs/sagemaker.md's SDK v3 example as it is: ModelTrainer on 2 instances with Torchrun, then the tuner
+    over it; the best trial is the one with the least of the recorded objectives."""
+    done = subprocess.run([sys.executable, "-m", "disttrain", "sagemaker", "run",
+                           str(EXAMPLES / "sagemaker_v3" / "notebook.py")], capture_output=True, text=True,
+                          timeout=280, cwd=job_home, env=cli_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "status: Completed" in done.stdout
+    assert "host algo-2 rank 1/2 epoch 2 loss=" in done.stdout  # the second instance trained too
+    said = (done.stdout + done.stderr).splitlines()
+    objectives = [float(line.rsplit("loss=", 1)[1].split()[0]) for line in said if ") Completed: loss=" in line]
+    assert len(objectives) == 4
+    assert float(done.stdout.strip().splitlines()[-1].split()[-1]) == min(objectives)
 
 SCRIPT = """\
 import sys
@@ -205,25 +208,25 @@ sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
 """
 
 
-def test_py_script_and_bad_input_are_one_line(nb_home):
-    (nb_home / "script.py").write_text(SCRIPT)
+def test_py_script_and_bad_input_are_one_line(job_home):
+    (job_home / "script.py").write_text(SCRIPT)
     env = cli_env()
 
     def run(*args):
         return subprocess.run([sys.executable, "-m", "disttrain", "sagemaker", "run", *args], capture_output=True,
-                              text=True, timeout=120, cwd=nb_home, env=env)
+                              text=True, timeout=120, cwd=job_home, env=env)
 
     done = run("script.py", "3")  # sys.argv and the exit code, as python would
     assert done.returncode == 3 and "argv ['3'] session disttrain.sagemaker.session" in done.stdout
     bad = run("script.py", "bad")  # a mistyped SDK argument: one line naming the file and line
     assert bad.returncode == 1
     said = [line for line in bad.stderr.splitlines() if line.startswith("disttrain: error:")]
-    assert said == [f"disttrain: error: {nb_home / 'script.py'}, line 8: TypeError: SourceCode.__init__() got an "
+    assert said == [f"disttrain: error: {job_home / 'script.py'}, line 8: TypeError: SourceCode.__init__() got an "
                     "unexpected keyword argument 'entry_scirpt'"]
     missing = run("nope.ipynb")
     assert missing.returncode == 2
     assert missing.stderr.strip() == "disttrain: error: nope.ipynb: no such file (give a .py script or a .ipynb notebook)"
-    (nb_home / "broken.ipynb").write_text("{not json")
+    (job_home / "broken.ipynb").write_text("{not json")
     broken = run("broken.ipynb")
     assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
     assert "broken.ipynb: not a notebook (invalid JSON at line 1)" in broken.stderr
@@ -237,12 +240,12 @@ CELLS = [
 ]
 
 
-def test_ipynb_magics_and_a_bad_argument_in_a_cell(nb_home):
+def test_ipynb_magics_and_a_bad_argument_in_a_cell(job_home):
     cells = [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": src}
              for src in CELLS]
-    (nb_home / "nb.ipynb").write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    (job_home / "nb.ipynb").write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
     done = subprocess.run([sys.executable, "-m", "disttrain", "sagemaker", "run", "nb.ipynb"], capture_output=True,
-                          text=True, timeout=120, cwd=nb_home, env=cli_env())
+                          text=True, timeout=120, cwd=job_home, env=cli_env())
     assert done.returncode == 1
     assert "['42 41'] yes" in done.stdout and "not reached" not in done.stdout
     assert "cell 2: skipped `%matplotlib inline` (display settings do not apply here)" in done.stderr

@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import disttrain
+from conftest import disttrain, write
 from disttrain.errors import UsageError
 from disttrain.store import JobStore
 
@@ -42,21 +41,6 @@ def expected_loss(lr: float, layers: int, opt: str, epochs: int = 2) -> float:
     return round((lr - 0.3) ** 2 + 0.01 * layers + (0.1 if opt == "sgd" else 0.0) + 0.001 * epochs, 6)
 
 
-@pytest.fixture
-def tune_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTTRAIN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("DISTTRAIN_STORE", str(tmp_path / "jobs.db"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-def write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
 def check_trials(tuner, frame, *, count: int, params: list[str]) -> list:
     """What a user checks: the SDK's columns, each trial a recorded Completed job with the trial's
     hyperparameters, and best_training_job() the row with the best FinalObjectiveValue."""
@@ -78,7 +62,7 @@ def check_trials(tuner, frame, *, count: int, params: list[str]) -> list:
     return list(records.values())
 
 
-def test_v2_tuner_four_trials_two_at_a_time(tune_home):
+def test_v2_tuner_four_trials_two_at_a_time(job_home):
     from disttrain.sagemaker.pytorch import PyTorch
     from disttrain.sagemaker.tuner import (
         CategoricalParameter,
@@ -87,7 +71,7 @@ def test_v2_tuner_four_trials_two_at_a_time(tune_home):
         IntegerParameter,
     )
 
-    write(tune_home / "src" / "loss.py", LOSS_SCRIPT)
+    write(job_home / "src" / "loss.py", LOSS_SCRIPT)
     est = PyTorch(entry_point="loss.py", source_dir="src", instance_type="ml.c5.xlarge", framework_version="2.1",
                   py_version="py3", hyperparameters={"epochs": 2}, disttrain={"private_opt_ml": "off"})
     ranges = {"lr": ContinuousParameter(0.01, 1.0, scaling_type="Logarithmic"), "layers": IntegerParameter(1, 4),
@@ -129,13 +113,13 @@ V3_SCRIPT = """\
 """
 
 
-def test_v3_tuner_of_three_over_a_model_trainer(tune_home):
+def test_v3_tuner_of_three_over_a_model_trainer(job_home):
     from disttrain.sagemaker.core.parameter import CategoricalParameter, ContinuousParameter, IntegerParameter
     from disttrain.sagemaker.train import ModelTrainer
     from disttrain.sagemaker.train.configs import Compute, MetricDefinition, SourceCode
     from disttrain.sagemaker.train.tuner import HyperparameterTuner
 
-    write(tune_home / "src" / "loss.py", V3_SCRIPT)
+    write(job_home / "src" / "loss.py", V3_SCRIPT)
     trainer = ModelTrainer(source_code=SourceCode(source_dir="src", entry_script="loss.py"),
                            compute=Compute(instance_type="ml.m5.large", instance_count=1),
                            hyperparameters={"epochs": 2}, base_job_name="v3-loss",
@@ -169,11 +153,11 @@ EARLY_SCRIPT = """\
 """
 
 
-def test_early_stopping_stops_the_trial_that_is_behind(tune_home):
+def test_early_stopping_stops_the_trial_that_is_behind(job_home):
     from disttrain.sagemaker.estimator import Estimator
     from disttrain.sagemaker.tuner import CategoricalParameter, HyperparameterTuner
 
-    write(tune_home / "src" / "early.py", EARLY_SCRIPT)
+    write(job_home / "src" / "early.py", EARLY_SCRIPT)
     est = Estimator(entry_point="early.py", source_dir="src", disttrain={"private_opt_ml": "off"})
     tuner = HyperparameterTuner(est, "loss", {"quality": CategoricalParameter([1, 2, 9])},
                                 metric_definitions=DEFINITIONS, objective_type="Minimize", strategy="Grid",
@@ -188,7 +172,7 @@ def test_early_stopping_stops_the_trial_that_is_behind(tune_home):
     described = tuner.describe()
     stopped = [s for s in described["TrainingJobSummaries"] if s["TrainingJobStatus"] == "Stopped"]
     assert [s["ObjectiveStatus"] for s in stopped] == ["Failed"]
-    log = (tune_home / "tuning" / f"{tuner.latest_tuning_job.name}.log").read_text()
+    log = (job_home / "tuning" / f"{tuner.latest_tuning_job.name}.log").read_text()
     assert "stopping trial 3" in log and "is behind the earlier trials" in log
 
 
@@ -204,14 +188,14 @@ WAIT_SCRIPT = """\
 """
 
 
-def test_a_killed_tuner_is_resumed(tune_home):
+def test_a_killed_tuner_is_resumed(job_home):
     import time
 
     from disttrain.sagemaker.estimator import Estimator
     from disttrain.sagemaker.tuner import ContinuousParameter, HyperparameterTuner
 
-    write(tune_home / "src" / "wait.py", WAIT_SCRIPT)
-    go = tune_home / "go"
+    write(job_home / "src" / "wait.py", WAIT_SCRIPT)
+    go = job_home / "go"
     est = Estimator(entry_point="wait.py", source_dir="src", hyperparameters={"go": str(go)},
                     disttrain={"private_opt_ml": "off"})
     tuner = HyperparameterTuner(est, "loss", {"pos": ContinuousParameter(0, 1)}, metric_definitions=DEFINITIONS,
@@ -245,14 +229,14 @@ def test_a_killed_tuner_is_resumed(tune_home):
         frame.loc[frame["FinalObjectiveValue"].idxmin(), "TrainingJobName"]
 
 
-def test_bad_tuner_arguments_are_one_line_and_nothing_is_made(tune_home):
+def test_bad_tuner_arguments_are_one_line_and_nothing_is_made(job_home):
     from disttrain.sagemaker.estimator import Estimator
     from disttrain.sagemaker.train import ModelTrainer
     from disttrain.sagemaker.train.configs import SourceCode
     from disttrain.sagemaker.tuner import CategoricalParameter, ContinuousParameter, HyperparameterTuner
     from disttrain.sagemaker.tuning import storage_path, tuning_names
 
-    write(tune_home / "src" / "loss.py", LOSS_SCRIPT)
+    write(job_home / "src" / "loss.py", LOSS_SCRIPT)
     est = Estimator(entry_point="loss.py", source_dir="src", hyperparameters={"lr": 0.1},
                     metric_definitions=DEFINITIONS)
     lr = {"lr": ContinuousParameter(0.01, 1.0)}
@@ -281,7 +265,7 @@ def test_bad_tuner_arguments_are_one_line_and_nothing_is_made(tune_home):
     # the trials' job is checked before the tuning job is made: a missing channel, one line
     tuner = HyperparameterTuner(est, "loss", lr)
     with pytest.raises(UsageError, match=r"inputs.training: .*missing does not exist"):
-        tuner.fit(str(tune_home / "missing"))
+        tuner.fit(str(job_home / "missing"))
     assert not storage_path().exists() or tuning_names() == []
     with JobStore() as store:
         assert store.list() == []
@@ -309,14 +293,14 @@ def test_strategies_map_onto_optuna():
     assert grid == [{"opt": o, "layers": n} for o in ("adam", "sgd") for n in (1, 2, 3)]  # every point, in order
 
 
-def test_stop_tuning_job_stops_its_running_trial(tune_home):
+def test_stop_tuning_job_stops_its_running_trial(job_home):
     import time
 
     from disttrain.sagemaker.estimator import Estimator
     from disttrain.sagemaker.tuner import ContinuousParameter, HyperparameterTuner
 
-    write(tune_home / "src" / "wait.py", WAIT_SCRIPT)
-    est = Estimator(entry_point="wait.py", source_dir="src", hyperparameters={"go": str(tune_home / "never")},
+    write(job_home / "src" / "wait.py", WAIT_SCRIPT)
+    est = Estimator(entry_point="wait.py", source_dir="src", hyperparameters={"go": str(job_home / "never")},
                     disttrain={"private_opt_ml": "off"})
     tuner = HyperparameterTuner(est, "loss", {"pos": ContinuousParameter(0, 1)}, metric_definitions=DEFINITIONS,
                                 strategy="Random", max_jobs=3)

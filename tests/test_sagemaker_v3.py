@@ -11,37 +11,15 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
-from disttrain.agent.optml import namespace_tool
+from conftest import cli_env, needs_namespace, write
 from disttrain.errors import UsageError
 from disttrain.store import JobStore
 
 pytestmark = pytest.mark.timeout(240)
-needs_namespace = pytest.mark.skipif(namespace_tool()[0] is None,
-                                     reason=f"no mount namespace here: {namespace_tool()[1]}")
-
-
-@pytest.fixture
-def v3_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTTRAIN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("DISTTRAIN_STORE", str(tmp_path / "jobs.db"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("DISTTRAIN_BUCKETS", raising=False)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-def write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
 RANKS_SCRIPT = """\
     import json, os, socket, sys
     import torch
@@ -61,12 +39,12 @@ RANKS_SCRIPT = """\
 
 
 @needs_namespace
-def test_source_code_command_torchrun_master_addr_algo_1(v3_home):
+def test_source_code_command_torchrun_master_addr_algo_1(job_home):
     """SourceCode(command=...): torchrun as written, --master_addr algo-1 resolving in each instance."""
     from disttrain.sagemaker.train import ModelTrainer
     from disttrain.sagemaker.train.configs import Compute, SourceCode
 
-    write(v3_home / "src" / "ranks.py", RANKS_SCRIPT)
+    write(job_home / "src" / "ranks.py", RANKS_SCRIPT)
     command = ("torchrun --nnodes 2 --nproc_per_node 1 --master_addr algo-1 --master_port $SM_MASTER_PORT\n"
                "    --node_rank $SM_CURRENT_HOST_RANK ranks.py --note 'a b'")
     trainer = ModelTrainer(source_code=SourceCode(source_dir="src", command=command),
@@ -87,12 +65,12 @@ def test_source_code_command_torchrun_master_addr_algo_1(v3_home):
     assert not list(job_dir.glob("algo-*/output/failure"))
 
 
-def test_a_failing_command_fails_the_job_and_writes_output_failure(v3_home):
+def test_a_failing_command_fails_the_job_and_writes_output_failure(job_home):
     from disttrain.sagemaker.exceptions import FailedStatusError
     from disttrain.sagemaker.train import ModelTrainer
     from disttrain.sagemaker.train.configs import SourceCode
 
-    (v3_home / "src").mkdir()
+    (job_home / "src").mkdir()
     trainer = ModelTrainer(source_code=SourceCode(source_dir="src", command="echo before && exit 3"),
                            disttrain={"private_opt_ml": "off"})
     with pytest.raises(FailedStatusError, match="Final Resource State: Failed") as err:
@@ -177,12 +155,12 @@ def test_v3_contract_pieces(tmp_path):
     assert unshare[unshare.index("--etc-hosts") + 1] == merged
 
 
-def test_model_trainer_bad_arguments_are_one_line(v3_home):
+def test_model_trainer_bad_arguments_are_one_line(job_home):
     from disttrain.sagemaker.train import ModelTrainer
     from disttrain.sagemaker.train.configs import Compute, InstanceGroup, SourceCode
     from disttrain.sagemaker.train.distributed import Torchrun
 
-    write(v3_home / "src" / "train.py", "print('hi')\n")
+    write(job_home / "src" / "train.py", "print('hi')\n")
     code = SourceCode(source_dir="src", entry_script="train.py")
     with pytest.raises(TypeError, match=r"ModelTrainer.__init__\(\) got an unexpected keyword argument 'source_cod'"):
         ModelTrainer(source_cod=code)
@@ -209,14 +187,14 @@ def test_model_trainer_bad_arguments_are_one_line(v3_home):
     for trainer, inputs, message in (
             (ModelTrainer(source_code=SourceCode(source_dir="src", entry_script="nope.py")), None,
              "SourceCode.entry_script: nope.py not found in source_dir"),
-            (ModelTrainer(source_code=code), {"train": str(v3_home / "missing")}, "inputs.train: ")):
+            (ModelTrainer(source_code=code), {"train": str(job_home / "missing")}, "inputs.train: ")):
         with pytest.raises(UsageError, match=message) as err:
             trainer.train(input_data_config=inputs)
         assert "\n" not in str(err.value)
     with JobStore() as store:
         assert store.list() == []
     # a hyperparameters file (JSON or YAML), and what train() would run (dry_run)
-    (v3_home / "hps.yaml").write_text("lr: 0.1\nname: abc\n")
+    (job_home / "hps.yaml").write_text("lr: 0.1\nname: abc\n")
     trainer = ModelTrainer(source_code=code, hyperparameters="hps.yaml")
     assert trainer.hyperparameters == {"lr": 0.1, "name": "abc"}
     assert trainer.train(dry_run=True) is None
@@ -225,7 +203,7 @@ def test_model_trainer_bad_arguments_are_one_line(v3_home):
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_session_default_bucket_and_s3_helpers(v3_home, where, request, monkeypatch):
+def test_session_default_bucket_and_s3_helpers(job_home, where, request, monkeypatch):
     """Session(), default_bucket(), upload_data/download_data, S3Uploader/S3Downloader, a job reading and
     writing the default bucket: a local folder without AWS, or a bucket at an S3-compatible endpoint."""
     import tarfile
@@ -236,12 +214,12 @@ def test_session_default_bucket_and_s3_helpers(v3_home, where, request, monkeypa
     if where == "s3":
         fs, _ = request.getfixturevalue("s3")
     else:
-        monkeypatch.setenv("DISTTRAIN_BUCKETS", str(v3_home / "buckets"))
+        monkeypatch.setenv("DISTTRAIN_BUCKETS", str(job_home / "buckets"))
     sess = sagemaker.Session()
     bucket = sess.default_bucket()
     assert bucket == "sagemaker-us-east-1-000000000000" and sess.boto_region_name == "us-east-1"
-    write(v3_home / "data" / "a.txt", "A")
-    write(v3_home / "data" / "sub" / "b.txt", "B")
+    write(job_home / "data" / "a.txt", "A")
+    write(job_home / "data" / "sub" / "b.txt", "B")
     assert sess.upload_data("data", bucket=bucket, key_prefix="demo") == f"s3://{bucket}/demo"
     assert sess.upload_data("data/a.txt", key_prefix="one") == f"s3://{bucket}/one/a.txt"
     assert sorted(S3Downloader.list(f"s3://{bucket}/demo")) == [f"s3://{bucket}/demo/a.txt",
@@ -252,10 +230,10 @@ def test_session_default_bucket_and_s3_helpers(v3_home, where, request, monkeypa
     assert S3Downloader.read_file(url) == "hello"
     assert S3Uploader.upload("data/a.txt", f"s3://{bucket}/up") == f"s3://{bucket}/up/a.txt"
     if where == "local":
-        assert (v3_home / "buckets" / bucket / "demo" / "sub" / "b.txt").read_text() == "B"
+        assert (job_home / "buckets" / bucket / "demo" / "sub" / "b.txt").read_text() == "B"
     else:
         assert fs.cat(f"{bucket}/demo/sub/b.txt") == b"B"
-    write(v3_home / "src" / "copy_in.py", """\
+    write(job_home / "src" / "copy_in.py", """\
         import os, shutil
         shutil.copy(os.path.join(os.environ["SM_CHANNEL_TRAIN"], "a.txt"), os.environ["SM_MODEL_DIR"])
     """)
@@ -328,7 +306,7 @@ MPI_V3_SCRIPT = """\
 """
 
 
-def test_mpi_runner_local_container_mode(v3_home):
+def test_mpi_runner_local_container_mode(job_home):
     """MPI(process_count_per_node, mpi_additional_options) on 2 instances, in LOCAL_CONTAINER mode (no
     Docker here either): the model lands under local_container_root."""
     import shutil
@@ -340,8 +318,8 @@ def test_mpi_runner_local_container_mode(v3_home):
     from disttrain.sagemaker.train.configs import Compute, SourceCode
     from disttrain.sagemaker.train.distributed import MPI
 
-    write(v3_home / "src" / "mpi_v3.py", MPI_V3_SCRIPT)
-    trainer = ModelTrainer(training_mode=Mode.LOCAL_CONTAINER, local_container_root=str(v3_home / "local"),
+    write(job_home / "src" / "mpi_v3.py", MPI_V3_SCRIPT)
+    trainer = ModelTrainer(training_mode=Mode.LOCAL_CONTAINER, local_container_root=str(job_home / "local"),
                            source_code=SourceCode(source_dir="src", entry_script="mpi_v3.py"),
                            compute=Compute(instance_type="local", instance_count=2),
                            distributed=MPI(process_count_per_node=1, mpi_additional_options=["-x", "FOO=1"]),
@@ -349,7 +327,7 @@ def test_mpi_runner_local_container_mode(v3_home):
     trainer.train(logs=False)
     job = trainer._latest_training_job
     assert job.training_job_status == "Completed"
-    assert Path(job.model_artifacts.s3_model_artifacts) == v3_home / "local" / job.training_job_name / "model.tar.gz"
+    assert Path(job.model_artifacts.s3_model_artifacts) == job_home / "local" / job.training_job_name / "model.tar.gz"
     with JobStore() as store:
         job_dir = Path(store.get(job.training_job_name).job_dir)
     for rank, host in ((0, "algo-1"), (1, "algo-2")):

@@ -30,6 +30,7 @@ _EXPORTS = {
     "accuracy": "runtime.metrics",
     "print0": "runtime.metrics",
     "barrier": "runtime.metrics",
+    "log": "runtime.track",
     "checkpoint": "runtime.checkpoint",
     "accumulate": "runtime.accumulate",
     "Accumulator": "runtime.accumulate",
@@ -71,4 +72,5 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .runtime.resume import TrainingState, resume
     from .runtime.strategies import unwrap
+    from .runtime.track import log
     from .trainer import Trainer

@@ -33,7 +33,7 @@ import torch
 
 from .checkpoint_url import join, location
 from .errors import UsageError
-from .runtime import checkpoint, strategies
+from .runtime import checkpoint, periodic, strategies, track
 from .runtime.accumulate import Accumulator
 from .runtime.context import context
 from .runtime.data import prepare
@@ -74,7 +74,9 @@ class Trainer:
     scheduler steps once per epoch. ``checkpoint_dir`` (default
     ``$DISTTRAIN_CHECKPOINT_DIR``): a checkpoint after each epoch, the best model as
     ``best_model.pt``, and :meth:`fit` resumes from the newest checkpoint there.
-    ``strategy``, ``mixed_precision`` are :func:`disttrain.prepare`'s; ``accumulate``
+    ``strategy``, ``mixed_precision``, ``comm`` are :func:`disttrain.prepare`'s (with
+    ``comm="localsgd:H"``/``"diloco:H"`` the replicas are one model again at each epoch's end,
+    where the checkpoint keeps DiLoCo's anchor and outer momentum); ``accumulate``
     micro-batches make one optimizer step, with gradients clipped to ``clip_grad_norm``.
     """
 
@@ -85,7 +87,7 @@ class Trainer:
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  run_dir: str | os.PathLike[str] | None = None, log_every: int = 50,
                  progress: bool = True, strategy: str = "ddp", mixed_precision: str | None = None,
-                 accumulate: int = 1, clip_grad_norm: float | None = None) -> None:
+                 accumulate: int = 1, clip_grad_norm: float | None = None, comm: str | None = None) -> None:
         if loss_fn is None:
             raise UsageError("Trainer(loss_fn=...): give the loss, e.g. torch.nn.functional.cross_entropy")
         self.metrics = _metrics(metrics)  # before prepare(): a typo should cost nothing
@@ -93,7 +95,7 @@ class Trainer:
         env = ctx.env
         loaders = [train_loader] + ([val_loader] if val_loader is not None else [])
         self.ddp_model, self.optimizer, *prepared = prepare(
-            model, optimizer, *loaders, strategy=strategy, mixed_precision=mixed_precision)
+            model, optimizer, *loaders, strategy=strategy, mixed_precision=mixed_precision, comm=comm)
         self.step = Accumulator(self.ddp_model, self.optimizer, accumulate,
                                 clip_grad_norm=clip_grad_norm)
         # DDP: validated unwrapped (see EvalShardSampler). FSDP: every forward gathers the
@@ -206,6 +208,7 @@ class Trainer:
         if state is None:
             return 0
         self.best = state.get("best")
+        periodic.restore(state.get(periodic.SHARED_KEY), None)  # saved at an epoch's end: one model
         print0(f"disttrain: Trainer resumes after epoch {state['epoch'] - 1} "
                f"from {self.checkpoint_dir}", file=sys.stderr)
         return state["epoch"]
@@ -231,7 +234,7 @@ class Trainer:
             return
         checkpoint.save(self.checkpoint_dir, step=epoch + 1, model=self.ddp_model,
                         optimizer=self.optimizer, epoch=epoch + 1, best=self.best,
-                        **self._extra_objects())
+                        **periodic.shared_state(), **self._extra_objects())
 
     def _extra_objects(self) -> dict[str, Any]:
         objects: dict[str, Any] = {}
@@ -247,6 +250,8 @@ class Trainer:
                           for k, v in record.items() if k != "epoch")
         if self.progress:
             print0(f"epoch {record['epoch']}: {shown}")
+        track.record("metrics", step=record["epoch"], reduced=True, values={  # already over every rank
+            key: value for key, value in record.items() if isinstance(value, (int, float)) and key != "epoch"})
         if not context().is_main or self.run_dir is None:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,10 @@ BENCH_NO_SYNC = "DISTTRAIN_BENCH_NO_SYNC"
 # Set by ``disttrain bench --comm`` for its compute reference: denormal floats flushed to zero,
 # the fastest the same arithmetic can go (see disttrain.scaling.comm).
 BENCH_FLUSH_DENORMAL = "DISTTRAIN_BENCH_FLUSH_DENORMAL"
+# ``--track``: workers print their metrics as track lines (disttrain.trackline) for the launcher's
+# tracker: "reduced" (rank 0, the mean over ranks) or "ranks" (every rank its own, and the mean).
+TRACK = "DISTTRAIN_TRACK"
+TRACK_MODES = ("reduced", "ranks")
 BENCH_MARKER = "disttrain-bench:"  # rank 0's result line on stdout starts with it
 DEFAULT_PG_TIMEOUT_S = 300
 
@@ -178,6 +182,7 @@ def launcher_env(
     cuda_devices: int = 0,
     local_world_size: int = 1,
     nnodes: int | None = 1,
+    track: str | None = None,
 ) -> dict[str, str]:
     """Variables a node's agent exports to its workers, on top of torch elastic's own.
 
@@ -192,6 +197,8 @@ def launcher_env(
         env[CHECKPOINT_EVERY] = str(checkpoint_every)
     if heartbeat_dir:
         env[HEARTBEAT_DIR] = heartbeat_dir
+    if track:
+        env[TRACK] = track
     if hang_timeout_s and PG_TIMEOUT not in inherited:
         # A collective must outlast the watchdog, or it would fail first, without the verdict.
         env[PG_TIMEOUT] = str(max(DEFAULT_PG_TIMEOUT_S, hang_timeout_s + 60))
@@ -254,6 +261,7 @@ class WorkerEnv:
     bench_no_sync: bool = False
     # NCCL's own NCCL_MULTI_RANK_GPU_ENABLE=1: ranks may share a GPU (placement.choose_device).
     nccl_multi_rank_gpu: bool = False
+    track: str | None = None  # TRACK: print track lines (None: no tracker listens)
 
     @property
     def launched(self) -> bool:
@@ -286,4 +294,5 @@ class WorkerEnv:
             bucket_mb=environ.get(BUCKET_MB) or None,
             bench_no_sync=environ.get(BENCH_NO_SYNC) == "1",
             nccl_multi_rank_gpu=environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1",
+            track=environ.get(TRACK) if environ.get(TRACK) in TRACK_MODES else None,
         )

@@ -8,6 +8,7 @@ play (dropout on the GPU).
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -156,3 +157,13 @@ def test_fp16_is_refused_on_cpu_even_with_a_gpu_present():
     assert resolve("fp16", torch.device("cuda:0")).needs_scaler
     with pytest.raises(UsageError, match="needs a CUDA GPU"):
         resolve("fp16", torch.device("cpu"))
+
+
+def test_remote_checkpoint_staging_copies_cuda_state_to_pinned_memory():
+    from disttrain.runtime.checkpoint_write_remote import on_host, to_bytes
+
+    state = {"w": torch.arange(6.0, device="cuda").view(2, 3).t(), "step": 3}  # a non-contiguous view
+    staged = on_host(state)
+    assert staged["w"].device.type == "cpu" and staged["w"].is_pinned()
+    assert torch.equal(staged["w"], state["w"].cpu()) and staged["step"] == 3
+    assert torch.equal(torch.load(io.BytesIO(to_bytes(state)), weights_only=True)["w"], state["w"].cpu())

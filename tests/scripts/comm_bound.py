@@ -3,6 +3,7 @@
 ``--kind wire``: a 4 MB weight matrix and almost no arithmetic, so a step is the all-reduce;
 ``--kind compute``: a few hundred parameters behind a long chain of fixed (untrained)
 matrix products, so a step is arithmetic. Usage: comm_bound.py --kind K [--batch-size B]
+[--samples N] [--epochs E] (what `bench --comm` runs to the end for each mode).
 """
 
 import argparse
@@ -16,6 +17,8 @@ import disttrain
 parser = argparse.ArgumentParser()
 parser.add_argument("--kind", choices=("wire", "compute"), required=True)
 parser.add_argument("--batch-size", type=int, default=8)
+parser.add_argument("--samples", type=int, default=4096)
+parser.add_argument("--epochs", type=int, default=100)
 args = parser.parse_args()
 
 
@@ -37,11 +40,11 @@ if args.kind == "wire":
     model, width = torch.nn.Linear(1024, 1024), 1024
 else:
     model, width = Compute(), 256
-data = TensorDataset(torch.randn(4096, width), torch.randint(0, 10, (4096,)))
+data = TensorDataset(torch.randn(args.samples, width), torch.randint(0, 10, (args.samples,)))
 loader = DataLoader(data, batch_size=args.batch_size if args.kind == "wire" else 256, shuffle=True)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 model, optimizer, loader = disttrain.prepare(model, optimizer, loader)
-for _epoch in disttrain.epochs(100):
+for _epoch in disttrain.epochs(args.epochs):
     for X, y in loader:
         loss = F.cross_entropy(model(X)[:, :10], y)
         optimizer.zero_grad()

@@ -1,10 +1,13 @@
-"""What every worker of a ``--hang-timeout`` run loads before the user's code, for any script.
+"""What every PyTorch worker loads before the user's code, for any script.
 
-``disttrain run --hang-timeout S`` puts this file's folder first on the workers' ``PYTHONPATH``
-(it holds nothing else), so that Python's ``site`` imports it at start-up, and a plain torchrun
-script (its own ``init_process_group``, no ``import disttrain``) is covered as well as one that
-uses the runtime. It keeps ``python script.py`` as it is -- ``sys.argv``, ``__main__``,
-``sys.path[0]``, spawned DataLoader workers -- and runs the ``sitecustomize`` it shadows, if any.
+The agent puts this file's folder first on every PyTorch worker's ``PYTHONPATH`` (it holds
+nothing else but ``_disttrain_group_check.py``), so that Python's ``site`` imports it at start-up,
+and a plain torchrun script (its own ``init_process_group``, no ``import disttrain``) is covered
+as well as one that uses the runtime. It keeps ``python script.py`` as it is -- ``sys.argv``,
+``__main__``, ``sys.path[0]``, spawned DataLoader workers -- and runs the ``sitecustomize`` it
+shadows, if any. In every worker a launcher started (``WORLD_SIZE`` set), a script's own
+``init_process_group`` is checked against the launcher's rank, world size and address
+(``_disttrain_group_check.py``). The rest is for ``--hang-timeout`` runs only.
 
 Nothing happens until the process imports torch (``torch.distributed.distributed_c10d``, which
 ``import torch`` loads): a post-import hook then, in the first process of the rank to get there
@@ -252,9 +255,18 @@ def _stack_dump(path: str) -> None:
 _stacks = None
 
 
+def _check_group(c10d) -> None:
+    """A script's own init_process_group checked against the launcher's (_disttrain_group_check.py)."""
+    import _disttrain_group_check
+
+    _disttrain_group_check.install(c10d)
+
+
 def _install() -> None:
     if os.environ.get(SOCKETS) and HOOKED not in sys.modules:
         sys.meta_path.insert(0, _AfterImport(HOOKED, _serve))
+    if os.environ.get("WORLD_SIZE") and HOOKED not in sys.modules:
+        sys.meta_path.insert(0, _AfterImport(HOOKED, _check_group))
 
 
 try:

@@ -56,8 +56,17 @@ def worker_env(*, sockets: str, inherited: Mapping[str, str]) -> dict[str, str]:
     (which sets the recorder's size and the process groups' timeout): the bootstrap first on
     ``PYTHONPATH`` -- this host's copy of disttrain, which the planner cannot know -- and the
     sockets' folder."""
+    return {**site_env(inherited), HANG_SOCKETS: sockets}
+
+
+def site_env(inherited: Mapping[str, str]) -> dict[str, str]:
+    """The bootstrap first on the workers' ``PYTHONPATH`` (once, whoever put it there first)."""
     path = inherited.get("PYTHONPATH")
-    return {"PYTHONPATH": f"{SITE_DIR}{os.pathsep}{path}" if path else str(SITE_DIR), HANG_SOCKETS: sockets}
+    if not path:
+        return {"PYTHONPATH": str(SITE_DIR)}
+    if path.split(os.pathsep)[0] == str(SITE_DIR):
+        return {"PYTHONPATH": path}
+    return {"PYTHONPATH": f"{SITE_DIR}{os.pathsep}{path}"}
 
 
 def socket_folder() -> str:

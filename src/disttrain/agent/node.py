@@ -228,6 +228,8 @@ def _node_env(plan: LaunchPlan, node: NodePlan, report_to: TextIO) -> dict[str, 
         # of each attempt's own: attempt_store.py), and a node that joins a later round then waits
         # for MASTER_ADDR, which the round's node 0 set only in its first round: a grown job hangs.
         env.setdefault(NO_SHARED_STORE, "1")
+    if plan.framework == "pytorch":  # the worker bootstrap: a script's own process group is checked
+        env.update(flight.site_env({**os.environ, **env}))
     if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
         env.update(tf_node_env(dict(env), host=node.name, nproc=node.nproc, world_size=plan.world_size,
                                report_to=report_to))

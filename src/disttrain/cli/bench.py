@@ -16,6 +16,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from ..config.launch import LaunchSpec, parse_env
@@ -32,6 +33,7 @@ from ..scaling.bench import (
     parse_counts,
     run_all,
 )
+from ..tracking import TRACKERS, Sink, check_tracker, open_sink, script_params
 from .common import add_host_args, hosts_from_args
 
 DEFAULT_COUNTS = "1,2,4"
@@ -88,7 +90,8 @@ def _add_options(p: argparse.ArgumentParser, default) -> None:
                    help="print every count's command and launch spec (--env values left out) and exit")
     p.add_argument("--comm", action="store_true", default=default(False),
                    help="also split each multi-process step into compute and communication (a run "
-                   "without gradient sync), try gradient compressions, and say whether to use one")
+                   "without gradient sync), run gradient compressions, local SGD and DiLoCo to the script's "
+                   "end (throughput and validation accuracy), and say which mode to use")
     p.add_argument("--link-gbit", type=float, default=default(None), metavar="G",
                    help="with --comm: the link's rate in Gbit/s, to compare with the all-reduce bound")
     p.add_argument("-m", "--module", action="store_true", default=default(False),
@@ -103,6 +106,9 @@ def _add_options(p: argparse.ArgumentParser, default) -> None:
     if default(None) is argparse.SUPPRESS:
         for action in p._actions:  # add_host_args sets its own defaults
             action.default = argparse.SUPPRESS
+    p.add_argument("--track", default=default(None), metavar="|".join(TRACKERS),
+                   help="send the bench to this tracker as one run (configured its own way, as for run): "
+                   "samples/s, speed-up and efficiency at each world size, the table and the plot")
     p.add_argument("--sync", action="store_true", default=default(False),
                    help="with --hosts: copy the working directory to every host first, as for run")
     p.add_argument("--no-preflight", action="store_true", default=default(False),
@@ -174,6 +180,21 @@ def handle(args: argparse.Namespace) -> int:
         else:
             print("\n".join(f"{shlex.join(c['command'])} <<< {json.dumps(c['spec'])}" for c in counts))
         return 0
+    tracked = open_sink(args.track, f"bench-{Path(spec.script).stem}", params={
+        **script_params(sys.argv, spec.launch.script_args), "counts": args.nproc,
+        "global_batch": str(spec.global_batch), "steps": str(spec.steps)}) if check_tracker(args.track) else None
+    try:
+        code = _measure(args, spec, tracked)
+    except BaseException:
+        if tracked is not None:
+            tracked.finish(1)
+        raise
+    if tracked is not None:
+        tracked.finish(code)
+    return code
+
+
+def _measure(args: argparse.Namespace, spec: BenchSpec, tracked: Sink | None) -> int:
     notes = context_notes(busy=None if spec.hosts else busy_before())
     if args.link_gbit is not None and not args.link_gbit > 0:
         raise UsageError(f"--link-gbit must be more than 0, got {args.link_gbit:g}")
@@ -196,9 +217,19 @@ def handle(args: argparse.Namespace) -> int:
             print("\n".join(result.lines()))
         for note in notes:
             print(f"note: {note}")
+    path = None
     if args.plot:
         path = plot.write_plot(args.plot, rows, title=title)
         print(f"disttrain bench: plot written to {path}", file=sys.stderr)
+    if tracked is not None:  # the world size is the step: a curve per number
+        for row in rows:
+            values = {"samples_per_s": row.measurement.samples_per_s, "speedup": row.speedup,
+                      "efficiency": row.efficiency}
+            tracked.metrics({k: v for k, v in values.items() if v is not None}, row.world_size, time.time())
+        tracked.text("bench.json", json.dumps(report.to_json(rows, recommendation, **json_context(spec, cpus, gpus),
+                                                             notes=notes), indent=2))
+        if path is not None:
+            tracked.artifact(Path(path))
     return 0 if all(m.ok for m in measurements) else 1
 
 

@@ -125,6 +125,10 @@ def handle_show(args: argparse.Namespace) -> int:
                                          f"({change['why']}): {len(change['hosts'])} instance(s), world size "
                                          f"{change['world_size']}, resumed from step {change['resumed_from']}, "
                                          f"{change['seconds']} s"))
+    if record.goodput:  # host-seconds by class (disttrain.goodput)
+        from ..goodput import summary
+
+        fields.append(("goodput", summary(record.goodput)))
     for key, value in fields:
         print(f"{key + ':':<18}{value}")
     if record.failure:

@@ -28,10 +28,13 @@ from ..config.launch import (
 )
 from ..errors import UsageError
 from ..home import run_folder
-from ..launch import LaunchContext, Launcher, RunFolderEvents
+from ..launch import BatchLauncher, LaunchContext, Launcher, RunFolderEvents
+from ..launch.local import LocalLauncher
 from ..launch.slurm_env import SlurmAllocation
 from ..private import private_dirs
 from ..runtime import comm
+from ..tracking import TRACKERS, check_tracker, script_params
+from ..tracking.follower import RunTracker
 from ..wire import RunSpec
 from ..workerenv import ACCELERATE_USE_CPU, cpu_library_warning
 from . import launchers
@@ -70,11 +73,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "folder, or an fsspec URL such as s3://bucket/run (credentials from the AWS chain)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="steps between checkpoints for disttrain.resume() (0: at each epoch's end)")
-    p.add_argument("--grad-compression", default=None, metavar="none|fp16|bf16|powersgd[:R]",
-                   help="how DDP compresses gradients for the all-reduce, for scripts using "
-                   "disttrain.prepare (DISTTRAIN_GRAD_COMPRESSION; see `disttrain bench --comm`)")
+    p.add_argument("--grad-compression", default=None,
+                   metavar="none|fp16|bf16|powersgd[:R]|localsgd[:H]|diloco[:H]",
+                   help="how DDP communicates, for scripts using disttrain.prepare: a gradient compression, "
+                   "or local SGD / DiLoCo synchronising every H steps (DISTTRAIN_GRAD_COMPRESSION; "
+                   "see `disttrain bench --comm`)")
     p.add_argument("--bucket-mb", default=None, metavar="MB",
                    help="DDP's gradient bucket size in MB for disttrain.prepare (default 25)")
+    add_track_args(p)
     p.add_argument("--stop-grace", dest="stop_grace", type=int, default=None,
                    help=f"seconds workers get to exit after SIGTERM before SIGKILL (default {DEFAULT_STOP_GRACE_S}; "
                    "torchrun's --shutdown-timeout)")
@@ -89,6 +95,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shipped = sub.add_parser("run-spec")
     _add_where_args(shipped)
     shipped.set_defaults(handler=handle_spec)
+
+
+def add_track_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--track", default=None, metavar="|".join(TRACKERS),
+                   help="send the run to this tracker, configured its own way (MLFLOW_TRACKING_URI, WANDB_MODE, "
+                   "TRACKIO_DIR...): parameters, disttrain.log() metrics, membership, hang verdict, exit, goodput "
+                   "(pip install 'disttrain[track]'; see docs/tracking.md)")
+    p.add_argument("--track-ranks", action="store_true",
+                   help="with --track: each rank's own disttrain.log() values too (rankN/NAME), beside the mean")
 
 
 def _add_torchrun_args(p: argparse.ArgumentParser) -> None:
@@ -263,6 +278,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         framework=args.framework,
         forward_env=args.forward_env,
         agent=agent_options(values, values["log_dir"]),
+        track=track_mode(args),
         **comm_settings(args),
     )
 
@@ -272,6 +288,15 @@ def _checkpoint_dir(value: str | None) -> str | None:
     if not value:
         return None
     return check_url(value) if is_url(value) else os.path.abspath(value)
+
+
+def track_mode(args: argparse.Namespace) -> str | None:
+    """--track/--track-ranks as the workers' DISTTRAIN_TRACK (the tracker checked now, before anything starts)."""
+    if check_tracker(getattr(args, "track", None)) is None:
+        if getattr(args, "track_ranks", False):
+            raise UsageError("--track-ranks needs --track mlflow|trackio|wandb")
+        return None
+    return "ranks" if args.track_ranks else "reduced"
 
 
 def comm_settings(args: argparse.Namespace) -> dict:
@@ -298,13 +323,20 @@ def make_run_dir(run_dir: str, *, given: str | None) -> None:
 class RunEvents(RunFolderEvents):
     """What ``disttrain run`` tells its user besides the agents' output."""
 
-    def __init__(self, *, no_wait: bool = False, log_dir: str | None = None, script: Path | None = None) -> None:
+    def __init__(self, *, no_wait: bool = False, log_dir: str | None = None, script: Path | None = None,
+                 tracker: RunTracker | None = None, nodes: int = 1) -> None:
         self.no_wait = no_wait
+        self.nodes = nodes  # a batch job's nodes (an agent launcher's are its plan's)
+        self.tracker = tracker  # the run's records (goodput) and its tracker: fed what the launch relays
+        if tracker is not None:
+            self.transcript = tracker.tap(None)
         self.log_dir = log_dir  # as given (--log-dir), for the fix in the error line
         self.script = script  # a Python script's path, read for what the workers' variables cannot fix
 
     def starting(self, plan, facts, note: str = "") -> None:
         make_run_dir(plan.run_dir, given=self.log_dir)
+        if self.tracker is not None:
+            self.tracker.starting(len(plan.nodes))
         super().starting(plan, facts, note)
         if self.script is not None and any(ACCELERATE_USE_CPU in node.env for node in plan.nodes):
             try:
@@ -315,6 +347,8 @@ class RunEvents(RunFolderEvents):
                 self.say(f"disttrain: warning: {warning}")
 
     def submitted(self, job_id: str, run_dir: str) -> None:
+        if self.tracker is not None:
+            self.tracker.starting(self.nodes)
         if self.no_wait:
             print(job_id, flush=True)
             self.say(f"disttrain: submitted Slurm job {job_id}; output: {run_dir}/slurm.out, {run_dir}/slurm.err; "
@@ -358,7 +392,26 @@ def launch(spec: LaunchSpec, launcher: Launcher, args: argparse.Namespace) -> in
         print(launcher.dry_run(spec, ctx).text(), end="")
         return 0
     script = None if spec.is_module or spec.no_python else Path(ctx.cwd) / spec.entry
-    outcome = launcher.run(spec, ctx, RunEvents(no_wait=args.no_wait, log_dir=spec.log_dir, script=script))
+    # A batch job's records are made inside its allocation (its launch there is a run of its own);
+    # its tracker, when asked, follows it from here.
+    batch = isinstance(launcher, BatchLauncher)
+    tracker = None if batch and not getattr(args, "track", None) else RunTracker(
+        run_dir, tracker=getattr(args, "track", None), name=run_id,
+        params={**script_params(sys.argv, spec.script_args), "nproc_per_node": str(spec.nproc_per_node),
+                "nnodes": str(spec.nnodes)})
+    if tracker is not None and isinstance(launcher, LocalLauncher):
+        tracker.follow_files()
+    events = RunEvents(no_wait=args.no_wait, log_dir=spec.log_dir, script=script, tracker=tracker,
+                       nodes=getattr(launcher, "nodes", 1))
+    try:
+        outcome = launcher.run(spec, ctx, events)
+    except BaseException as err:  # the run ends here too: its records and its tracker run say how
+        if tracker is not None:
+            code = getattr(err, "exit_code", None) or (130 if isinstance(err, KeyboardInterrupt) else 1)
+            tracker.finish(code, report=str(err) or type(err).__name__)
+        raise
+    if tracker is not None:
+        tracker.finish(outcome.exit_code, report=outcome.report)
     if outcome.signal:
         print(f"disttrain: got {signal.Signals(outcome.signal).name}, stopped all nodes", file=sys.stderr, flush=True)
     return outcome.exit_code

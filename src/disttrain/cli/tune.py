@@ -1,19 +1,21 @@
-"""``disttrain tune ls | show NAME | resume NAME | stop NAME``: hyperparameter tuning jobs."""
+"""``disttrain tune run SCRIPT | ls | show NAME | resume NAME | stop NAME``: hyperparameter tuning jobs."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
+from . import tune_run
 from .job import add_store_arg
+from .tune_run import use_store as _use_store
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    tune = sub.add_parser("tune", help="list, inspect, resume and stop hyperparameter tuning jobs",
-                          description="Tuning jobs started by a SageMaker HyperparameterTuner (Optuna studies kept "
-                          "beside the job store); every trial is a recorded job (disttrain jobs ls).")
+    tune = sub.add_parser("tune", help="tune a script; list, inspect, resume and stop hyperparameter tuning jobs",
+                          description="Tuning jobs started by `disttrain tune run SCRIPT` or a SageMaker "
+                          "HyperparameterTuner (Optuna studies kept beside the job store); every trial is a "
+                          "recorded job (disttrain jobs ls).")
     actions = tune.add_subparsers(dest="action", required=True, metavar="ACTION")
     ls = actions.add_parser("ls", help="tuning jobs, newest first")
     ls.add_argument("--json", action="store_true", help="print DescribeHyperParameterTuningJob for each, as JSON")
@@ -28,15 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     stop = actions.add_parser("stop", help="stop a tuning job and its running trials")
     stop.add_argument("name", metavar="NAME")
     stop.set_defaults(handler=handle_stop)
-    for p in (ls, show, resume, stop):
+    run = tune_run.add_parser(actions)
+    for p in (run, ls, show, resume, stop):
         add_store_arg(p)
-
-
-def _use_store(args: argparse.Namespace) -> None:
-    """--store: the job store (and the tuning store beside it) for everything this command does,
-    the loop's trials included."""
-    if args.store:
-        os.environ["DISTTRAIN_STORE"] = os.path.abspath(args.store)
 
 
 def _when(stamp: float | None) -> str:

@@ -189,6 +189,8 @@ class LaunchSpec:
     # --grad-compression / --bucket-mb: prepare()'s defaults in every worker (runtime.comm checks them).
     grad_compression: str | None = None
     bucket_mb: float | None = None
+    # --track: the workers' track lines, "reduced" or "ranks" (workerenv.TRACK); None: not asked.
+    track: str | None = None
     # The launching shell's environment goes to every rank (minus host- and session-specific
     # variables, see workerenv.forwarded_env); False: only the communication settings.
     forward_env: bool = True

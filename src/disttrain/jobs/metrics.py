@@ -18,12 +18,12 @@ from __future__ import annotations
 import queue
 import re
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import UsageError
+from ..linetap import Tapped
 from ..tbevents import EventFile
 from .patterns import BUDGET_S, TAIL, PatternMatcher
 
@@ -80,7 +80,7 @@ class MetricWatcher:
 
     def tap(self, transcript: TextIO) -> TextIO:
         """``transcript``, with each line written to it also fed here, timed as written."""
-        return _Tapped(transcript, self.feed) if self.definitions else transcript
+        return Tapped(transcript, self.feed, keep=TAIL) if self.definitions else transcript
 
     def __enter__(self) -> MetricWatcher:
         if self.definitions:
@@ -140,27 +140,6 @@ class MetricWatcher:
                  f"CPU on one line (its last {TAIL} characters) and is no longer matched in this job; "
                  f"write it without nested repetition or a leading .* (e.g. 'loss=([0-9.eE+-]+)')")
 
-
-class _Tapped:
-    """A transcript that also hands each complete line to ``sink(time, line)`` as it is written."""
-
-    def __init__(self, out: TextIO, sink) -> None:
-        self._out, self._sink = out, sink
-        self._partial = ""
-        self._lock = threading.Lock()  # the relay writes from one thread per agent stream
-
-    def write(self, text: str) -> int:
-        written = self._out.write(text)
-        with self._lock:
-            lines = (self._partial + text).split("\n")
-            self._partial = lines.pop()[-TAIL:]  # a line without end is not kept whole: only its tail is matched
-            now = time.time()
-            for line in lines:
-                self._sink(now, line[-TAIL:])
-        return written
-
-    def __getattr__(self, name: str):
-        return getattr(self._out, name)  # flush, close, name...
 
 
 def plot_axes(series: dict[str, list[tuple[float, float]]]) -> tuple[str, dict[str, tuple[list, list]]]:

@@ -69,6 +69,7 @@ class JobPlanner:
             log_dir=str(self.layout.logs),
             checkpoint_dir=str(self.layout.checkpoints),
             framework=program.distribution.launch_framework,
+            track=self.spec.container.track_mode,
         )
 
     @property

@@ -26,6 +26,9 @@ from ..launch.elastic import load_record
 from ..plan.launch import LaunchPlan
 from ..private import private_opener, write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError
+from ..tracking import sink_class
+from ..tracking.follower import RunTracker
+from ..tracking.sink import PARENT_ENV
 from ..wire import JobClient
 from . import container  # SageMaker's container around the script (hooks marked "container:")
 from .launchers import launcher_for
@@ -98,6 +101,8 @@ def check_job(spec: JobSpec, job_name: str | None = None) -> tuple[str, Launcher
     name = job_name or new_job_name(spec.name)
     check_inputs(spec)
     launcher = launcher_for(spec, job_name=name)
+    if spec.container.track:  # its client is there: said now, not once the job ran
+        sink_class(spec.container.track, where="track:")
     container.preflight(spec)  # container: mpirun, Keras, mount namespace
     return name, launcher
 
@@ -179,6 +184,8 @@ class JobRun(JobBatchStepEvents):
         self.launcher, self.output_path = launcher, output_path
         self.transcript: TextIO | None = None
         self.watch: container.Watch | None = None
+        self.tracker: RunTracker | None = None  # the job's records (goodput) and its tracker run
+        self.parent = os.environ.get(PARENT_ENV) or None  # a tuning job's tracker run: this job is its child
 
     @property
     def id(self) -> int:
@@ -216,6 +223,9 @@ class JobRun(JobBatchStepEvents):
         # container: metrics, checkpoint sync and max_run (under Slurm, time in the queue counts too)
         self.watch = container.Watch(spec, layout, self.store.path, self.id, self.say)
         self.transcript = self.watch.metrics.tap(self.transcript)  # each line timed as the launch writes it
+        self.tracker = RunTracker(layout.logs, tracker=spec.container.track, name=self.record.name,
+                                  params=job_params(spec), parent=self.parent, say=self.say)
+        self.transcript = self.tracker.tap(self.transcript)
         with self.watch:
             outcome = self.launcher.run(self.planner.launch_spec(), self.planner.context(), self)
             timed_out = self.watch.settle()  # decided: a max_run that fires from now on is too late
@@ -226,10 +236,14 @@ class JobRun(JobBatchStepEvents):
     def starting(self, plan: LaunchPlan, facts: Facts, note: str = "") -> None:
         hosts = [{"instance": i, "host": w} for i, w in zip(_instances(self.layout, facts), facts.where)]
         self.store.transition(self.id, JobState.RUNNING, hosts=hosts)
+        if self.tracker is not None:
+            self.tracker.starting(len(plan.nodes))
         super().starting(plan, facts, note)
 
     def submitted(self, job_id: str, run_dir: str) -> None:
         self.store.transition(self.id, JobState.RUNNING, slurm_job_id=job_id)
+        if self.tracker is not None:
+            self.tracker.starting(self.spec.placement.instance_count)
         self.say(f"disttrain: submitted Slurm job {job_id} ({self.spec.placement.instance_count} node(s)); "
                  f"logs: {run_dir}")
 
@@ -262,10 +276,19 @@ class JobRun(JobBatchStepEvents):
         container.mark_success(layout)
         return self._end(JobState.COMPLETED, 0, metrics=metrics, artifacts=artifacts)
 
+    def _plot(self) -> list[Path]:
+        if self.tracker is None or self.tracker.sink is None:
+            return []
+        return _plot_series(self.store, self.id, self.layout.logs / "metrics.png", self.record.name)
+
     def _end(self, state: JobState, exit_code: int, *, failure: str | None = None, **fields) -> JobRecord:
         changes = load_record(self.layout.logs)  # an elastic job's membership changes, if any
         if changes:
             fields["membership"] = changes
+        if self.tracker is not None:
+            artifacts = [self.layout.packed / "model.tar.gz", *self._plot()]
+            fields["goodput"] = self.tracker.finish(exit_code, report=failure, artifacts=artifacts)
+            self.tracker = None
         if state is JobState.FAILED and failure:
             for inst in self.layout.instances:
                 if inst.output.is_dir():
@@ -283,6 +306,28 @@ class JobRun(JobBatchStepEvents):
             line += f", exit code {exit_code}; see `disttrain jobs show {record.id}`"
         self.say(line)
         return record
+
+
+def _plot_series(store: JobStore, job_id: int, png: Path, title: str) -> list[Path]:
+    """The job's metric_definitions series drawn into ``png`` for its tracker; none without series
+    or matplotlib (a plot is a nicety: it never fails the job)."""
+    from .metrics import plot_series
+
+    series = store.metric_series(job_id)
+    if not series:
+        return []
+    try:
+        return [plot_series(series, png, title)]
+    except (DisttrainError, OSError, ValueError):
+        return []
+
+
+def job_params(spec: JobSpec) -> dict[str, str]:
+    """A job's parameters for its tracker: its hyperparameters (``hp.NAME``) and what it ran where."""
+    program, where = spec.program, spec.placement
+    return {"entry_point": program.entry_point, "instance_count": str(where.instance_count),
+            "launcher": where.launcher, "distribution": program.distribution.kind,
+            **{f"hp.{k}": str(v) for k, v in program.hyperparameters.items()}}
 
 
 def last_line_start(record: JobRecord) -> str:

@@ -234,6 +234,8 @@ class Container:
     max_run: int | None = None  # seconds; then the job is stopped and Failed (MaxRuntimeExceeded)
     private_opt_ml: str = "auto"  # auto | required | off: each instance sees its folder at /opt/ml
     contract: str = "toolkit"  # toolkit | model_trainer: the SM_* variables, files and arguments the script sees
+    track: str | None = None  # mlflow | trackio | wandb: the job as a tracker run (`disttrain run --track`)
+    track_ranks: bool = False  # each rank's own disttrain.log() values too
 
     def __post_init__(self) -> None:
         from .metrics import check_definitions
@@ -261,6 +263,18 @@ class Container:
             raise UsageError(f"max_run must be a positive number of seconds, got {self.max_run!r}")
         _choice("private_opt_ml", self.private_opt_ml, ("auto", "required", "off"))
         contract_for(self.contract)  # the SageMaker container contract the script sees (jobs/contract.py)
+        from ..tracking import check_tracker
+
+        check_tracker(self.track, where="track:")
+        if not isinstance(self.track_ranks, bool):
+            raise UsageError(f"track_ranks must be true or false, got {self.track_ranks!r}")
+        if self.track_ranks and self.track is None:
+            raise UsageError("track_ranks: true needs track: mlflow|trackio|wandb")
+
+    @property
+    def track_mode(self) -> str | None:
+        """The workers' DISTTRAIN_TRACK (workerenv.TRACK)."""
+        return None if self.track is None else "ranks" if self.track_ranks else "reduced"
 
     def _check_apart_from_inputs(self) -> None:
         """Checkpoints written into an input channel would land in the user's dataset (and a

@@ -31,6 +31,7 @@ from ..agent.verdict import verdict, warm
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
 from ..private import private_opener
+from ..trackline import MARKER as TRACK_MARKER
 from ..wire import (
     ALIVE_EVERY_S,
     Alive,
@@ -105,8 +106,9 @@ class Relay:
                 in_dump = False
             with self._lock:
                 if not in_dump:
-                    out.write(line)
-                    out.flush()
+                    if not (match and text.startswith(TRACK_MARKER)):  # for the tracker (the transcript) only
+                        out.write(line)
+                        out.flush()
                     if self._transcript is not None:
                         self._transcript.write(line)
                         self._transcript.flush()
@@ -251,6 +253,7 @@ class _Supervised:
         self.recorded: set[int] = set()  # lost slots the membership recorded
         self.events: list[Event] = []  # from the relay threads to the loop
         self.events_lock = threading.Lock()
+        self.wake = threading.Event()  # the watch's wait ends at once: an event posted, an agent's end
 
     def say(self, message: str) -> None:
         with self.lock:
@@ -264,6 +267,7 @@ class _Supervised:
     def post(self, event: Event) -> None:
         with self.events_lock:
             self.events.append(event)
+        self.wake.set()
 
     def consume(self, agent: int, line: str) -> bool:
         """An agent's message for the launcher, not shown: its heartbeats, its ranks at a hang,
@@ -307,10 +311,20 @@ class _Supervised:
         index = len(self.procs)
         self.procs.append(proc)
         for stream, out, agent in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, index)):
-            pump = threading.Thread(target=self.relay.pump, args=(stream, out, agent), daemon=True)
+            pump = threading.Thread(target=self._pump, args=(proc, stream, out, agent), daemon=True)
             pump.start()
             self.pumps.append(pump)
         self.relay.drained[index] = self.pumps[-1]  # its own lines, read to the end once it exited
+
+    def _pump(self, proc: subprocess.Popen, stream, out: TextIO, agent: int | None) -> None:
+        """Relay one of an agent's streams to its end, then wake the watch: the stream's end is the
+        agent's (its exit status follows within moments), seen without waiting for the next look."""
+        self.relay.pump(stream, out, agent)
+        try:
+            proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:  # a child of it still holds the stream: the watch polls on
+            pass
+        self.wake.set()
 
     def run(self, started: Sequence[subprocess.Popen], agent_cwd: str | None) -> Outcome:
         plan, done = self.plan, threading.Event()
@@ -374,6 +388,7 @@ class _Supervised:
         """Until every agent ended well (None), one failed, no rank moved for --hang-timeout (None,
         ``self.dumped``: every agent is asked for its ranks) or a signal came: events in, decisions out."""
         while not self.interrupted:
+            self.wake.clear()  # before looking: whatever happens from now on ends the wait below
             ended = self._handle_pending()
             if ended is not False:
                 return ended
@@ -410,7 +425,7 @@ class _Supervised:
                 self.relay_agent(proc)
             if all(row.state.final for row in self.sup.agents.rows):
                 return None
-            time.sleep(0.1)
+            self.wake.wait(0.1)  # the supervisor's clock still ticks every 0.1 s
         return None
 
     def _handle_pending(self) -> Stop | None | bool:

@@ -259,6 +259,7 @@ def make_plan(
                 tf_first_task=first,
                 grad_compression=spec.grad_compression,
                 bucket_mb=spec.bucket_mb,
+                track=spec.track,
                 cuda_devices=node_facts.cuda_devices,
                 local_world_size=nproc,
                 nnodes=None if spec.elastic or len({n for _, _, n, _ in placed}) > 1 else nnodes,

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from ..checkpoint_layout import SHARDED_DIR, STATE_FILE, FileDigest
 from ..checkpoint_url import RemoteLayout, RemotePath
@@ -106,8 +107,29 @@ def _serialise(layout: RemoteLayout, payload: dict, rank_states: list[dict] | No
 
 def to_bytes(value: Any) -> bytes:
     buffer = io.BytesIO()
-    torch.save(value, buffer)
+    torch.save(on_host(value), buffer)
     return buffer.getvalue()
+
+
+def on_host(value: Any) -> Any:
+    """``value`` with each CUDA tensor copied into pinned host memory, all copies queued before one
+    synchronize: ``torch.save`` would copy storage by storage through pageable memory, and the step
+    waits for this copy. Loading maps to the CPU anyway, so the file is the same; CPU tensors are
+    kept as they are (the same objects)."""
+    copies = []
+
+    def stage(tensor: Any) -> Any:
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_cuda and tensor.layout == torch.strided):
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        copies.append(host)
+        return host
+
+    staged = tree_map(stage, value)
+    if copies:
+        torch.cuda.synchronize()
+    return staged
 
 
 def _check_extents(directory: RemotePath, found: dict[str, FileDigest]) -> None:

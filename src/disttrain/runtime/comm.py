@@ -43,6 +43,11 @@ __all__ = ["COMPRESSIONS", "CommSettings", "PowerSGDCheckpoint", "attach", "grad
            "parse_compression", "rank_state", "restore_rank_state"]
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+# Modes that synchronise every H steps instead of every step (runtime.periodic).
+PERIODIC = ("localsgd", "diloco")
+MODES = (*COMPRESSIONS, *PERIODIC)
+# Steps between synchronisations when "localsgd"/"diloco" names none (periodic.DEFAULT_PERIOD).
+DEFAULT_PERIOD = 16
 # Backends whose collectives return futures, which every hook needs (MPI's do not).
 HOOK_DIST_BACKENDS = ("gloo", "nccl")
 POWERSGD_RANK = 2
@@ -56,25 +61,27 @@ RANK_STATE_KEY = "powersgd"
 
 
 def parse_compression(raw: str | None) -> tuple[str, int]:
-    """``"powersgd:4"`` -> ``("powersgd", 4)``; ``None``/``""`` -> ``("none", 0)``.
+    """``"powersgd:4"`` -> ``("powersgd", 4)``; ``"diloco:32"`` -> ``("diloco", 32)`` (H, the
+    steps between synchronisations); ``None``/``""`` -> ``("none", 0)``.
 
     Raises :class:`UsageError` naming the choices for anything else.
     """
     if raw is None or raw == "":
         return "none", 0
-    name, sep, rank_text = str(raw).strip().lower().partition(":")
-    if name not in COMPRESSIONS or (sep and name != "powersgd"):
+    name, sep, number = str(raw).strip().lower().partition(":")
+    if name not in MODES or (sep and name not in ("powersgd", *PERIODIC)):
         raise UsageError(
-            f"unknown gradient compression {raw!r}: choose one of {', '.join(COMPRESSIONS)} "
-            "(powersgd:R for a rank-R approximation)")
-    if name != "powersgd":
+            f"unknown gradient compression {raw!r}: choose one of {', '.join(MODES)} "
+            "(powersgd:R for a rank-R approximation, localsgd:H or diloco:H to synchronise every H steps)")
+    if name not in ("powersgd", *PERIODIC):
         return name, 0
     if not sep:
-        return name, POWERSGD_RANK
-    if not rank_text.isdigit() or int(rank_text) < 1:
-        raise UsageError(f"gradient compression {raw!r}: the PowerSGD rank after ':' must be a "
-                         "positive integer, e.g. powersgd:2")
-    return name, int(rank_text)
+        return name, POWERSGD_RANK if name == "powersgd" else DEFAULT_PERIOD
+    if not number.isdigit() or int(number) < 1:
+        what = "the PowerSGD rank" if name == "powersgd" else "the steps between synchronisations"
+        raise UsageError(f"gradient compression {raw!r}: {what} after ':' must be a "
+                         f"positive integer, e.g. {name}:{2 if name == 'powersgd' else DEFAULT_PERIOD}")
+    return name, int(number)
 
 
 def check_launch_settings(grad_compression: str | None, bucket_mb: Any, *, dist_backend: str | None,
@@ -122,8 +129,9 @@ def parse_bucket_mb(raw: Any, *, flag: str = "bucket_mb") -> float | None:
 class CommSettings:
     """How a prepared DDP model communicates; validated on construction."""
 
-    compression: str = "none"
+    compression: str = "none"  # one of MODES
     powersgd_rank: int = 0
+    period: int = 0  # localsgd / diloco: optimizer steps between synchronisations
     bucket_mb: float | None = None  # None: DDP's own default (25 MB)
     # disttrain bench's compute-only run: no gradient is exchanged at all (torch's no-op hook)
     bench_no_sync: bool = False
@@ -135,14 +143,16 @@ class CommSettings:
         environment the context read once; None: no launcher defaults)."""
         env = env if env is not None else WorkerEnv.from_environ({})
         raw = grad_compression if grad_compression is not None else env.grad_compression
-        name, rank = parse_compression(raw)
+        name, number = parse_compression(raw)
         bucket = parse_bucket_mb(bucket_mb if bucket_mb is not None else env.bucket_mb)
-        return cls(compression=name, powersgd_rank=rank, bucket_mb=bucket,
+        return cls(compression=name, powersgd_rank=number if name == "powersgd" else 0,
+                   period=number if name in PERIODIC else 0, bucket_mb=bucket,
                    bench_no_sync=env.bench_no_sync)
 
     @property
     def label(self) -> str:
-        name = f"powersgd:{self.powersgd_rank}" if self.compression == "powersgd" else self.compression
+        name = (f"powersgd:{self.powersgd_rank}" if self.compression == "powersgd" else
+                f"{self.compression}:{self.period}" if self.compression in PERIODIC else self.compression)
         return name + (f", {self.bucket_mb:g} MB buckets" if self.bucket_mb else "")
 
     def ddp_kwargs(self, dist_backend: str | None) -> dict[str, Any]:
@@ -171,8 +181,9 @@ def gradient_bytes_seen() -> int | None:
 _powersgd: weakref.WeakKeyDictionary[Any, PowerSGDCheckpoint] = weakref.WeakKeyDictionary()
 
 
-def attach(ddp: Any, settings: CommSettings, *, dist_backend: str | None) -> None:
-    """Register ``settings``' communication hook on the DDP model ``ddp``.
+def attach(ddp: Any, settings: CommSettings, *, dist_backend: str | None, optimizer: Any = None) -> None:
+    """Register ``settings``' communication hook on the DDP model ``ddp`` (and, for local SGD
+    and DiLoCo, their synchronisation after each step of ``optimizer``: :mod:`.periodic`).
 
     Under ``disttrain bench --comm``'s compute-only run, torch's no-op hook goes in instead
     (no gradient is exchanged), so that the same steps are timed without communication.
@@ -205,6 +216,10 @@ def attach(ddp: Any, settings: CommSettings, *, dist_backend: str | None) -> Non
         # under another name.
         hook = default_hooks.bf16_compress_hook if dist_backend == "nccl" else _bf16_on_gloo
         ddp.register_comm_hook(None, hook)
+    elif settings.compression in PERIODIC:
+        from . import periodic
+
+        periodic.attach(ddp, optimizer, settings.compression, settings.period)
     elif settings.compression == "powersgd":
         state = powersgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=settings.powersgd_rank,
@@ -386,6 +401,21 @@ def restore_rank_state(saved: Mapping[str, Any] | None) -> None:
     states = (saved or {}).get(RANK_STATE_KEY) or []
     for current, state in zip(list(_powersgd.values()), states):
         current.load_state_dict(state)
+
+
+def state_bytes() -> int:
+    """Bytes of the tensors this process's communication modes keep beside plain DDP's: PowerSGD's
+    error feedback and factors, local SGD's / DiLoCo's copies of the weights (``bench --comm``
+    reports it per mode)."""
+    import sys
+
+    total = 0
+    for saved in list(_powersgd.values()):
+        s = saved.state
+        for memory in (s.error_dict, s.p_memory_dict, s.q_memory_dict):
+            total += sum(t.numel() * t.element_size() for t in memory.values())
+    periodic = sys.modules.get(f"{__package__}.periodic")  # loaded only where a mode uses it
+    return total + (periodic.state_bytes() if periodic is not None else 0)
 
 
 def gradient_bytes(model: torch.nn.Module) -> int:

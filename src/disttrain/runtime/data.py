@@ -50,8 +50,10 @@ def prepare(model: torch.nn.Module | None, optimizer: Any, *dataloaders: DataLoa
     The shuffle seed, which must be the same on every rank, is that of the loader's
     ``generator`` when it has one (``generator=torch.Generator().manual_seed(s)``), else 0.
     On a GPU the returned loaders pin memory and yield batches already on the device.
-    ``grad_compression`` (``"fp16"``, ``"bf16"``, ``"powersgd"``) and ``bucket_mb`` set how
-    DDP sends gradients (:mod:`.comm`; default: ``disttrain run --grad-compression``).
+    ``comm`` (``"fp16"``, ``"bf16"``, ``"powersgd"``, or ``"localsgd:H"`` / ``"diloco:H"`` to
+    synchronise every H optimizer steps; the older name ``grad_compression`` takes the same)
+    and ``bucket_mb`` set how DDP communicates (:mod:`.comm`, :mod:`.periodic`; default:
+    ``disttrain run --grad-compression``).
     """
     settings = PrepareOptions.from_kwargs(options)
     ctx = context()
@@ -88,15 +90,25 @@ class PreparedLoader(DataLoader):
         # Under torch's Join, ranks that ran out shadow the others' collectives instead.
         uneven = isinstance(self.sampler, EvalShardSampler)
         joined = _training_ddp_models() if uneven else []
-        return steptimer.timed(self._steps(batches, self.target, joined), self)
+        return steptimer.timed(self._steps(batches, self.target, joined, training=not uneven), self)
 
     @staticmethod
-    def _steps(batches, target: torch.device | None, joined: list[DistributedDataParallel]):
+    def _steps(batches, target: torch.device | None, joined: list[DistributedDataParallel], *,
+               training: bool):
         non_blocking = target is not None and non_blocking_for(target)
         with Join(joined) if joined else contextlib.nullcontext():
             for batch in batches:
                 heartbeat.beat()  # each batch is progress, for the launcher's hang watchdog
                 yield batch if target is None else move_to(batch, target, non_blocking=non_blocking)
+        if training:  # a training epoch ended: local SGD / DiLoCo replicas become one model again
+            periodic_epoch_end()
+
+
+def periodic_epoch_end() -> None:
+    from . import periodic  # torch's averaging pieces only where a mode uses them
+
+    if periodic.active():
+        periodic.epoch_end()
 
 
 def _training_ddp_models() -> list[DistributedDataParallel]:

@@ -25,6 +25,7 @@ with 128 + the signal (see :mod:`.preemption`).
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from torch.utils.data import (
 from ..checkpoint_url import is_url, location
 from ..errors import DisttrainError, UsageError
 from ..workerenv import CHECKPOINT_DIR, RESUMED_MARKER
-from . import checkpoint, comm, loop, preemption, rng
+from . import checkpoint, comm, loop, periodic, preemption, rng, track
 from .context import Context, context, current_runtime
 from .data import with_sampler
 from .samplers import EvalShardSampler, rest_of_epoch
@@ -54,7 +55,7 @@ from .strategies import unwrap
 __all__ = ["TrainingState", "current", "resume"]
 
 # Names the checkpoint itself uses; objects cannot be saved under them.
-_RESERVED = ("step", "progress", "rank_state")
+_RESERVED = ("step", "progress", "rank_state", periodic.SHARED_KEY)
 # Samplers whose order is a function of the epoch alone, so the rest of an epoch can be
 # cut from a fresh iteration of it.
 _REPEATABLE = (DistributedSampler, SequentialSampler, EvalShardSampler)
@@ -198,13 +199,16 @@ class TrainingState:
             "world_size": self._ctx.world_size,
         }
         generator = getattr(self._loader, "generator", None)
+        began = time.perf_counter()
         path = checkpoint.save(
             self.directory, step=self.step, keep_last=self.keep_last,
             asynchronous=self.asynchronous if asynchronous is None else asynchronous,
-            rank_state={**rng.capture([generator]), **comm.rank_state()}, progress=progress,
-            **self._objects,
+            rank_state={**rng.capture([generator]), **comm.rank_state(), **periodic.rank_state()},
+            progress=progress, **periodic.shared_state(), **self._objects,
         )
         self._saved_step = self.step
+        # The time the step was blocked (an async save: its staging copy), for the run's goodput.
+        track.record("checkpoint", step=self.step, seconds=round(time.perf_counter() - began, 4))
         return path
 
     def close(self) -> None:
@@ -239,6 +243,10 @@ class TrainingState:
                 # It did step, in the run resumed: resuming at an epoch's end, a scheduler
                 # stepped there would warn "lr_scheduler.step() before optimizer.step()".
                 obj._opt_called = True  # torch's own flag for that warning
+        # Local SGD / DiLoCo: each rank's own weights and inner optimizer, between two
+        # synchronisations, and the shared anchor; another number of ranks restarts the period.
+        same_world = progress["world_size"] == self._ctx.world_size
+        periodic.restore(loaded.get(periodic.SHARED_KEY), loaded.get("rank_state") if same_world else None)
         self._point = _ResumePoint(
             epoch=progress["epoch"], epoch_step=progress["epoch_step"],
             epoch_samples=progress["epoch_samples"], epoch_done=progress["epoch_done"],

@@ -198,6 +198,7 @@ class StepTimer:
             "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
             "complete": complete,
             "gradient_bytes": comm.gradient_bytes_seen(),
+            "comm_state_bytes": comm.state_bytes(),
         }
 
 

@@ -61,7 +61,8 @@ RENAMED = {
 # Keys of the `disttrain=` argument: where the instances run (default: this machine).
 PLACEMENT_KEYS = ("launcher", "hosts", "ssh_options", "python", "master_port", "slurm",
                   "processes_per_instance", "max_restarts", "storage_options", "private_opt_ml",
-                  "min_instance_count")  # an elastic job: instance_count is the most, this the fewest
+                  "min_instance_count",  # an elastic job: instance_count is the most, this the fewest
+                  "track", "track_ranks")  # the job in MLflow, Trackio or W&B (docs/tracking.md)
 PLACEMENT_ENV = "DISTTRAIN_PLACEMENT"  # a YAML file with those keys, for notebooks left unchanged
 
 

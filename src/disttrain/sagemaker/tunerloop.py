@@ -56,6 +56,7 @@ class TuningRun:
         self.optuna = tuning._optuna()
         self.running: dict[int, Running] = {}
         self.stop_requested = False
+        self.tracked = None  # the tuning job's tracker run (its trials are its children), with track:
 
     # -- the runner's claim on the study ---------------------------------------------------------
     def claim(self) -> None:
@@ -190,6 +191,8 @@ class TuningRun:
         if state == "Completed" and points:
             value = points[-1][1]
             self.study.tell(run.trial, value)
+            if self.tracked is not None:
+                self.tracked.metrics({metric: value}, number, time.time())
             best = self.study.best_trial.number == number
             self.say(f"disttrain: tuning job {self.name}: trial {number + 1} ({run.job.name}) Completed: "
                      f"{metric}={value:.6g}{' (best so far)' if best else ''}")
@@ -201,8 +204,26 @@ class TuningRun:
         self.say(f"disttrain: tuning job {self.name}: trial {number + 1} ({run.job.name}) failed: {why}")
 
     # -- the loop ----------------------------------------------------------------------------------
+    def track(self) -> None:
+        """With ``track:`` in the trials' job: the tuning job as a tracker run, named in the environment
+        of the trials' runners (tracking.sink.PARENT_ENV), which make theirs its children."""
+        tracker = self.config.job.get("track")
+        if not tracker or self.tracked is not None:
+            return
+        import json
+
+        from ..tracking import open_sink
+        from ..tracking.sink import PARENT_ENV
+
+        self.tracked = open_sink(tracker, self.name, params={
+            "objective": f"{self.config.objective_type} {self.config.objective_metric_name}",
+            "max_jobs": str(self.config.max_jobs), "max_parallel_jobs": str(self.config.max_parallel_jobs),
+            "ranges": json.dumps(self.config.ranges, sort_keys=True)})
+        os.environ[PARENT_ENV] = self.tracked.child_key
+
     def run(self) -> str:
         self.claim()
+        self.track()
         deadline = (time.monotonic() + self.config.max_runtime_in_seconds
                     if self.config.max_runtime_in_seconds else None)
         previous = signal.signal(signal.SIGTERM, self._on_stop)
@@ -214,6 +235,8 @@ class TuningRun:
                 run.job.request_stop()
             self.study.set_user_attr(STATE, "Failed")
             self.study.set_user_attr(ENDED, time.time())
+            if self.tracked is not None:
+                self.tracked.finish(1)
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -253,6 +276,8 @@ class TuningRun:
             line += (f"; best {top.job}: {self.config.objective_metric_name}={top.value:.6g} "
                      f"({_shown(top.params)})")
         self.say(line)
+        if self.tracked is not None:
+            self.tracked.finish(0 if state == "Completed" else 143)
         return state
 
 

@@ -71,12 +71,12 @@ class BenchSpec:
     def world_sizes(self) -> tuple[int, ...]:
         return tuple(n * max(1, len(self.hosts)) for n in self.counts)
 
-    def count(self, nproc: int, *, warmup: int | None = None, env: dict[str, str] | None = None,
-              **fields) -> LaunchSpec:
+    def count(self, nproc: int, *, warmup: int | None = None, steps: int | None = None,
+              env: dict[str, str] | None = None, **fields) -> LaunchSpec:
         """The launch spec of one count (``fields``: more of its fields, e.g. grad_compression)."""
         world = nproc * max(1, len(self.hosts))
         return runner.count_spec(self.launch, nproc=nproc, batch_per_process=self.global_batch // world,
-                                 batch_arg=self.batch_arg, steps=self.steps,
+                                 batch_arg=self.batch_arg, steps=self.steps if steps is None else steps,
                                  warmup=self.warmup if warmup is None else warmup, env=env, **fields)
 
     def command(self) -> list[str]:

@@ -11,8 +11,16 @@ of waiting. From them:
   adds to it (what the all-reduce adds after overlapping with the backward pass);
 - the bus bandwidth that communication time implies for the gradient size, against the
   ring all-reduce's bound 2(N-1)/N * S / B when the link rate B is given;
-- a recommendation: the fastest compression if it beats plain DDP by more than
-  :data:`WORTH`, else none (a compute-bound job gains nothing and pays accuracy).
+- each mode's convergence: every run but the references goes on to the end of the script
+  (the step timer reports, then lets it finish), so the same run gives the throughput and
+  the script's final training loss and validation accuracy (its last JSON line's
+  ``train_loss`` / ``val_accuracy``, as ``examples/mnist_convnet.py`` prints) after the
+  number of samples its own arguments set -- the same for every mode;
+- a recommendation (:func:`recommend_mode`): the fastest mode whose validation accuracy is
+  within :data:`TOLERANCE` of plain DDP's after the same samples, if it beats plain DDP by
+  more than :data:`WORTH`, else plain DDP (a compute-bound job gains nothing and pays
+  accuracy). A mode that is only fast is never recommended: without a measured accuracy
+  (the script printed none) the answer is plain DDP.
 
 The reference must bound every run, and once did not: on two namespace "hosts" sharing 2
 cores it measured 273 samples/s against PowerSGD's 1,174 and plain DDP's 114. Two causes,
@@ -26,11 +34,12 @@ beat the reference (noise), the split is not given rather than given wrong.
 
 from __future__ import annotations
 
+import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..runtime.comm import POWERSGD_START
-from ..workerenv import BENCH_FLUSH_DENORMAL, BENCH_NO_SYNC
+from ..runtime.comm import DEFAULT_PERIOD, POWERSGD_START
+from ..workerenv import BENCH_EXIT, BENCH_FLUSH_DENORMAL, BENCH_NO_SYNC
 from . import runner
 
 # A compression must beat plain all-reduce by this factor to be recommended: below it the
@@ -44,11 +53,57 @@ COMM_BOUND = 0.2
 REFERENCE_NOISE = 0.05
 
 
+# A mode's validation accuracy may be this far below plain DDP's (absolute: 0.01 = 1 point)
+# after the same samples, and still be recommended.
+TOLERANCE = 0.01
+
+
 @dataclass(frozen=True)
 class Choice:
     name: str  # "none" or a compression
     speedup: float  # its samples/s over plain DDP's
     reason: str
+
+
+@dataclass(frozen=True)
+class Convergence:
+    """Where one run's training got to after the script's samples."""
+
+    train_loss: float | None = None
+    val_accuracy: float | None = None
+
+
+def recommend_mode(plain: float, rates: dict[str, float], convergence: dict[str, Convergence], *,
+                   tolerance: float = TOLERANCE) -> Choice:
+    """The mode to use given samples/s measured with plain DDP and each mode, and each run's
+    convergence (``convergence["none"]``: plain DDP's): the fastest whose validation accuracy is
+    within ``tolerance`` of plain DDP's, when it is :data:`WORTH` faster; else plain DDP."""
+    if not rates:
+        return Choice("none", 1.0, "no other mode was measured")
+    fastest = max(rates, key=lambda name: rates[name])
+    reference = convergence.get("none", Convergence()).val_accuracy
+    if reference is None or not math.isfinite(reference):
+        return Choice("none", 1.0, f"plain DDP: no validation accuracy was measured (the script's last JSON "
+                      f"line has no val_accuracy), and a mode is never chosen for speed alone (the fastest, "
+                      f"{fastest}, ran at {rates[fastest] / plain:.2f}x)")
+    accurate, rejected = {}, []
+    for name, rate in rates.items():
+        accuracy = convergence.get(name, Convergence()).val_accuracy
+        if accuracy is not None and math.isfinite(accuracy) and accuracy >= reference - tolerance - 1e-12:
+            accurate[name] = rate
+        elif rate >= plain * WORTH:
+            got = "no accuracy" if accuracy is None else f"{accuracy:.4f}"
+            rejected.append(f"{name} ran at {rate / plain:.2f}x but reached {got} against plain DDP's {reference:.4f}")
+    why_not = f" ({'; '.join(rejected)}: more than {tolerance * 100:g} point below)" if rejected else ""
+    if not accurate:
+        return Choice("none", 1.0, f"plain DDP: no mode kept its validation accuracy{why_not}")
+    best = max(accurate, key=lambda name: accurate[name])
+    speedup = accurate[best] / plain
+    if speedup >= WORTH:
+        return Choice(best, speedup, f"--grad-compression {best}: {speedup:.2f}x the samples/s of plain DDP "
+                      f"here, validation accuracy within {tolerance * 100:g} point of it{why_not}")
+    return Choice("none", 1.0, f"plain DDP: the fastest mode that keeps its accuracy ({best}) reached "
+                  f"{speedup:.2f}x its samples/s (worth it from {WORTH:.2f}x){why_not}")
 
 
 def recommend_compression(plain: float, compressed: dict[str, float]) -> Choice:
@@ -109,23 +164,27 @@ def step_seconds(samples_per_s: float, global_batch: int) -> float:
 
 # --------------------------------------------------------------------------- the measuring
 
-# Compressions tried by `disttrain bench --comm` (bf16 moves the same bytes as fp16).
-TRIED = ("fp16", "powersgd")
+# Modes tried by `disttrain bench --comm` beside plain DDP (bf16 moves the same bytes as fp16).
+TRIED = ("fp16", "powersgd", f"localsgd:{DEFAULT_PERIOD}", f"diloco:{DEFAULT_PERIOD}")
 
 
 @dataclass(frozen=True)
 class CommResult:
-    """One process count, measured with sync, with each compression, and its compute reference."""
+    """One process count, measured with sync, with each mode, and its compute reference."""
 
     nproc: int
     world_size: int
     global_batch: int
     plain: float | None  # samples/s
     compute_only: float | None  # the reference: no gradient sync, denormals flushed (an upper bound)
-    compressed: dict[str, float]
+    compressed: dict[str, float]  # samples/s of every other mode (compressions, localsgd, diloco)
     gradient_bytes: int | None
     link_gbit: float | None
     errors: tuple[str, ...] = ()
+    # each run's end of training ("none": plain DDP's); empty: the bench did not run to the end
+    convergence: dict[str, Convergence] = field(default_factory=dict)
+    # bytes of the state a mode keeps beside plain DDP's, per rank (measured in the worker)
+    state_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def beaten_by(self) -> tuple[str, float] | None:
@@ -147,7 +206,29 @@ class CommResult:
 
     @property
     def choice(self) -> Choice | None:
-        return recommend_compression(self.plain, self.compressed) if self.plain else None
+        if not self.plain:
+            return None
+        choice = recommend_mode(self.plain, self.compressed, self.convergence)
+        beaten = self.beaten_by
+        if beaten and choice.name != "none":  # said, not hidden: the accuracy rule still holds
+            choice = Choice(choice.name, choice.speedup, f"{choice.reason}; but {beaten[0]} beat the compute "
+                            "reference, so these speeds are partly this machine's noise: run it again on a quiet one")
+        return choice
+
+    def modes(self) -> dict[str, dict]:
+        """Every mode's throughput and convergence side by side ("none": plain DDP)."""
+        out = {}
+        for name, rate in {"none": self.plain, **self.compressed}.items():
+            end = self.convergence.get(name, Convergence())
+            out[name] = {
+                "samples_per_s": rate,
+                "of_compute_only": rate / self.compute_only if rate and self.compute_only else None,
+                "speedup": rate / self.plain if rate and self.plain else None,
+                "step_ms": step_seconds(rate, self.global_batch) * 1e3 if rate else None,
+                "train_loss": end.train_loss, "val_accuracy": end.val_accuracy,
+                "state_bytes": self.state_bytes.get(name),
+            }
+        return out
 
     def to_json(self) -> dict:
         split, choice = self.split, self.choice
@@ -169,7 +250,10 @@ class CommResult:
             "link_gbit_per_s": self.link_gbit,
             "ring_bound_s": bound,
             "speedup": {name: rate / self.plain for name, rate in self.compressed.items()} if self.plain else {},
+            "modes": self.modes(),
+            "accuracy_tolerance": TOLERANCE,
             "recommended": choice.name if choice else None,
+            "recommended_of_compute_only": self.modes().get(choice.name, {}).get("of_compute_only") if choice else None,
             "recommendation": choice.reason if choice else None,
             "errors": list(self.errors),
         }
@@ -200,18 +284,33 @@ class CommResult:
         if self.compressed and self.plain:
             out.append("  " + ", ".join(f"{name}: {rate / self.plain:.2f}x" for name, rate
                                         in self.compressed.items()) + " the samples/s of plain DDP")
+        if self.convergence:
+            out.append("  validation accuracy after the same samples: " + ", ".join(
+                f"{'plain' if name == 'none' else name} {end.val_accuracy:.4f}" for name, end
+                in self.convergence.items() if end.val_accuracy is not None))
         if choice:
             out.append(f"  recommended: {choice.reason}" if choice.name != "none" else f"  {choice.reason}")
         return out
 
 
+def period_steps(name: str, steps: int) -> int:
+    """Timed steps for ``name``: whole periods of a localsgd/diloco mode (at least two), so that
+    its rate counts each synchronisation as often as it happens."""
+    mode, _, number = name.partition(":")
+    if mode not in ("localsgd", "diloco"):
+        return steps
+    period = int(number) if number else DEFAULT_PERIOD
+    return max(2, -(-steps // period)) * period
+
+
 def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TRIED,
             plain: dict[int, float] | None = None) -> list[CommResult]:
     """Each count of ``spec`` (a :class:`~.bench.BenchSpec`) with two or more processes:
-    plain, each compression in ``tried``, and the compute reference (see the module), one
+    plain, each mode in ``tried``, and the compute reference (see the module), one
     ``disttrain run`` after the other, ``spec.repeat`` rounds with the order rotated, the best
-    run of each kept. ``plain``: samples/s per count already measured (the bench's own runs),
-    not measured again."""
+    run of each kept (with that run's convergence). ``plain``: samples/s per count already
+    measured (the bench's own runs, which stop after the timed steps): plain DDP runs again to
+    the end for its accuracy only, its rate staying the one measured."""
     no_sync = {BENCH_NO_SYNC: "1", BENCH_FLUSH_DENORMAL: "1"}
     # OpenMP threads busy-wait between parallel regions: fastest on free cores, far slower when
     # other threads hold them; the reference takes the better of both ways of waiting.
@@ -223,8 +322,11 @@ def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TR
         if world < 2:
             continue
         known = (plain or {}).get(n)
-        variants = [*([] if known else ["plain"]), *references, *tried]
+        variants = ["plain", *references, *tried]
         rates: dict[str, float] = {"plain": known} if known else {}
+        ends: dict[str, Convergence] = {}
+        state: dict[str, int] = {}
+        kept: dict[str, float] = {}  # the rate of the run each convergence comes from
         errors: dict[str, str] = {}
         grad_bytes = None
         for k in range(spec.repeat):
@@ -236,21 +338,32 @@ def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TR
                 # reference as late: a model's steps can get cheaper as it trains).
                 late = name == "powersgd" or (name in references and "powersgd" in tried)
                 warmup = max(spec.warmup, POWERSGD_START + 1) if late else spec.warmup
+                # Every run but the references goes on to the script's end, for its accuracy.
                 fields = ({"env": references[name]} if name in references else
-                          {} if name == "plain" else {"grad_compression": name})
-                count_run = runner.run_count(spec.command(), spec.count(n, warmup=warmup, **fields),
-                                             timeout_s=spec.timeout_s)
+                          {"env": {BENCH_EXIT: "0"}} if name == "plain" else
+                          {"env": {BENCH_EXIT: "0"}, "grad_compression": name})
+                count_run = runner.run_count(
+                    spec.command(), spec.count(n, warmup=warmup, steps=period_steps(name, spec.steps), **fields),
+                    timeout_s=spec.timeout_s)
                 parsed = runner.parse_output(count_run.stdout) if count_run.returncode == 0 else None
                 rate = parsed[1].get("samples_per_s") if parsed else None
                 if not rate:
                     errors[name] = f"{name}: exit {count_run.returncode}, no measurement"
                     continue
                 grad_bytes = grad_bytes or parsed[1].get("gradient_bytes")
-                name = "reference" if name in references else name
-                rates[name] = max(rate, rates.get(name, 0.0))
+                key = "reference" if name in references else name
+                label = "none" if key == "plain" else key
+                if key != "reference" and rate > kept.get(label, 0.0):  # the best run's convergence
+                    kept[label] = rate
+                    end = runner.parse_summary(count_run.stdout)
+                    ends[label] = Convergence(train_loss=end.get("train_loss"), val_accuracy=end.get("val_accuracy"))
+                    state[label] = parsed[1].get("comm_state_bytes") or 0
+                if not (key == "plain" and known):  # the bench's own plain runs give its rate, as before
+                    rates[key] = max(rate, rates.get(key, 0.0))
         results.append(CommResult(
             nproc=n, world_size=world, global_batch=spec.global_batch, plain=rates.get("plain"),
             compute_only=rates.get("reference"), compressed={k: rates[k] for k in tried if k in rates},
             gradient_bytes=grad_bytes, link_gbit=link_gbit,
-            errors=tuple(e for name, e in errors.items() if name.split(",")[0] not in rates)))
+            errors=tuple(e for name, e in errors.items() if name.split(",")[0] not in rates),
+            convergence=ends, state_bytes=state))
     return results

@@ -191,6 +191,20 @@ def parse_output(stdout: str) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
+def parse_summary(stdout: str) -> dict[str, Any]:
+    """The script's last JSON line from rank 0 with ``val_accuracy`` or ``train_loss`` (where
+    its training ended up), or {}."""
+    for line in reversed(rank0_lines(stdout)):
+        if line.startswith("{"):
+            try:
+                values = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(values, dict) and ("val_accuracy" in values or "train_loss" in values):
+                return values
+    return {}
+
+
 def measurement(count_run: CountRun, *, nproc: int, world_size: int, batch_per_process: int,
                 timeout_s: float, threads: int | None = None, local: bool = True) -> Measurement:
     """What ``count_run`` says about this count: a throughput with notes, or the error.

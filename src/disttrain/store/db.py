@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     runner_pid INTEGER,
     runner_started REAL,
     slurm_job_id TEXT,
-    membership TEXT
+    membership TEXT,
+    goodput TEXT
 );
 CREATE TABLE IF NOT EXISTS events (
     job_id INTEGER NOT NULL REFERENCES jobs(id),
@@ -72,12 +73,12 @@ CREATE TABLE IF NOT EXISTS metrics (
 CREATE INDEX IF NOT EXISTS metrics_job ON metrics(job_id, name);
 """
 # Columns added since the first release: a store written by an older disttrain gains them.
-_ADDED = {"slurm_job_id": "TEXT", "membership": "TEXT"}
+_ADDED = {"slurm_job_id": "TEXT", "membership": "TEXT", "goodput": "TEXT"}
 
 # Columns a transition or update may set, and whether they hold JSON.
-_JSON = {"spec", "hosts", "artifacts", "metrics", "membership"}
+_JSON = {"spec", "hosts", "artifacts", "metrics", "membership", "goodput"}
 _SETTABLE = {"exit_code", "hosts", "log_dir", "artifacts", "metrics", "failure",
-             "runner_host", "runner_pid", "runner_started", "slurm_job_id", "membership"}
+             "runner_host", "runner_pid", "runner_started", "slurm_job_id", "membership", "goodput"}
 
 
 class TransitionError(DisttrainError):
@@ -105,6 +106,7 @@ class JobRecord:
     runner_started: float | None
     slurm_job_id: str | None = None  # launcher: slurm, once submitted
     membership: list | None = None  # an elastic job: every change (disttrain.launch.elastic.Change)
+    goodput: dict | None = None  # where the job's host-seconds went (disttrain.goodput)
     events: tuple[tuple[str, float], ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:

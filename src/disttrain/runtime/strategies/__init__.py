@@ -49,6 +49,9 @@ class PrepareOptions:
     # / `--bucket-mb` (DISTTRAIN_GRAD_COMPRESSION / DISTTRAIN_BUCKET_MB), else plain fp32.
     grad_compression: str | None = None
     bucket_mb: float | None = None
+    # The same choice under its general name, which also takes the modes that are no
+    # compression (localsgd:H, diloco:H; runtime.periodic); give one of the two.
+    comm: str | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -59,9 +62,17 @@ class PrepareOptions:
         if self.blocks is not None and self.strategy != "fsdp":
             raise UsageError("prepare(blocks=...) chooses FSDP's units: pass it with "
                              "strategy='fsdp', or drop it")
-        compression, _ = comm.parse_compression(self.grad_compression)
+        if self.comm is not None and self.grad_compression is not None:
+            raise UsageError(f"prepare(comm={self.comm!r}, grad_compression={self.grad_compression!r}): "
+                             "both name how DDP communicates; give one (comm)")
+        compression, _ = comm.parse_compression(self.mode)
         comm.parse_bucket_mb(self.bucket_mb)
         _check_compression(compression, self.strategy)
+
+    @property
+    def mode(self) -> str | None:
+        """``comm`` or ``grad_compression``, whichever was given."""
+        return self.comm if self.comm is not None else self.grad_compression
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> PrepareOptions:
@@ -83,7 +94,7 @@ def _check_compression(compression: str, strategy: str) -> None:
 def choose(options: PrepareOptions, ctx: Context) -> Strategy:
     """The strategy ``options`` ask for on this context: the one choice of the runtime."""
     precision = precision_mod.resolve(options.mixed_precision, ctx.device)
-    settings = comm.CommSettings.resolve(options.grad_compression, options.bucket_mb, env=ctx.env)
+    settings = comm.CommSettings.resolve(options.mode, options.bucket_mb, env=ctx.env)
     _check_compression(settings.compression, options.strategy)  # the launcher's default too
     if options.strategy == "fsdp":
         return FSDPStrategy(ctx, precision, options.blocks)

@@ -33,7 +33,7 @@ class DDPStrategy(Strategy):
         settings = self.settings or comm.CommSettings()
         ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(self.ctx.device),
                                       **settings.ddp_kwargs(self.ctx.dist_backend))
-        comm.attach(ddp, settings, dist_backend=self.ctx.dist_backend)
+        comm.attach(ddp, settings, dist_backend=self.ctx.dist_backend, optimizer=optimizer)
         return ddp
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:

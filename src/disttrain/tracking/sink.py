@@ -1,0 +1,126 @@
+"""What every tracker is told, one small interface; each tracker's client lives in its own module
+and is imported only when its sink is opened (the clients are the optional extra ``track``)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import ClassVar
+
+from ..errors import UsageError
+
+TRACKERS = ("mlflow", "trackio", "wandb")
+_MODULES = {"mlflow": "mlflow_sink", "trackio": "trackio_sink", "wandb": "wandb_sink"}
+PROJECT = "disttrain"  # the experiment / project when the tracker's own variable names none
+# A tuning job's tracker run, for the runners of its trials (Sink.child_key): their runs are its children.
+PARENT_ENV = "DISTTRAIN_TRACK_PARENT"
+
+
+def check_tracker(name: str | None, *, where: str = "--track") -> str | None:
+    """``name`` when it is a tracker (None: none asked); a usage error naming the choices."""
+    if name is None or name == "":
+        return None
+    if name not in TRACKERS:
+        raise UsageError(f"{where} {name!r}: choose one of {', '.join(TRACKERS)}")
+    return name
+
+
+class Sink(ABC):
+    """One tracker run. ``parent``: the :attr:`child_key` of the run it belongs to (a tuning job's
+    trial belongs to the tuning job's run)."""
+
+    tracker: ClassVar[str]
+    client: ClassVar[str]  # the module whose absence means the extra is missing
+
+    @abstractmethod
+    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
+        """Start the run named ``name`` with its parameters."""
+
+    @property
+    @abstractmethod
+    def run_id(self) -> str:
+        """The tracker's id of this run (said to the user)."""
+
+    @property
+    def child_key(self) -> str:
+        """What a child run names its parent by (MLflow: the run id; W&B and Trackio: the group)."""
+        return self.run_id
+
+    @abstractmethod
+    def metrics(self, values: Mapping[str, float], step: int | None, wall_time: float) -> None:
+        """A point of each series at ``step`` (None: the tracker's next)."""
+
+    def points(self, points: Sequence[tuple[Mapping[str, float], int | None, float]]) -> None:
+        """Several ``(values, step, wall_time)`` at once (trackers with a batch call override it)."""
+        for values, step, wall_time in points:
+            self.metrics(values, step, wall_time)
+
+    @abstractmethod
+    def text(self, name: str, text: str) -> None:
+        """A text file of the run (the hang verdict, the membership record, goodput)."""
+
+    @abstractmethod
+    def artifact(self, path: Path) -> None:
+        """A file of the run (model.tar.gz, a plot)."""
+
+    @abstractmethod
+    def finish(self, exit_code: int) -> None:
+        """The exit: 0 finished, else failed (128 + a signal: killed); the run is closed."""
+
+
+def sink_class(tracker: str, *, where: str = "--track") -> type[Sink]:
+    """The sink of ``tracker`` (checked), its client imported now; without it, one line naming
+    the extra (a UsageError: exit 2) -- said before a job starts, not at its end."""
+    check_tracker(tracker, where=where)
+    module = importlib.import_module(f".{_MODULES[tracker]}", __package__)
+    cls: type[Sink] = module.SINK
+    try:
+        importlib.import_module(cls.client)
+    except ImportError:
+        raise UsageError(f"{where} {tracker}: the {tracker} client is not installed; "
+                         "pip install 'disttrain[track]'") from None
+    return cls
+
+
+def open_sink(tracker: str, name: str, *, params: Mapping[str, str], parent: str | None = None) -> Sink:
+    """A new run of ``tracker`` (see :func:`sink_class`)."""
+    return sink_class(tracker)(name, params=params, parent=parent)
+
+
+def status(exit_code: int) -> str:
+    """finished | failed | killed: what a tracker's run status says of an exit code."""
+    if exit_code == 0:
+        return "finished"
+    return "killed" if exit_code in (130, 143) else "failed"
+
+
+def text_file(folder: Path, name: str, text: str) -> Path:
+    """``text`` as the file ``name`` in ``folder`` (for trackers that keep files, not strings)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def script_params(argv: Sequence[str], script_args: Sequence[str]) -> dict[str, str]:
+    """A run's parameters: its command line whole, and the script's ``--name value`` (or
+    ``--name=value``; a flag alone is ``true``) as hyperparameters ``hp.name``."""
+    params = {"argv": shlex.join(argv)}
+    args = list(script_args)
+    for i, arg in enumerate(args):
+        if not arg.startswith("--") or arg == "--":
+            continue
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "true"
+        if name:
+            params[f"hp.{name}"] = value
+    return params

@@ -1,0 +1,102 @@
+"""The built site in a real browser: at 1280 px every code block shows whole, without scrolling sideways.
+
+Headless Chromium (Debian's ``chromium``; tests/rig_setup.sh installs it as root) loads each built page with a
+small script added at its end; the script measures every ``pre > code`` and writes what overflows into the DOM,
+which ``--dump-dom`` prints. A screenshot of the hang page is taken as well, for a person to look at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_docs import ROOT, mkdocs_build, needs_mkdocs
+
+WIDTH = 1280
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="no chromium to look at the site with (as root: tests/rig_setup.sh, or apt-get install chromium)",
+)
+
+# Added at the end of each page: the first line of each block whose text is wider than the block, as JSON in a
+# <pre id=...>.
+PROBE = """<script>
+window.addEventListener("load", () => {
+  const cut = [...document.querySelectorAll("pre > code")]
+    .filter(c => c.scrollWidth > c.clientWidth + 1)
+    .map(c => c.textContent.split("\\n")[0]);
+  const out = document.createElement("pre");
+  out.id = "width-probe";
+  out.textContent = JSON.stringify({blocks: document.querySelectorAll("pre > code").length, cut: cut});
+  document.body.appendChild(out);
+});
+</script>"""
+RESULT = re.compile(r'<pre id="width-probe">(.*?)</pre>', re.S)
+
+
+def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    # --no-sandbox: the suite runs as root in CI, where Chromium's sandbox refuses to start
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+         f"--user-data-dir={cwd / 'profile'}", f"--window-size={WIDTH},1000", *args],
+        capture_output=True, text=True, timeout=60, cwd=cwd, env={**os.environ, "HOME": str(cwd)},
+    )
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    site = tmp_path_factory.mktemp("site")
+    r = mkdocs_build(ROOT / "mkdocs.yml", site)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return site
+
+
+def cut_blocks(page: Path, work: Path) -> dict:
+    probed = page.with_name("probed.html")
+    probed.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
+    r = chromium("--virtual-time-budget=5000", "--dump-dom", probed.as_uri(), cwd=work)
+    found = RESULT.search(r.stdout)
+    assert found, f"chromium printed no measurement for {page} (exit {r.returncode}): {r.stderr[-2000:]}"
+    return json.loads(found.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">")
+                      .replace("&amp;", "&"))
+
+
+@needs_mkdocs
+@needs_chromium
+@pytest.mark.timeout(600)
+def test_every_code_block_shows_whole_at_1280_px(site: Path, tmp_path: Path):
+    pages = sorted(p for p in site.rglob("index.html") if p.parent.name not in ("404", "search"))
+    assert len(pages) > 20
+    cut, blocks = {}, 0
+    for page in pages:
+        seen = cut_blocks(page, tmp_path)
+        blocks += seen["blocks"]
+        if seen["cut"]:
+            cut[str(page.parent.relative_to(site))] = seen["cut"]
+    assert blocks > 100, f"only {blocks} code blocks measured: is the probe running?"
+    assert not cut, f"code blocks wider than the page at {WIDTH} px (their first line): {cut}"
+
+
+@needs_mkdocs
+@needs_chromium
+@pytest.mark.timeout(120)
+def test_the_hang_verdict_wraps_inside_its_block(site: Path, tmp_path: Path):
+    """The verdict's lines end in what matters (`called from plain_hang.py:35`); the proof that the CSS is what
+    shows them is that the theme alone cuts the same block."""
+    page = site / "hangs" / "index.html"
+    assert cut_blocks(page, tmp_path)["cut"] == []
+    css = site / "stylesheets" / "extra.css"
+    css.write_text("")  # the theme alone
+    try:
+        assert any("plain_hang.py" in first for first in cut_blocks(page, tmp_path)["cut"])
+    finally:
+        shutil.copy2(ROOT / "docs" / "stylesheets" / "extra.css", css)
+    shot = tmp_path / "hangs.png"
+    r = chromium(f"--screenshot={shot}", page.as_uri(), cwd=tmp_path)
+    assert shot.exists() and shot.stat().st_size > 10_000, r.stderr[-2000:]

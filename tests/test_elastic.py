@@ -21,6 +21,7 @@ import pytest
 
 from disttrain.config.launch import LaunchSpec
 from disttrain.launch.elastic import Change, Membership, membership_line, starting_hosts
+from disttrain.launch.supervision import AgentState
 from disttrain.plan.launch import NodeFacts, make_plan
 from disttrain.wire import AttemptStarted, Beats, HostFacts
 from rig import cluster_fixture
@@ -104,6 +105,12 @@ def test_ssh_tells_a_killed_agent_from_a_lost_connection_by_the_silence_before()
     assert ssh.own_failure(1, "", quiet_s=0.4) is None
 
 
+def lose(m: Membership, slot: int, why: str) -> list[int]:
+    """As the flow does: the supervisor moves the row (the one record of members), the membership records it."""
+    m.table.move(slot, AgentState.LOST, why)
+    return m.leave(slot, why)
+
+
 def test_changes_one_round_answers_are_said_together_with_consistent_counts(tmp_path):
     """A host lost, then back before the next round formed: one line, each entry's count its own."""
     said = []
@@ -113,7 +120,7 @@ def test_changes_one_round_answers_are_said_together_with_consistent_counts(tmp_
                                                     ranks=(0,)).to_line()
     m.agent_line(0, started(0, 3))
     m.agent_line(0, Beats(host="a", ranks={0: (3, 0.0)}).to_line())
-    m.leave(2, "its agent was killed by SIGKILL")
+    lose(m, 2, "its agent was killed by SIGKILL")
     m._joined.put((2, object()))  # c answered again before the round formed
     assert len(m.joined()) == 1
     m.agent_line(0, started(1, 3))
@@ -137,7 +144,7 @@ def test_membership_says_each_change_when_the_next_round_trains(tmp_path):
     assert m.agent_line(0, started(0, 3))
     m.agent_line(0, Beats(host="a", ranks={0: (3, 0.0)}).to_line())  # round 0 trains: the start is settled
     assert said == []
-    assert m.leave(2, "ssh failed: Timeout") == [0, 1]
+    assert lose(m, 2, "ssh failed: Timeout") == [0, 1]
     assert said[-1].startswith("disttrain: lost c (ssh failed: Timeout): the other 2 host(s) regroup")
     m.agent_line(0, Beats(host="a", ranks={0: (9, 0.0)}).to_line())  # the old round still beating: not yet
     assert len(said) == 1
@@ -172,7 +179,7 @@ def test_agents_are_slots_and_hosts_keep_their_place(tmp_path):
     while not (joined := m.joined()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(joined) == 1 and joins[0] == 1 and m.host_of(2) == "b" and m.member_hosts() == ("a", "c", "b")
-    assert m.leave(1, "gone") == [0, 2]  # c lost: it is tried again, as host 2
+    assert lose(m, 1, "gone") == [0, 2]  # c lost: it is tried again, as host 2
     while 2 not in joins[1:] and time.monotonic() < deadline:
         time.sleep(0.05)
     m.close()
@@ -450,6 +457,44 @@ def test_a_slurm_node_that_loses_power_is_left_behind(slurm3, tmp_path):
     deadline = time.monotonic() + 20
     while True:  # Slurm's daemons stay; nothing of the job does
         left = [_cmdline(pid) for node in slurm3.rig.nodes for pid in slurm3.rig.processes_in(node)
+                if "disttrain" in _cmdline(pid) or "elastic_train" in _cmdline(pid)]
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"processes left behind: {left}"
+        time.sleep(0.2)
+
+
+slurm4 = slurm_fixture(4, scope="function", name="slurm4")
+
+
+@pytest.mark.timeout(500)
+def test_the_allocations_first_node_lost_under_salloc_is_a_loss_like_any_other(slurm4, tmp_path):
+    """``salloc --no-kill`` on a login host (node0, outside the allocation): the launcher runs there and
+    holds the store; the allocation's first node (node1, once the store's host) is powered off: the
+    other two go on, no sample lost. (Under sbatch the launcher is the batch step, on the first node:
+    its loss is the launcher's -- Slurm's batch host -- and ends the job, as any launcher's does.)"""
+    out, ckpt, run = tmp_path / "out", tmp_path / "ckpt", tmp_path / "run"
+    out.mkdir()
+    argv = ["salloc", "--nodes=3", "--exclude=node0", "--no-kill", sys.executable, "-m", "disttrain", "run",
+            "--nnodes", "2:3", "-n", "1", "--log-dir", str(run), str(WORKER), "--out", str(out), "--ckpt", str(ckpt),
+            *JOB]
+    proc = slurm4.popen_in("node0", argv, cwd=ROOT, env=slurm4.env(PYTHONPATH=bench.worker_env()["PYTHONPATH"]),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    wait_for(proc, lambda: bench.complete_checkpoints(ckpt) and bench.step_of(out) >= 6, timeout=300)
+    slurm4.rig.power_off("node1")
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
+    assert line.startswith("disttrain: membership: node1 left (") and "-> 2 hosts, world size 2, resumed from step " \
+        in line, line
+    accounting = bench.account(out, 120)
+    assert accounting["attempts"][0]["world_size"] == 3 and accounting["attempts"][-1]["world_size"] == 2
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
+    assert [c["change"] for c in record_of(tmp_path)] == ["start", "left"]
+    print(f"recovery (the allocation's first node): {record_of(tmp_path)[1]['seconds']} s; {line}")
+    deadline = time.monotonic() + 20
+    while True:  # Slurm's daemons stay; nothing of the job does
+        left = [_cmdline(pid) for node in slurm4.rig.nodes for pid in slurm4.rig.processes_in(node)
                 if "disttrain" in _cmdline(pid) or "elastic_train" in _cmdline(pid)]
         if not left:
             break

@@ -36,6 +36,10 @@ from ..workerenv import HANG_SOCKETS
 SITE_DIR = Path(__file__).resolve().parent.parent / "_worker_site"
 POLL_TIMEOUT_S = 2.0
 DUMP_TIMEOUT_S = 10.0
+# The groups are a Python handler: a rank whose Python runs answers in milliseconds (the GIL changes
+# hands every 5 ms); one stuck in C code holding the GIL never does, and waiting DUMP_TIMEOUT_S for
+# it put the verdict 10 s past --hang-timeout. Without them the verdict knows the default group.
+GROUPS_TIMEOUT_S = 1.0
 # The handlers of torch's worker server that dump a rank's recorder: the CPU recorder (gloo), and
 # NCCL's own in builds with CUDA.
 FR_HANDLERS = {"nccl": "dump_nccl_trace_json"}
@@ -204,5 +208,6 @@ def dump(sock: str | os.PathLike, dist_backend: str, *, timeout: float = DUMP_TI
 
     recorder = as_json(fetch(sock, fr_handler(dist_backend), timeout=timeout))
     text = fetch(sock, "dump_traceback", timeout=timeout) if stacks else None
-    groups = as_json(fetch(sock, "disttrain_groups", timeout=timeout)) if text is not None or not stacks else None
+    groups = as_json(fetch(sock, "disttrain_groups", timeout=min(timeout, GROUPS_TIMEOUT_S))) \
+        if text is not None or not stacks else None
     return RankDump(recorder, None if text is None else text.decode(errors="replace"), groups)

@@ -198,9 +198,47 @@ def _recorder_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | N
         flight.remove_folder(folder)
 
 
+def _started(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, env: dict[str, str], say):
+    """Start: what the workers need before torch's agent starts them -- the program's signal handlers
+    kept, their exits awaited, their process group, the recorders' sockets (``--hang-timeout``: this
+    adds the bootstrap to ``env``), the abort at exit prevented, ``env`` exported. Undone by ``stack``."""
+    stack.enter_context(_handlers_kept())
+    early = stack.enter_context(exits_awaited())
+    group = stack.enter_context(_worker_group(plan, node))
+    sockets = stack.enter_context(_recorder_sockets(plan, env))
+    stack.enter_context(aborts_after_return(env, say))
+    stack.enter_context(_exported(env))
+    return early, group, sockets
+
+
+def _monitored(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt,
+               sockets: str | None, report_to: TextIO):
+    """Monitor, in the node's role: its watchdog (alone it judges hangs; linked it reports its ranks'
+    progress), the elastic rounds (``--nnodes MIN:MAX``), the wait for the rendezvous."""
+    dog = stack.enter_context(_watchdog(plan, node, link, attempt, sockets))
+    agents = stack.enter_context(_elastic(plan, node, link))
+    wait = stack.enter_context(RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to))
+    return dog, agents, wait
+
+
+def _node_env(plan: LaunchPlan, node: NodePlan, report_to: TextIO) -> dict[str, str]:
+    env = plan.worker_env(node)
+    if plan.elastic:
+        # torch's agents share their rendezvous store with the workers (the workers here get a store
+        # of each attempt's own: attempt_store.py), and a node that joins a later round then waits
+        # for MASTER_ADDR, which the round's node 0 set only in its first round: a grown job hangs.
+        env.setdefault(NO_SHARED_STORE, "1")
+    if plan.framework == "pytorch":  # the worker bootstrap: a script's own process group is checked
+        env.update(flight.site_env({**os.environ, **env}))
+    if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
+        env.update(tf_node_env(dict(env), host=node.name, nproc=node.nproc, world_size=plan.world_size,
+                               report_to=report_to))
+    return env
+
+
 def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr,
              link: Role | None = None) -> int:
-    """Start, watch and stop this node's workers; return the exit code for the launcher. ``link``:
+    """Start, monitor and stop this node's workers; return the exit code for the launcher. ``link``:
     the node's role under a launcher; None: alone (:class:`~disttrain.agent.link.Standalone`)."""
     link = link or Standalone()
     say = lambda line: print(line, file=report_to, flush=True)  # noqa: E731
@@ -211,26 +249,15 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
-    env = plan.worker_env(node)
-    if plan.elastic:
-        # torch's agents share their rendezvous store with the workers (the workers here get a store
-        # of each attempt's own: attempt_store.py), and a node that joins a later round then waits
-        # for MASTER_ADDR, which the round's node 0 set only in its first round: a grown job hangs.
-        env.setdefault(NO_SHARED_STORE, "1")
+    env = _node_env(plan, node, report_to)
     # A job instance's workers see its folder at /opt/ml; the tool is checked here, on their machine.
     opt_ml = (instance_prefix(node.opt_ml, required=node.opt_ml_required, host=node.name, say=say)
               if node.opt_ml else [])
-    if plan.framework == "pytorch":  # the worker bootstrap: a script's own process group is checked
-        env.update(flight.site_env({**os.environ, **env}))
-    if plan.framework == "tensorflow":  # ports checked and Keras chosen here, where the workers run
-        env.update(tf_node_env(dict(env), host=node.name, nproc=node.nproc, world_size=plan.world_size,
-                               report_to=report_to))
     stores = AttemptStores(plan, node)
     attempt = Attempt(plan.run_dir, plan.world_size)
-    with _handlers_kept(), exits_awaited() as early, _worker_group(plan, node) as group, _recorder_sockets(plan, env) as sockets, \
-            aborts_after_return(env, say), _exported(env), _watchdog(plan, node, link, attempt, sockets) as dog, \
-            _elastic(plan, node, link) as agents, \
-            RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to) as wait:
+    with contextlib.ExitStack() as stack:  # stop: all of it undone, in reverse order
+        early, group, sockets = _started(stack, plan, node, env, say)
+        dog, agents, wait = _monitored(stack, plan, node, link, attempt, sockets, report_to)
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(stores, attempt, group)
         if plan.nnodes > 1:
@@ -246,37 +273,9 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                 stores.farewell(agents[-1].get_worker_group().group_world_size,
                                 hosts_store=bool(config.rdzv_configs.get("is_host")))
         except ChildFailedError as err:
-            failures = _failures(err, node.name, attempt=plan.max_restarts)
-            first = root_cause(failures, plan.run_dir)
-            failed = {f.rank for f in failures}
-            finished = tuple((rank, node.name) for rank in attempt.ranks if rank not in failed)
-            if plan.nnodes > 1:  # a rank of another node may have left first
-                finished += link.done_elsewhere(wait=not finished and lost_a_peer(failure_lines(first, plan.run_dir)))
-            if link is not None:  # for the launcher, which orders the nodes' failures by these times
-                print(failed_line(first, plan.run_dir), file=report_to, flush=True)
-            print(format_failure(first, failures, plan.run_dir, finished=finished, oom=oom),
-                  file=report_to, flush=True)
-            return first.exit_code
+            return _failed(err, plan, node, link, attempt, oom, report_to)
         except SignalException as err:
-            if link is not None and early.failed and (dog is None or dog.fired is None):
-                # the launcher stopped this node for another's failure, but one here failed first, maybe
-                failures = [RankFailure(rank=rank, host=node.name, exit_code=shell_exit_code(code)[0],
-                                        signal_name=shell_exit_code(code)[1], pid=pid, timestamp=time.time(),
-                                        attempt=plan.max_restarts) for rank, code, pid in early.failed]
-                first = root_cause(failures, plan.run_dir)
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop's second signal: said and decided
-                print(failed_line(first, plan.run_dir), file=report_to, flush=True)
-                print(format_failure(first, failures, plan.run_dir), file=report_to, flush=True)
-                return first.exit_code
-            if dog is not None and dog.fired is not None:
-                if dog.fired:  # judged here; under a launcher, the launcher prints the verdict
-                    print(f"{dog.fired}\ndisttrain: stopped the job (exit {HANG_EXIT})", file=report_to, flush=True)
-                return HANG_EXIT
-            said = (f"disttrain: stopped all {node.nproc} workers on {node.name}: {link.stop_reason}"
-                    if link.stop_reason else f"disttrain: got {err.sigval.name}, stopped all {node.nproc} workers "
-                    f"on {node.name}")
-            print(said, file=report_to, flush=True)
-            return 128 + int(err.sigval)
+            return _stopped(err, plan, node, link, early, dog, report_to)
         except KeyboardInterrupt:
             return 130
         except Exception as err:  # rendezvous/store failures: name them, no traceback
@@ -286,3 +285,43 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
                 f"{type(err).__name__}: {err}{busy}"
             ) from err
     return 0
+
+
+def _failed(err: ChildFailedError, plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt, oom: OomWatch,
+            report_to: TextIO) -> int:
+    """A worker failed: the root cause, its line for the launcher (which orders the nodes' failures by
+    these times) and its block; the first failure's exit code."""
+    failures = _failures(err, node.name, attempt=plan.max_restarts)
+    first = root_cause(failures, plan.run_dir)
+    failed = {f.rank for f in failures}
+    finished = tuple((rank, node.name) for rank in attempt.ranks if rank not in failed)
+    if plan.nnodes > 1:  # a rank of another node may have left first
+        finished += link.done_elsewhere(wait=not finished and lost_a_peer(failure_lines(first, plan.run_dir)))
+    print(failed_line(first, plan.run_dir), file=report_to, flush=True)
+    print(format_failure(first, failures, plan.run_dir, finished=finished, oom=oom), file=report_to, flush=True)
+    return first.exit_code
+
+
+def _stopped(err: SignalException, plan: LaunchPlan, node: NodePlan, link: Role, early, dog: Watchdog | None,
+             report_to: TextIO) -> int:
+    """torch's agent stopped on a signal: a worker that failed first (its block), the hang verdict, or the
+    stop itself, said as it was (the launcher's reason, else the signal)."""
+    if early.failed and (dog is None or dog.fired is None):
+        # the launcher stopped this node for another's failure, but one here failed first, maybe
+        failures = [RankFailure(rank=rank, host=node.name, exit_code=shell_exit_code(code)[0],
+                                signal_name=shell_exit_code(code)[1], pid=pid, timestamp=time.time(),
+                                attempt=plan.max_restarts) for rank, code, pid in early.failed]
+        first = root_cause(failures, plan.run_dir)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop's second signal: said and decided
+        print(failed_line(first, plan.run_dir), file=report_to, flush=True)
+        print(format_failure(first, failures, plan.run_dir), file=report_to, flush=True)
+        return first.exit_code
+    if dog is not None and dog.fired is not None:
+        if dog.fired:  # judged here; under a launcher, the launcher prints the verdict
+            print(f"{dog.fired}\ndisttrain: stopped the job (exit {HANG_EXIT})", file=report_to, flush=True)
+        return HANG_EXIT
+    said = (f"disttrain: stopped all {node.nproc} workers on {node.name}: {link.stop_reason}"
+            if link.stop_reason else f"disttrain: got {err.sigval.name}, stopped all {node.nproc} workers "
+            f"on {node.name}")
+    print(said, file=report_to, flush=True)
+    return 128 + int(err.sigval)

@@ -88,6 +88,16 @@ def _members(states: Sequence[RankState], world: Iterable[int]) -> dict[str, tup
     return members
 
 
+def warm() -> None:
+    """Import torch's matching rule ahead of a verdict. The launcher does not import torch to run a
+    job; imported only once the hang is judged, it cost the verdict across hosts 6 to 8 s (a loaded
+    2-core machine) -- the launcher calls this in a thread of its own when --hang-timeout is set."""
+    try:
+        import torch.distributed.flight_recorder.components.types  # noqa: F401
+    except ImportError:
+        pass  # the fallback rule of _agree
+
+
 def _agree(a: Call, b: Call, group_size: int) -> str | None:
     """None when two ranks' calls of the same collective agree; else what differs (torch's rule)."""
     if a.op != b.op:

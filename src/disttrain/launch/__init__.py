@@ -26,7 +26,7 @@ Adding an agent launcher whose nodes run disttrain (a Kubernetes pod per node, s
 module here:
 
 1. subclass :class:`~disttrain.launch.probe.SessionLauncher`, set ``name``;
-2. ``transports(ctx)``: how each node is reached, a :class:`~disttrain.launch.probe.Transport`
+2. ``transports(spec, ctx)``: how each node is reached, a :class:`~disttrain.launch.probe.Transport`
    whose ``argv`` wraps a command (``kubectl exec -i POD -- ...``);
    ``rendezvous(spec, ctx)``: the master's address and port;
    ``node_facts(spec, ctx, facts)``: each node's :class:`~disttrain.plan.launch.NodeFacts`

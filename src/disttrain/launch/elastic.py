@@ -39,7 +39,7 @@ from ..errors import DisttrainError, UsageError
 from ..preflight.checks import check_facts, fact_checks, first_failure
 from ..wire import AttemptStarted, Beats, HostFacts, WireError
 from ..workerenv import RESUMED_MARKER
-from .supervision import exit_cause
+from .supervision import Agents, AgentState, exit_cause
 
 RECORD = "membership.json"  # in the run folder: every change, as a JSON list of Change
 RETRY_S = 3.0  # a host not running is tried again this often: its first RETRY_AT_FIRST tries,
@@ -68,10 +68,15 @@ class Change:
 
 
 class Membership:
-    """The members of one elastic launch (see the module). ``hosts``: every host of the range, in
-    order; ``running``: the hosts started, in agent order (agent ``k`` of the flow runs
+    """The changes of one elastic launch's members (see the module). ``hosts``: every host of the
+    range, in order; ``running``: the hosts started, in agent order (agent ``k`` of the flow runs
     ``hosts[running[k]]``). ``join(index)``: start host ``index``'s agent with its plan (a
-    DisttrainError when it does not answer), None: no host is tried again."""
+    DisttrainError when it does not answer), None: no host is tried again.
+
+    Who is a member is not kept here: :attr:`table` is the supervisor's table of agents
+    (:class:`~disttrain.launch.supervision.Agents`: the flow's supervisor is built on it), which
+    moves its rows (lost, done) before this records the change; this adds a row for a host that
+    joins, once its agent started."""
 
     def __init__(self, *, hosts: Sequence[str], running: Sequence[int], min_nnodes: int, max_nnodes: int,
                  run_dir: str, join: Callable[[int], subprocess.Popen] | None = None,
@@ -88,10 +93,9 @@ class Membership:
         # host names may be tried now; None: all.
         self.admit: Callable[[list[str], float], list[str]] | None = None
         self._lock = threading.Lock()
-        self.agents: list[int] = list(running)  # agent slot -> host index
-        self.members: set[int] = set(range(len(self.agents)))  # agent slots still members
-        self.lost: dict[int, str] = {}  # host index -> why, for the hosts lost and not back
-        self._seen: dict[int, float] = {slot: time.monotonic() for slot in range(len(self.agents))}
+        self.table = Agents()
+        for index in running:
+            self.table.add(self.hosts[index], time.monotonic())
         self._joined: queue.Queue[tuple[int, subprocess.Popen]] = queue.Queue()
         self._joining: set[int] = set()
         self._stop = threading.Event()
@@ -107,18 +111,26 @@ class Membership:
         self._trained: tuple[float, float] | None = None  # the round's first step, when it was seen
         self._last_attempt = -1
         self._attempted: set[int] = set()  # agent slots that joined a round
-        self.finished = False  # an agent ended well: the job is done, nobody joins any more
         start = Change(time=time.time(), change="start", host=None, why="the job started",
                        hosts=self.member_hosts())
         self._pending.append([start, time.monotonic(), None, time.monotonic()])
 
     # -- who runs --------------------------------------------------------------------------
 
+    @property
+    def finished(self) -> bool:
+        """An agent ended well: the job is done, nobody joins any more."""
+        return bool(self.table.in_state(AgentState.DONE))
+
     def member_hosts(self) -> tuple[str, ...]:
-        return tuple(self.hosts[self.agents[slot]] for slot in sorted(self.members))
+        return tuple(row.host for row in self.table.live())
 
     def host_of(self, slot: int) -> str:
-        return self.hosts[self.agents[slot]]
+        return self.table[slot].host
+
+    def _index(self, slot: int) -> int:
+        """Agent ``slot``'s host, by its place in the range."""
+        return self.hosts.index(self.table[slot].host)
 
     def start(self, say: Callable[[str], None]) -> None:
         """Begin trying the hosts that are not running (none when there is no ``join``); ``say``
@@ -148,7 +160,6 @@ class Membership:
     def agent_line(self, slot: int, line: str) -> bool:
         """An agent's own line (not a worker's): True when it was this module's to consume."""
         now = time.monotonic()
-        self._seen[slot] = now
         if Beats.matches(line):
             self._beats(line, now)
             return False  # the diagnostics read them too
@@ -249,7 +260,7 @@ class Membership:
     def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None:
         """Why agent ``slot``, which ended with ``code`` (and ``last`` as its last own line), means its
         host was lost; None: its workers failed (or it finished), which ends the job as usual."""
-        own = self._own_failure(self.agents[slot], code, last, quiet_s)
+        own = self._own_failure(self._index(slot), code, last, quiet_s)
         if own:
             return own
         killed = exit_cause(code)
@@ -260,32 +271,28 @@ class Membership:
         return None
 
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]:
-        """Agent ``slot``'s host is lost: the slots that must regroup (the other members).
+        """Agent ``slot``'s host is lost (its row, moved by the supervisor): the change recorded; the
+        slots that must regroup (the other members).
 
         The change dates from the host's last word (its agent speaks each second): when it went
         silent, not when the launcher gave up on it."""
         with self._lock:
-            self.members.discard(slot)
-            host = self.agents[slot]
-            self.lost[host] = why
+            row = self.table[slot]
             now = time.monotonic()
-            last_word = min(self._seen.get(slot, now), now)
-            change = Change(time=time.time() - (now - last_word), change="left", host=self.hosts[host], why=why,
+            last_word = min(row.heard, now)
+            change = Change(time=time.time() - (now - last_word), change="left", host=row.host, why=why,
                             hosts=self.member_hosts(), noticed=round(now - last_word, 2),
                             backoff=round(backoff, 1) if backoff else None)
             self._pending.append([change, last_word, None, now])
-            left = len(self.members)
-        if left >= self.min_nnodes:
-            self.say(f"disttrain: lost {self.hosts[host]} ({why}): the other {left} host(s) regroup "
+            members = [member.slot for member in self.table.live()]
+        if len(members) >= self.min_nnodes:
+            self.say(f"disttrain: lost {row.host} ({why}): the other {len(members)} host(s) regroup "
                      f"(--nnodes {self.min_nnodes}:{self.max_nnodes})")
         self._write()
-        return sorted(self.members)
+        return members
 
     def ended(self, slot: int) -> None:
         """Agent ``slot`` finished (exit 0): the job is done; no host joins any more."""
-        with self._lock:
-            self.members.discard(slot)
-            self.finished = True
         self._stop.set()
 
     # -- hosts that come back ---------------------------------------------------------------
@@ -302,14 +309,12 @@ class Membership:
                 _dismiss(proc)
                 continue
             with self._lock:
-                slot = len(self.agents)
-                self.agents.append(host)
-                self.members.add(slot)
-                self._seen[slot] = time.monotonic()
+                name = self.hosts[host]
+                back = any(row.host == name for row in self.table.in_state(AgentState.LOST))
+                self.table.add(name, time.monotonic())
                 self._joining.discard(host)
-                why = self.lost.pop(host, None)
-                change = Change(time=time.time(), change="joined", host=self.hosts[host],
-                                why="it answered again" if why else "it answered the preflight",
+                change = Change(time=time.time(), change="joined", host=name,
+                                why="it answered again" if back else "it answered the preflight",
                                 hosts=self.member_hosts())
                 self._pending.append([change, time.monotonic(), None, time.monotonic()])
             self.say(f"disttrain: {self.hosts[host]} answered: it joins the next rendezvous round")
@@ -323,7 +328,7 @@ class Membership:
         next_try: dict[int, float] = {}
         while not self._stop.wait(self._retry_s):
             with self._lock:
-                running = {self.agents[s] for s in self.members} | self._joining
+                running = {self.hosts.index(row.host) for row in self.table.live()} | self._joining
                 room = self.max_nnodes - len(running)
                 now = time.monotonic()
                 waiting = [i for i in range(len(self.hosts)) if i not in running and next_try.get(i, 0.0) <= now]

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from ..agent.verdict import verdict
+from ..agent.verdict import verdict, warm
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
 from ..private import private_opener
@@ -220,7 +220,6 @@ class _Solo:
     def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]: return []
     def ended(self, slot: int) -> None: ...
-    def member_hosts(self) -> tuple[str, ...]: return ()
 
 
 class _Supervised:
@@ -232,12 +231,13 @@ class _Supervised:
         self.lock = threading.Lock()
         self.transcript = transcript
         self.membership = membership or _Solo()
-        hosts = membership.member_hosts() if membership is not None else tuple(n.name for n in plan.nodes)
         policies = [Elastic(min_nnodes=membership.min_nnodes, max_nnodes=membership.max_nnodes,
                             regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S,
                             store=f"{plan.master_addr}:{plan.master_port}")] if membership is not None \
             else [FailFast()]
-        self.sup = Supervisor(hosts, policies=[*policies, HangWatch(plan.hang_timeout_s)])
+        # An elastic launch's table is its membership's (who is a member is recorded once).
+        self.sup = Supervisor(tuple(n.name for n in plan.nodes), policies=[*policies, HangWatch(plan.hang_timeout_s)],
+                              agents=membership.table if membership is not None else None)
         if membership is not None:
             elastic = self.sup.elastic
             membership.admit = lambda hosts, now: [a.host for a in elastic.admit(self.sup, hosts, now)]
@@ -335,6 +335,8 @@ class _Supervised:
                                                    cwd=agent_cwd).to_line())
                 self.relay_agent(proc)
             self.stdins.keep_alive(self.procs, done)
+            if plan.hang_timeout_s:  # the verdict's import, ahead (see verdict.warm)
+                threading.Thread(target=warm, name="verdict-import", daemon=True).start()
             self.membership.start(self.say)
             ended = self.watch()
             self.membership.close()
@@ -416,9 +418,10 @@ class _Supervised:
             if ended is not False:
                 return ended
             self.membership.poll()
-            for proc in self.membership.joined():
-                self.sup.handle(Event(EventKind.JOINED, at=time.monotonic(), host=self.membership.host_of(
-                    len(self.procs))))
+            for proc in self.membership.joined():  # each has its row in the table: slot len(self.procs)
+                slot = len(self.procs)
+                self.sup.handle(Event(EventKind.JOINED, at=time.monotonic(), slot=slot,
+                                      host=self.membership.host_of(slot)))
                 self.relay_agent(proc)
             if all(row.state.final for row in self.sup.agents.rows):
                 return None

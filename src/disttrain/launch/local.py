@@ -160,7 +160,7 @@ class InstancesLauncher(SessionLauncher):
     def rendezvous(self, spec: LaunchSpec, ctx: LaunchContext) -> tuple[str, int]:
         return "127.0.0.1", choose_port(spec)
 
-    def transports(self, ctx: LaunchContext) -> list[Transport]:
+    def transports(self, spec: LaunchSpec, ctx: LaunchContext) -> list[Transport]:
         return [LocalTransport(name) for name in self.instances]
 
     def session_python(self, ctx: LaunchContext) -> str:

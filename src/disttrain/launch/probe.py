@@ -306,7 +306,7 @@ class SessionLauncher(AgentLauncher):
         """The master's address and port, known before the nodes are asked (they check routes to it)."""
 
     @abstractmethod
-    def transports(self, ctx: LaunchContext) -> list[Transport]:
+    def transports(self, spec: LaunchSpec, ctx: LaunchContext) -> list[Transport]:
         """How each node is reached, in node order (the first is the master)."""
 
     @abstractmethod
@@ -332,7 +332,7 @@ class SessionLauncher(AgentLauncher):
     def facts(self, spec: LaunchSpec, ctx: LaunchContext) -> Facts:
         master, port = self.rendezvous(spec, ctx)
         reach = ctx.preflight and self.reach_checks
-        transports = self.transports(ctx)
+        transports = self.transports(spec, ctx)
         if spec.elastic and spec.min_nnodes > len(transports):
             raise UsageError(f"--nnodes {spec.min_nnodes}:{spec.nnodes} needs at least {spec.min_nnodes} hosts, "
                              f"and {len(transports)} were given")

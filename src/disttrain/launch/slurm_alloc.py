@@ -97,7 +97,7 @@ class SlurmAllocationLauncher(SessionLauncher):
                                                  environ=ctx.environ)
         return master, spec.master_port or job_port(self.alloc.job_id)
 
-    def transports(self, ctx: LaunchContext) -> list[Transport]:
+    def transports(self, spec: LaunchSpec, ctx: LaunchContext) -> list[Transport]:
         cpus = self.alloc.cpus_per_node or (None,) * len(self.names)
         return [SrunTransport(name, cpus=cpus[i], environ=ctx.environ) for i, name in enumerate(self.names)]
 

@@ -80,29 +80,28 @@ class SshLauncher(SessionLauncher):
         self.user_options = tuple(options)
         self.sync = sync  # copy the working directory to every host before the probe looks for the script
         self._control_dir: str | None = None
-        self.elastic = False  # --nnodes MIN:MAX: a lost host is noticed within seconds (ELASTIC_OPTIONS)
 
-    @property
-    def options(self) -> tuple[str, ...]:
+    def options(self, *, elastic: bool = False) -> tuple[str, ...]:
+        """ssh's options for every connection; ``elastic`` (``--nnodes MIN:MAX``): a lost host is
+        noticed within seconds (:data:`ELASTIC_OPTIONS`)."""
         if self._control_dir is None:
             self._control_dir = tempfile.mkdtemp(prefix="disttrain-ssh-")  # 0700: only we reach the sockets
         # The user's own -o come first (ssh keeps the first value): theirs win, ControlMaster=no included.
         return (*self.user_options, "ControlMaster=auto", f"ControlPath={self._control_dir}/%C",
-                f"ControlPersist={CONTROL_PERSIST_S}", *(ELASTIC_OPTIONS if self.elastic else ()))
+                f"ControlPersist={CONTROL_PERSIST_S}", *(ELASTIC_OPTIONS if elastic else ()))
 
     def facts(self, spec: LaunchSpec, ctx: LaunchContext) -> Facts:
-        self.elastic = spec.elastic
         if self.sync:
-            sync_all(self.hosts, ctx.cwd, python=ctx.python, options=self.options, env=bootstrap_env(ctx.environ))
+            sync_all(self.hosts, ctx.cwd, python=ctx.python, options=self.options(), env=bootstrap_env(ctx.environ))
         return super().facts(spec, ctx)
 
     def rendezvous(self, spec: LaunchSpec, ctx: LaunchContext) -> tuple[str, int]:
         return (spec.master_addr or master_address(self.hosts[0], self.user_options),
                 spec.master_port or DEFAULT_MULTIHOST_PORT)
 
-    def transports(self, ctx: LaunchContext) -> list[Transport]:
-        env = bootstrap_env(ctx.environ)
-        return [SshTransport(host, options=self.options, env=env) for host in self.hosts]
+    def transports(self, spec: LaunchSpec, ctx: LaunchContext) -> list[Transport]:
+        env, options = bootstrap_env(ctx.environ), self.options(elastic=spec.elastic)
+        return [SshTransport(host, options=options, env=env) for host in self.hosts]
 
     def node_facts(self, spec: LaunchSpec, ctx: LaunchContext, facts: Mapping[int, HostFacts]) -> tuple[NodeFacts, ...]:
         return tuple(NodeFacts(name=self.hosts[i].name, cpus=f.cpus, cuda_devices=f.cuda_devices,
@@ -125,7 +124,7 @@ class SshLauncher(SessionLauncher):
         if self._control_dir is not None:
             with ThreadPoolExecutor(max_workers=min(32, len(self.hosts))) as pool:
                 list(pool.map(lambda h: subprocess.run(
-                    ["ssh", "-O", "exit", *(w for o in self.options for w in ("-o", o)),
+                    ["ssh", "-O", "exit", *(w for o in self.options() for w in ("-o", o)),
                      *(["-p", str(h.port)] if h.port else []), "--", h.destination],
                     capture_output=True, timeout=10, stdin=subprocess.DEVNULL), self.hosts))
             shutil.rmtree(self._control_dir, ignore_errors=True)

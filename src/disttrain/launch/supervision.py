@@ -134,7 +134,7 @@ class EventKind(str, Enum):
     HEARD = "heard"  # a line from the agent (``progress``: its ranks' freshest progress, launcher clock)
     ROUND = "round"  # the agent's workers started a round (``attempt``)
     EXITED = "exited"  # the agent's process ended with ``code``; ``cause``: a lost host's, when known
-    JOINED = "joined"  # a host answered again: a new agent (``host``)
+    JOINED = "joined"  # a host answered again: a new agent (``host``; ``slot``: its row, already added)
     TICK = "tick"  # the clock moved
 
 
@@ -337,16 +337,20 @@ class Supervisor:
     """The table, the policies, the loop's one entry (:meth:`handle`)."""
 
     def __init__(self, hosts: Sequence[str], *, policies: Sequence, clock: Callable[[], float] = time.monotonic,
-                 silent_s: float = SILENT_S) -> None:
+                 silent_s: float = SILENT_S, agents: Agents | None = None) -> None:
+        """``agents``: the table to supervise, its rows already there (an elastic launch's, which
+        :class:`~disttrain.launch.elastic.Membership` records the changes of); else one row per host."""
         self.clock = clock
         self.silent_s = silent_s
-        self.agents = Agents()
         self.policies = list(policies)
         self.finished = False  # an agent ended well: the job is done, nobody is admitted or regrouped
         self.ended: Stop | None = None  # the decision that ended the job
-        now = clock()
-        for host in hosts:
-            self.agents.add(host, now)
+        if agents is None:
+            agents = Agents()
+            now = clock()
+            for host in hosts:
+                agents.add(host, now)
+        self.agents = agents
 
     @property
     def elastic(self) -> Elastic | None:
@@ -379,7 +383,8 @@ class Supervisor:
     def _apply(self, event: Event) -> bool:
         """Move the table; False when the event concerns an agent already judged."""
         if event.kind is EventKind.JOINED:
-            self.agents.add(event.host, event.at)
+            if event.slot is None:
+                self.agents.add(event.host, event.at)
             return True
         if event.slot is None:
             return True

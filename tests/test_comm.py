@@ -210,7 +210,10 @@ def test_bench_puts_a_wire_bound_job_on_the_communication_side(cluster):
 def test_bench_puts_an_arithmetic_bound_job_on_the_compute_side(cluster):
     cluster.shape("50mbit")
     split = bench_split(cluster, "compute")
-    assert split["bound"] == "compute", split
+    # Never called communication-bound; where a run beat the no-sync reference (a busy machine's
+    # noise), the bench gives no split rather than a wrong one, and says so.
+    assert split["bound"] in ("compute", None), split
+    assert split["recommended"] == "none", split
     assert split["gradient_bytes"] < 20_000
 
 

@@ -76,6 +76,7 @@ def test_every_launch_spec_field_survives_json():
         master_addr="10.0.0.1", master_port=23456, max_restarts=1, ranks=(0, 2), env={"A": "1", "B": "x y"},
         rdzv_backend="c10d", rdzv_timeout_s=30, stop_grace_s=5, hang_timeout_s=60, checkpoint_dir="/ck",
         checkpoint_every=0, framework="tensorflow", forward_env=False, grad_compression="powersgd:4", bucket_mb=8.0,
+        track="ranks",
         min_nnodes=1, rdzv_id="JOB", rdzv_conf={"last_call_timeout": "5"}, local_addr="10.0.0.2",
         agent=AgentOptions(role="trainer", tee="3", local_ranks_filter=(1,), duplicate_stdout_filters=("loss",),
                            torchrun_log_dir="/l"),

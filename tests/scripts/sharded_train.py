@@ -67,10 +67,12 @@ def hold_async_save(step: int) -> None:
 
     commit = checkpoint_write.PendingSave._commit
 
-    def held(self, *args):
-        if f"step_{step:08d}-" in self._temp.name:
+    def held(self, ctx, gather, finish, abandon, describe):
+        # The step's temporary folder is what abandon() would remove: the only place it is named.
+        folders = [str(cell.cell_contents) for cell in abandon.__closure__ or ()]
+        if any(f"step_{step:08d}-" in folder for folder in folders):
             threading.Event().wait()
-        commit(self, *args)
+        commit(self, ctx, gather, finish, abandon, describe)
 
     checkpoint_write.PendingSave._commit = held
 

@@ -144,12 +144,17 @@ def s3_endpoint(tmp_path_factory):
         _wait_listening(proc, port, log)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 10 s: a test's server process never outlives it."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def _wait_listening(proc: subprocess.Popen, port: int, log: Path, timeout: float = 60) -> None:

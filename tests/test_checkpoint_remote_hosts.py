@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import stop_server
 from rig import cluster_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,17 +73,8 @@ def store(cluster3, tmp_path):
         assert made.returncode == 0, made.stderr[-2000:]
         yield env, proc
     finally:
-        stop(proc)
+        stop_server(proc)
         log.close()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def steps_on_store(cluster, env: dict) -> dict[str, bool]:
@@ -129,5 +121,5 @@ def test_a_host_lost_and_the_others_resume_from_s3_with_no_shared_folder(cluster
     assert SECRET not in err
     for path in (tmp_path / "run").rglob("*"):
         assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
-    stop(server)
+    stop_server(server)
     cluster3.assert_nothing_left()

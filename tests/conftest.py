@@ -147,6 +147,19 @@ def s3_endpoint(tmp_path_factory):
         stop_server(proc)
 
 
+def elastic_bench():
+    """bench/elastic.py as a module (the elastic rig tests drive its scenarios), loaded once."""
+    import importlib.util
+
+    name = "disttrain_bench_elastic"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / "elastic.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL after 10 s: a test's server process never outlives it."""
     proc.terminate()

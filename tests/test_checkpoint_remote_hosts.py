@@ -7,7 +7,6 @@ never typed on a command line), and the secret appears in no output and no file 
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import stop_server
+from conftest import elastic_bench, stop_server
 from rig import cluster_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,15 +24,7 @@ JOB = ["--samples", "120", "--epochs", "2", "--batch-size", "2", "--every", "4",
 AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("disttrain_bench_elastic", ROOT / "bench" / "elastic.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = elastic_bench()
 cluster3 = cluster_fixture(3, name="cluster3", bridge=True)
 
 # Run inside node0: wait until the server answers, then do one thing on the store.

@@ -9,7 +9,6 @@ machine that loses power (its link drops every packet, every process in it dies)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import elastic_bench
 from disttrain.config.launch import LaunchSpec
 from disttrain.launch.elastic import Change, Membership, membership_line, starting_hosts
 from disttrain.launch.supervision import AgentState
@@ -31,15 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "elastic_train.py"
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("disttrain_bench_elastic", ROOT / "bench" / "elastic.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = elastic_bench()
 
 # --------------------------------------------------------------------------- the pieces, no hosts
 

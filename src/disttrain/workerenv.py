@@ -27,6 +27,9 @@ ATTEMPT = "DISTTRAIN_ATTEMPT"
 # What disttrain.resume() says on rank 0 when it loads a checkpoint: the launcher reads the step
 # from it for an elastic job's membership line (the runtime and the launch side share no module).
 RESUMED_MARKER = "disttrain: resuming from step "
+# An elastic launch's workers: the folder where each, once disttrain.resume() armed it, listens for its
+# agent's word of an in-place regroup (disttrain.runtime.regroup), on ``regroup.local<LOCAL_RANK>.sock``.
+REGROUP_SOCKET = "DISTTRAIN_REGROUP_SOCKETS"
 # --hang-timeout: the folder of the ranks' worker-server sockets (disttrain/_worker_site reads it),
 # and the Flight Recorder's size (torch's own variable; ring entries per process).
 HANG_SOCKETS = "DISTTRAIN_HANG_SOCKETS"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..errors import DisttrainError
 from ..placement import choose_device, choose_dist_backend
 from ..workerenv import BENCH_FLUSH_DENORMAL, CONNECT_TIMEOUT, WorkerEnv
-from . import heartbeat
+from . import heartbeat, regroup
 from .state import Runtime
 
 CONNECT_FAILED_EXIT = 75  # EX_TEMPFAIL: the network, not the script, is at fault
@@ -144,6 +144,8 @@ def _nccl_version(cuda_devices: int) -> tuple[int, ...] | None:
 # The one module global of the runtime: the context, which owns all other state.
 _current: Context | None = None
 _atexit_registered = False
+last_backend: str | None = None  # the dropped context's, for the group a regroup makes
+_regrouped = False
 # Long enough for a descheduled gloo thread to run; exit is slower by this much, once.
 _DRAIN_S = 0.1
 
@@ -202,8 +204,9 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
     ctx = resolve(env, cuda_devices=cuda_devices, backend=backend, nccl_version=_nccl_version(cuda_devices))
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
-    if ctx.distributed and dist.is_initialized():  # the script set up its own group
+    if ctx.distributed and dist.is_initialized():  # the script set up its own group (or a regroup did)
         ctx = replace(ctx, dist_backend=dist.get_backend())
+        ctx.runtime.owns_group = _regrouped
     elif ctx.distributed:
         timeout = timedelta(seconds=env.pg_timeout_s if timeout_s is None else timeout_s)
         ctx.runtime.pg_timeout_s = timeout.total_seconds()
@@ -211,7 +214,7 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
         # torch's init_process_group makes every traceback line read "[rankN]: ..."; disttrain's
         # launcher already puts "[rankN] " before each line, so keep Python's own hook there.
         hook = sys.excepthook
-        with _connect_watchdog(env):
+        with _connect_watchdog(env), regroup.tracking_sockets():
             store = _attempt_store(env, timeout)
             if store is None:
                 dist.init_process_group(ctx.dist_backend, init_method="env://", timeout=timeout, **extra)
@@ -229,6 +232,15 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
         _atexit_registered = True
     _current = ctx
     return ctx
+
+
+def forget() -> None:
+    """An in-place regroup (:mod:`.regroup`) dropped the group: the next :func:`init` joins the new one
+    it made, which it then owns."""
+    global _current, last_backend, _regrouped
+    if _current is not None:
+        last_backend = _current.dist_backend
+    _current, _regrouped = None, True
 
 
 def context() -> Context:

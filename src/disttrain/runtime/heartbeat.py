@@ -49,6 +49,17 @@ def start(env: WorkerEnv) -> None:
     _info = json.dumps({"pid": os.getpid(), "rank": env.rank, "stacks": str(stacks)})[:-1]  # + steps, per beat
 
 
+def forget() -> None:
+    """An in-place regroup renumbered this rank: its file goes, the next ``start()`` writes the new one's."""
+    global _file, _last
+    if _file is not None:
+        try:
+            _file.unlink()
+        except OSError:
+            pass
+    _file, _last = None, 0.0
+
+
 def beat() -> None:
     """Record progress; cheap enough to call every step (one clock read, at most one small
     write a second). The file holds the step count: the launcher compares ranks' rates."""

@@ -46,7 +46,7 @@ from torch.utils.data import (
 from ..checkpoint_url import is_url, location
 from ..errors import DisttrainError, UsageError
 from ..workerenv import CHECKPOINT_DIR, RESUMED_MARKER
-from . import checkpoint, comm, loop, periodic, preemption, rng, track
+from . import checkpoint, comm, loop, periodic, preemption, regroup, rng, track
 from .context import Context, context, current_runtime
 from .data import with_sampler
 from .samplers import EvalShardSampler, rest_of_epoch
@@ -102,10 +102,16 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
     state = TrainingState(location(directory) if directory else None, every=every,
                           keep_last=keep_last, objects=kept, ctx=ctx)
     state.asynchronous = asynchronous
-    if state.directory is not None:
+    second_run, carry = regroup.carried() if ctx.distributed else (False, None)
+    if second_run:
+        state._adopt(carry, weights_only)
+    elif state.directory is not None:
         state._load(weights_only)
+    if state.directory is not None:
         state._watch_sigterm()
     ctx.runtime.training = state
+    if ctx.distributed:
+        regroup.arm(state)
     return state
 
 
@@ -154,6 +160,10 @@ class TrainingState:
         self._point: _ResumePoint | None = None
         self._saved_step: int | None = None
         self._vote: preemption.StopVote | None = None
+        self._stepped = False  # an optimizer stepped since the last step's end (the step in flight did)
+        for obj in objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_post_hook(self._optimizer_stepped)
 
     # -- the loops ---------------------------------------------------------------------
 
@@ -191,13 +201,7 @@ class TrainingState:
         if self.directory is None:
             raise UsageError("TrainingState.save(): no checkpoint directory; pass one to "
                              f"disttrain.resume() or set {CHECKPOINT_DIR}")
-        progress = {
-            "epoch": self.epoch,
-            "epoch_step": self.epoch_step,
-            "epoch_samples": self._epoch_samples,
-            "epoch_done": self._epoch_len is not None and self.epoch_step >= self._epoch_len,
-            "world_size": self._ctx.world_size,
-        }
+        progress = self._progress()
         generator = getattr(self._loader, "generator", None)
         began = time.perf_counter()
         path = checkpoint.save(
@@ -210,6 +214,15 @@ class TrainingState:
         # The time the step was blocked (an async save: its staging copy), for the run's goodput.
         track.record("checkpoint", step=self.step, seconds=round(time.perf_counter() - began, 4))
         return path
+
+    def _progress(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "epoch_step": self.epoch_step,
+            "epoch_samples": self._epoch_samples,
+            "epoch_done": self._epoch_len is not None and self.epoch_step >= self._epoch_len,
+            "world_size": self._ctx.world_size,
+        }
 
     def close(self) -> None:
         """Stop handling SIGTERM; :func:`resume` does it for the state it replaces."""
@@ -260,6 +273,54 @@ class TrainingState:
             if self._point.world_size != self._ctx.world_size:
                 warnings.warn(_world_size_warning(self._point, self._ctx.world_size),
                               stacklevel=3)
+
+    def _optimizer_stepped(self, *_: Any) -> None:
+        self._stepped = True
+
+    def _carry(self) -> regroup.Carry:
+        """Where the loop stands, for an in-place regroup: a step whose optimizer step ran counts as
+        done, even if the failure came before its end (its collectives finished on every rank)."""
+        if self._stepped:
+            self._count_step(self._loader)
+        generator = getattr(self._loader, "generator", None)
+        why_not = ("a sharded model's lost shard is held nowhere else" if checkpoint.holds_sharded(self._objects)
+                   else "Local SGD / DiLoCo keep state per rank" if periodic.active() else "")
+        # No state_dict() of a sharded model: it would gather over the group just cut.
+        objects = {} if why_not else {name: unwrap(obj).state_dict() for name, obj in self._objects.items()}
+        carry = regroup.Carry(objects=objects, step=self.step, progress=self._progress(),
+                              rank_state=rng.capture([generator]), adoptable=not why_not, why_not=why_not)
+        return carry
+
+    def _adopt(self, carry: regroup.Carry | None, weights_only: bool) -> None:
+        """The second run of an in-place regroup: the state the survivors agree on, from memory
+        (:func:`.regroup.adopt`); from the newest checkpoint where no rank can give it."""
+        agreed, source = regroup.adopt(carry, rank=self._ctx.rank)
+        if agreed is None:
+            if self._ctx.is_main:
+                why = carry.why_not if carry is not None and carry.why_not else "no rank holds the state"
+                print(f"disttrain: regrouped in place; {why}: "
+                      "loading the newest checkpoint", file=sys.stderr, flush=True)
+            if self.directory is not None:
+                self._load(weights_only)
+            return
+        for name, obj in self._objects.items():
+            if name in agreed.objects:
+                unwrap(obj).load_state_dict(agreed.objects[name])
+        progress = agreed.progress
+        self.step = self.resumed_from = agreed.step
+        self.epoch, self.epoch_step, self._epoch_samples = progress["epoch"], progress["epoch_step"], \
+            progress["epoch_samples"]
+        for obj in self._objects.values():
+            if isinstance(obj, torch.optim.Optimizer) and self.step > 0:
+                obj._opt_called = True  # as _load: no "scheduler before optimizer" warning
+        self._point = _ResumePoint(
+            epoch=progress["epoch"], epoch_step=progress["epoch_step"], epoch_samples=progress["epoch_samples"],
+            epoch_done=progress["epoch_done"], world_size=progress["world_size"],
+            rank_state=agreed.rank_state or None)
+        if self._ctx.is_main:
+            sent = f"; sent by rank {source}" if source is not None else ""
+            print(f"{RESUMED_MARKER}{self.step} in memory (regrouped in place: {progress['world_size']} -> "
+                  f"{self._ctx.world_size} ranks, epoch {self.epoch}{sent})", file=sys.stderr, flush=True)
 
     def _watch_sigterm(self) -> None:
         if not preemption.install():
@@ -332,10 +393,15 @@ class TrainingState:
             rng.restore(point.rank_state, [getattr(loader, "generator", None)])
             comm.restore_rank_state(point.rank_state)  # PowerSGD's error feedback
 
-    def _end_step(self, loader: Any) -> None:
+    def _count_step(self, loader: Any) -> None:
         self.step += 1
         self.epoch_step += 1
         self._epoch_samples += (getattr(loader, "batch_size", None) or 1) * self._ctx.world_size
+        self._stepped = False
+
+    def _end_step(self, loader: Any) -> None:
+        self._count_step(loader)
+        regroup.check()
         if self.directory is None:
             return
         stop = self._vote() if self._vote is not None else False

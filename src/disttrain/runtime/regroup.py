@@ -1,0 +1,396 @@
+"""Regroup in place: when an elastic job (``--nnodes MIN:MAX``) loses a host, the survivors' worker
+processes stay alive and go on from memory, instead of being killed, started again and loaded
+from the newest checkpoint.
+
+Armed by :func:`disttrain.resume` in a worker of an elastic launch (the agent sets
+:data:`~disttrain.workerenv.REGROUP_SOCKET`); a plain torchrun script is never armed and keeps
+the restart. What happens when the launcher decides a regroup:
+
+1. The agent sends each of its workers the new membership (:class:`Plan`) on the worker's own
+   Unix socket; a thread here, blocked on it, wakes. That the socket accepts is how the agent
+   knows this worker is armed: one that is not gets today's restart.
+2. The thread shuts the process group's TCP connections down (:func:`tracking_sockets` noted
+   them when the group was made). A collective waiting for a host that lost power -- no reset
+   ever comes, gloo would wait out its timeout, and its own ``abort()`` does not end a blocked
+   collective -- fails at once; a rank between collectives fails at its next one, or at the
+   step's end (:func:`check`).
+3. The failure leaves the script as an uncaught exception. This module's ``excepthook`` takes
+   the state the loop stood at (:class:`Carry`: the objects given to ``resume()``, the step,
+   the epoch's samples consumed, this rank's generators), drops the old group, forms the new one
+   on the launcher's store within :data:`JOIN_TIMEOUT_S`, and runs the script again in the same
+   process: Python, torch, CUDA and the page cache stay warm, only the script's own setup runs
+   again. A worker that fails before the agent's word (a peer's reset) waits
+   :data:`SETTLE_S` for it.
+4. ``resume()`` in the second run takes the state from memory (:func:`adopt`): the ranks agree on
+   the last step every survivor completed, the rank(s) holding it send it to those that do not,
+   and the epoch goes on from the samples consumed, re-cut for the new world size.
+
+What cannot go on in place falls back to the restart, in one line: sharded models (the lost
+rank's shard is held nowhere else: the survivors load the newest checkpoint, in place), Local
+SGD / DiLoCo state, a group that does not form in time (exit :data:`FALLBACK_EXIT`, which the
+agent answers with the restart).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import json
+import os
+import runpy
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..workerenv import REGROUP_SOCKET
+
+SETTLE_S = 5.0  # a worker whose collective failed waits this long for the agent's word
+JOIN_TIMEOUT_S = 20.0  # the new group forms within this, or the regroup falls back to the restart
+FALLBACK_EXIT = 76  # in place failed: the agent restarts the workers (the restart path)
+_DIST_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "nccl", "process group",
+               "socket", "timed out")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The new membership for one worker, as its agent sends it."""
+
+    attempt: int
+    env: dict[str, str]  # RANK, WORLD_SIZE, GROUP_RANK... and the store to meet on
+    lost: tuple[str, ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return int(self.env["RANK"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.env["WORLD_SIZE"])
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"attempt": self.attempt, "env": self.env, "lost": list(self.lost)}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Plan:
+        raw = json.loads(data)
+        return cls(attempt=int(raw["attempt"]), env={k: str(v) for k, v in raw["env"].items()},
+                   lost=tuple(raw.get("lost", ())))
+
+
+@dataclass
+class Carry:
+    """Where the loop stood when the regroup came, kept across the script's second run."""
+
+    objects: dict[str, Any]  # name -> state_dict()
+    step: int
+    progress: dict[str, Any]  # as a checkpoint's: epoch, epoch_step, epoch_samples, epoch_done, world_size
+    rank_state: dict[str, Any]  # this process's generators
+    adoptable: bool = True
+    why_not: str = ""
+
+
+@dataclass
+class _Armed:
+    sock: socket.socket
+    path: str
+    plan: Plan | None = None
+    arrived: threading.Event = field(default_factory=threading.Event)
+
+
+_armed: _Armed | None = None
+_group_fds: set[int] = set()  # the current process group's connections
+_carry: Carry | None = None  # set for the second run's resume()
+_second_run = False
+_training: Any = None  # the TrainingState armed (what a regroup carries)
+
+
+class Regrouping(BaseException):
+    """Raised at a step's end once a regroup is on its way: out of the script, into the new world
+    (a BaseException: a script's ``except Exception`` around its step must not swallow it)."""
+
+
+# -- the process group's connections -----------------------------------------------------------
+
+
+def _sockets() -> set[int]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.add(int(name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@contextlib.contextmanager
+def tracking_sockets():
+    """Around the making of the default process group: the sockets it opened are its connections."""
+    global _group_fds
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    before = _sockets()
+    try:
+        yield
+    finally:
+        _group_fds = _sockets() - before
+
+
+def _cut_group() -> None:
+    """Shut the group's TCP connections down: every collective on them fails now, none waits for a
+    peer that lost power. Listening sockets are left (gloo aborts the process when its listener
+    fails); so is the store's connection, made before the group."""
+    for fd in sorted(_group_fds):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+
+# -- armed -------------------------------------------------------------------------------------
+
+
+def arm(training: Any) -> bool:
+    """Listen for the agent's word (see the module); True once armed. Only in a worker of an elastic
+    launch whose group the runtime made (so that its connections are known)."""
+    global _armed, _training
+    folder = os.environ.get(REGROUP_SOCKET)
+    path = socket_path(folder, os.environ.get("LOCAL_RANK", "0")) if folder else None
+    if not path or not dist.is_initialized() or not _group_fds or threading.current_thread() is not threading.main_thread():
+        return False
+    _training = training
+    if _armed is not None:
+        return True
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        return False
+    _armed = _Armed(sock=sock, path=path)
+    threading.Thread(target=_listen, args=(_armed,), name="disttrain-regroup", daemon=True).start()
+    sys.excepthook = _Hook(sys.excepthook)
+    atexit.register(_disarm)
+    return True
+
+
+def socket_path(folder: str, local_rank: int | str) -> str:
+    """Where the worker of ``local_rank`` listens (the agent sends there)."""
+    return os.path.join(folder, f"regroup.local{local_rank}.sock")
+
+
+def _listen(armed: _Armed) -> None:
+    while True:
+        try:
+            data = armed.sock.recv(1 << 16)
+            plan = Plan.from_bytes(data)
+        except (OSError, ValueError, KeyError):
+            return
+        armed.plan = plan
+        armed.arrived.set()
+        _cut_group()
+
+
+def _disarm() -> None:
+    """At exit: nobody may send to a process that is going (the agent then restarts instead)."""
+    if _armed is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(_armed.path)
+
+
+def pending() -> bool:
+    return _armed is not None and _armed.plan is not None
+
+
+def check() -> None:
+    """At a step's end: leave the script if a regroup is on its way."""
+    if _armed is not None and _armed.plan is not None:
+        raise Regrouping
+
+
+# -- the second run ----------------------------------------------------------------------------
+
+
+def _distributed_failure(value: BaseException) -> bool:
+    if isinstance(value, Regrouping) or isinstance(value, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(value, RuntimeError) and any(w in str(value).lower() for w in _DIST_WORDS)
+
+
+class _Hook:
+    """``sys.excepthook`` while armed: a failure the regroup explains runs the script again."""
+
+    def __init__(self, previous) -> None:
+        self.previous = previous
+
+    def __call__(self, kind, value, tb) -> None:
+        armed = _armed
+        if armed is None or not _distributed_failure(value) or not armed.arrived.wait(SETTLE_S):
+            self.previous(kind, value, tb)
+            return
+        value.__traceback__ = None
+        del tb, value
+        _run_again()
+
+
+def _take_carry() -> Carry | None:
+    training = _training
+    if training is None:
+        return None
+    return training._carry()
+
+
+def _drop_old_world(training: Any) -> None:
+    global _training
+    from . import context, heartbeat, preemption
+
+    _training = None
+    if training is not None:
+        training.close()
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.distributed_c10d._abort_process_group()
+    context.forget()
+    heartbeat.forget()
+    preemption.uninstall()
+
+
+def _join(plan: Plan, backend: str) -> None:
+    """The new group, on the launcher's store under the attempt's own prefix, within JOIN_TIMEOUT_S."""
+    global _group_fds
+    os.environ.update(plan.env)
+    timeout = timedelta(seconds=JOIN_TIMEOUT_S)
+    store = dist.TCPStore(plan.env["MASTER_ADDR"], int(plan.env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(f"/disttrain/attempt_{plan.attempt}", store)
+    with tracking_sockets():
+        dist.init_process_group(backend, store=prefixed, rank=plan.rank, world_size=plan.world_size,
+                                timeout=timedelta(seconds=float(os.environ.get("DISTTRAIN_PG_TIMEOUT", 1800))))
+
+
+def _run_script() -> int:
+    """The script once more, as ``python script.py`` / ``python -m module`` ran it; its exit code."""
+    orig = getattr(sys, "orig_argv", [])
+    try:
+        if "-m" in orig[1:]:
+            runpy.run_module(orig[orig.index("-m") + 1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        return 0
+    except SystemExit as err:
+        code = err.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+
+
+def _run_again() -> None:
+    """Carry the state over, join the new world, run the script again (and again, while regroups
+    come); then end the process as the interpreter would, with the script's exit code."""
+    global _carry, _second_run
+    from . import context
+
+    backend = context.last_backend or "gloo"
+    code = 1
+    while True:
+        armed = _armed
+        plan, armed.plan = armed.plan, None
+        armed.arrived.clear()
+        carry = _take_carry() or _carry
+        _drop_old_world(_training)
+        gc.collect()
+        try:
+            _join(plan, backend)
+        except Exception as err:  # noqa: BLE001 -- any failure to form: the restart path
+            print(f"disttrain: rank {plan.rank}: the in-place regroup did not form within {JOIN_TIMEOUT_S:.0f} s "
+                  f"(store {plan.env.get('MASTER_ADDR')}:{plan.env.get('MASTER_PORT')}: "
+                  f"{str(err).splitlines()[0] if str(err) else type(err).__name__}): restarting from the newest "
+                  "checkpoint", file=sys.stderr, flush=True)
+            code = FALLBACK_EXIT
+            break
+        _carry, _second_run = carry, True
+        try:
+            code = _run_script()
+            break
+        except BaseException as err:  # noqa: BLE001 -- as the interpreter would treat it
+            if _distributed_failure(err) and armed.arrived.wait(SETTLE_S):
+                err.__traceback__ = None
+                continue
+            sys.excepthook.previous(type(err), err, err.__traceback__) if isinstance(sys.excepthook, _Hook) \
+                else sys.__excepthook__(type(err), err, err.__traceback__)
+            code = 1
+            break
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """What the interpreter's end does that matters here: atexit handlers (the runtime's shutdown,
+    the worker bootstrap's mark that the script returned), flushed streams; then the exit code."""
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+# -- the second run's resume() -----------------------------------------------------------------
+
+
+def carried() -> tuple[bool, Carry | None]:
+    """Whether this run of the script follows an in-place regroup (its first ``resume()`` then agrees
+    on the state with every other rank: :func:`adopt`), and the state its loop stood at, if it got
+    that far; once."""
+    global _carry, _second_run
+    found = _second_run, _carry
+    _second_run, _carry = False, None
+    return found
+
+
+def adopt(carry: Carry | None, *, rank: int) -> tuple[Carry | None, int | None]:
+    """Agree with the other ranks on the state to go on from: the last step every survivor completed,
+    held by at least one rank (a rank that completed one step more than another is the one to follow:
+    its peers' collectives of that step finished too). Every rank gets it -- from memory, or sent by
+    the lowest rank holding it; (None, None) when no rank can give it (the checkpoint then).
+    The second value: the rank it came from, None when every rank had it."""
+    mine = carry.step if carry is not None and carry.adoptable else -1
+    steps = torch.tensor([mine, -mine], dtype=torch.int64)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    best, lowest = int(steps[0]), -int(steps[1])
+    if best < 0:
+        return None, None
+    holder = torch.tensor([rank if mine == best else dist.get_world_size()], dtype=torch.int64)
+    dist.all_reduce(holder, op=dist.ReduceOp.MIN)
+    source = int(holder)
+    if lowest == best:
+        return carry, None
+    box = [None]
+    if rank == source:
+        box[0] = {"objects": carry.objects, "step": carry.step, "progress": carry.progress}
+    dist.broadcast_object_list(box, src=source)
+    sent = box[0]
+    own_rng = carry.rank_state if carry is not None else {}
+    return Carry(objects=sent["objects"], step=sent["step"], progress=sent["progress"], rank_state=own_rng), source

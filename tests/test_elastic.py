@@ -299,9 +299,14 @@ def test_a_host_that_loses_power_is_left_behind_and_every_sample_is_trained_once
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"] == 0, accounting
     assert accounting["epochs"] == [0, 1]
     record = record_of(tmp_path)
-    assert [(c["change"], c["host"], len(c["hosts"]), c["world_size"]) for c in record] == [
-        ("start", None, 3, 3), ("left", lost, 2, 2)]
+    assert [(c["change"], c["host"], len(c["hosts"]), c["world_size"], c["path"]) for c in record] == [
+        ("start", None, 3, 3, None), ("left", lost, 2, 2, "in place")]
     assert record[1]["resumed_from"] == accounting["attempts"][-1]["first_step"]
+    # in place: the survivors' workers are the processes they were, and no step was done again
+    assert "regrouped in place" in line and accounting["redone_steps"] == 0, accounting
+    starts = {(a, r): json.loads((out / f"attempt{a}_rank{r}.start").read_text()) for a, r in
+              ((0, 0), (0, 1), (record[1]["attempt"], 0), (record[1]["attempt"], 1))}
+    assert [starts[record[1]["attempt"], r]["pid"] for r in (0, 1)] == [starts[0, r]["pid"] for r in (0, 1)]
     cluster3.assert_nothing_left()
 
 

@@ -363,13 +363,27 @@ class Beats(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class InPlace(Record):
+    """The new membership of an in-place regroup, decided by the launcher: the survivors' workers
+    stay and meet on the launcher's store (:mod:`disttrain.runtime.regroup`)."""
+
+    attempt: int  # the new round's number, job-wide
+    ranks: dict[int, int]  # every surviving worker's global rank -> its new one
+    group_ranks: dict[str, int]  # host -> its node's new group rank
+    world_size: int
+    store: str  # host:port of the launcher's store
+
+
+@dataclass(frozen=True, kw_only=True)
 class Regroup(Message):
-    """An elastic job (``--nnodes MIN:MAX``) lost hosts: stop this node's workers at once (no step
-    can finish without the lost peers) and join the rendezvous' next round with the others."""
+    """An elastic job (``--nnodes MIN:MAX``) lost hosts. Without ``in_place``: stop this node's workers
+    at once (no step can finish without the lost peers) and join the rendezvous' next round with the
+    others. With it: tell the workers armed for it their new ranks; those not armed restart as without."""
 
     kind: ClassVar[str] = "agent.regroup"
 
     lost: tuple[str, ...]  # the hosts, for the agent's own line
+    in_place: InPlace | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -395,6 +409,7 @@ class AttemptStarted(Message):
     nodes: int  # nodes in this round
     world_size: int
     ranks: tuple[int, ...]  # this node's global ranks in this round
+    in_place: bool = False  # its workers stayed (an in-place regroup), else they were started
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,11 @@ RESUMED_MARKER = "disttrain: resuming from step "
 # An elastic launch's workers: the folder where each, once disttrain.resume() armed it, listens for its
 # agent's word of an in-place regroup (disttrain.runtime.regroup), on ``regroup.local<LOCAL_RANK>.sock``.
 REGROUP_SOCKET = "DISTTRAIN_REGROUP_SOCKETS"
+# The launcher's: "restart" has an elastic job's survivors restart their workers on a regroup, as
+# before in-place regroups (for comparison; the default keeps them: "in-place").
+REGROUP_MODE = "DISTTRAIN_REGROUP"
+# The rendezvous store's key counting the job's rounds (one number per round, every node alike).
+ROUND_COUNTER = "disttrain/attempts"
 # --hang-timeout: the folder of the ranks' worker-server sockets (disttrain/_worker_site reads it),
 # and the Flight Recorder's size (torch's own variable; ring entries per process).
 HANG_SOCKETS = "DISTTRAIN_HANG_SOCKETS"

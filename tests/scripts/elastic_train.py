@@ -51,7 +51,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.start").write_text(json.dumps({
         "started": started, "imported": imported, "joined": joined, "prepared": prepared, "loaded": loaded,
-        "resumed_from": state.resumed_from, "world_size": ctx.world_size,
+        "resumed_from": state.resumed_from, "world_size": ctx.world_size, "pid": os.getpid(),
     }))
     with open(args.out / f"{name}.jsonl", "a") as log:
         for epoch in state.epochs(args.epochs):

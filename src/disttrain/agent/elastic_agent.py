@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 
@@ -32,6 +33,9 @@ from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from ..inplace import FALLBACK_EXIT, Plan, socket_path
+from ..wire import InPlace
+from ..workerenv import ROUND_COUNTER
 from .logs import RankLogs
 
 SETTLE_S = 5.0  # a failure of the workers waits this long for the launcher to name a lost host
@@ -44,11 +48,13 @@ class Regroups:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lost: list[str] = []
+        self._in_place: InPlace | None = None
         self._event = threading.Event()
 
-    def request(self, hosts: tuple[str, ...]) -> None:
+    def request(self, hosts: tuple[str, ...], in_place: InPlace | None = None) -> None:
         with self._lock:
             self._lost.extend(h for h in hosts if h not in self._lost)
+            self._in_place = in_place  # the latest word decides: a later loss supersedes a plan
             self._event.set()
 
     def wait(self, timeout: float) -> bool:
@@ -57,11 +63,12 @@ class Regroups:
     def pending(self) -> bool:
         return self._event.is_set()
 
-    def take(self) -> list[str]:
+    def take(self) -> tuple[list[str], InPlace | None]:
         with self._lock:
             lost, self._lost = self._lost, []
+            in_place, self._in_place = self._in_place, None
             self._event.clear()
-            return lost
+            return lost, in_place
 
 
 def job_attempt(store: Store, group_rank: int) -> int:
@@ -72,7 +79,7 @@ def job_attempt(store: Store, group_rank: int) -> int:
     """
     if group_rank == 0:
         base = store.underlying_store if isinstance(store, PrefixStore) else store
-        attempt = base.add("disttrain/attempts", 1) - 1
+        attempt = base.add(ROUND_COUNTER, 1) - 1
         store.set("disttrain/attempt", str(attempt))
         return attempt
     return int(store.get("disttrain/attempt"))
@@ -81,11 +88,13 @@ def job_attempt(store: Store, group_rank: int) -> int:
 class ElasticNodeAgent(LocalElasticAgent):
     """``LocalElasticAgent`` that regroups when the launcher says hosts were lost (see the module)."""
 
-    def __init__(self, *, regroups: Regroups, on_attempt: Callable[[int, WorkerGroup], None],
-                 settle_s: float = SETTLE_S, **kwargs) -> None:
+    def __init__(self, *, regroups: Regroups, on_attempt: Callable[[int, WorkerGroup, bool], None],
+                 host: str = "", sockets: str | None = None, settle_s: float = SETTLE_S, **kwargs) -> None:
         super().__init__(**kwargs)
+        self._host = host  # as the launcher names it (the keys of InPlace.group_ranks)
         self._regroups = regroups
         self._on_attempt = on_attempt
+        self._sockets = sockets  # where armed workers listen for an in-place regroup
         self._settle_s = settle_s
         self._peer_lost = False
 
@@ -93,19 +102,60 @@ class ElasticNodeAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.SUCCEEDED:
             return result  # done: a regroup asked meanwhile has nothing left to restart
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and not self._regroups.pending():
+        fell_back = result.state == WorkerState.FAILED and result.failures and all(
+            f.exitcode == FALLBACK_EXIT for f in result.failures.values())
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and not self._regroups.pending() \
+                and not fell_back:
             # A peer's death may end our workers (a connection reset) before the launcher has
             # named the host: wait for that word before counting a failure against --max-restarts.
             self._regroups.wait(self._settle_s)
-        if not self._regroups.pending():
+        if not self._regroups.pending() and not fell_back:
             return result
-        self._regroups.take()  # the launcher says which hosts left, once for all
+        _, in_place = self._regroups.take()  # the launcher says which hosts left, once for all
+        if in_place is not None and result.state == WorkerState.HEALTHY and self._told_in_place(worker_group, in_place):
+            return RunResult(state=WorkerState.HEALTHY)
         self._peer_lost = True
         try:
             self._restart_workers(worker_group)  # stop (below), rendezvous, start: what torch does to grow
         finally:
             self._peer_lost = False
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _told_in_place(self, worker_group: WorkerGroup, in_place: InPlace) -> bool:
+        """Every worker of this node hears its new ranks on its socket (see disttrain.runtime.regroup);
+        False when one cannot (not armed: a script without disttrain.resume(), one not that far yet):
+        the workers are then restarted, and those told fall back when their group does not form."""
+        if self._sockets is None:
+            return False
+        host, port = in_place.store.rsplit(":", 1)
+        group_rank = in_place.group_ranks.get(self._host)
+        if group_rank is None:
+            return False
+        told = []
+        for worker in worker_group.workers:
+            new_rank = in_place.ranks.get(worker.global_rank)
+            if new_rank is None:
+                return False
+            env = {"RANK": str(new_rank), "WORLD_SIZE": str(in_place.world_size), "ROLE_RANK": str(new_rank),
+                   "ROLE_WORLD_SIZE": str(in_place.world_size), "GROUP_RANK": str(group_rank),
+                   "GROUP_WORLD_SIZE": str(len(in_place.group_ranks)), "DISTTRAIN_ATTEMPT": str(in_place.attempt),
+                   "MASTER_ADDR": host, "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+            plan = Plan(attempt=in_place.attempt, env=env)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                try:
+                    sock.sendto(plan.to_bytes(), socket_path(self._sockets, worker.local_rank))
+                except OSError:
+                    return False
+            told.append((worker, new_rank))
+        for worker, new_rank in told:
+            worker.global_rank = worker.role_rank = new_rank
+            worker.world_size = worker.role_world_size = in_place.world_size
+        worker_group.group_rank = group_rank
+        worker_group.group_world_size = len(in_place.group_ranks)
+        if isinstance(self._logs_specs, RankLogs):
+            self._logs_specs.attempt = in_place.attempt
+        self._on_attempt(in_place.attempt, worker_group, True)
+        return True
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         if self._peer_lost:
@@ -118,7 +168,7 @@ class ElasticNodeAgent(LocalElasticAgent):
         attempt = job_attempt(worker_group.store, worker_group.group_rank)
         if isinstance(self._logs_specs, RankLogs):
             self._logs_specs.attempt = attempt
-        self._on_attempt(attempt, worker_group)
+        self._on_attempt(attempt, worker_group, False)
 
 
 @contextlib.contextmanager

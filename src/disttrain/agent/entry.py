@@ -189,7 +189,7 @@ def _request(line: bytes, link: LauncherLink) -> None:
     elif isinstance(request, NodeDone):
         link.peer_done(request)
     elif isinstance(request, Regroup):
-        link.regroups.request(request.lost)
+        link.regroups.request(request.lost, request.in_place)
     elif isinstance(request, StopRequest):
         link.stopping(request.why)
 

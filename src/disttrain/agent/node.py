@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -26,7 +28,7 @@ from ..net import busy_rendezvous
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import tf_node_env
 from ..wire import AttemptStarted
-from ..workerenv import HEARTBEAT_DIR, attempt_library_env
+from ..workerenv import HEARTBEAT_DIR, REGROUP_SOCKET, attempt_library_env
 from . import elastic_agent, flight, lifeline
 from .attempt_store import AttemptStores
 from .cgroup import Container
@@ -142,17 +144,37 @@ def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailur
     return failures
 
 
-def _elastic(plan: LaunchPlan, node: NodePlan, link: Role) -> contextlib.AbstractContextManager:
-    """With ``--nnodes MIN:MAX``, torch's agent that regroups and numbers rounds (see elastic_agent)."""
+def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt,
+             sockets: str | None) -> contextlib.AbstractContextManager:
+    """With ``--nnodes MIN:MAX``, torch's agent that regroups (in place where the workers are armed:
+    ``sockets``) and numbers rounds (see elastic_agent)."""
     if not plan.elastic:
         return contextlib.nullcontext([])
 
-    def on_attempt(attempt: int, group) -> None:
-        link.send(AttemptStarted(host=node.name, attempt=attempt, nodes=group.group_world_size,
-                                 world_size=group.workers[0].world_size,
-                                 ranks=tuple(w.global_rank for w in group.workers)).to_line())
+    def on_attempt(number: int, group, in_place: bool) -> None:
+        ranks = tuple(w.global_rank for w in group.workers)
+        world = group.workers[0].world_size
+        if in_place:  # torch's agent started nobody: the watchdog learns the ranks here
+            attempt.number, attempt.ranks, attempt.world_size = number, tuple(sorted(ranks)), world
+        link.send(AttemptStarted(host=node.name, attempt=number, nodes=group.group_world_size, world_size=world,
+                                 ranks=ranks, in_place=in_place).to_line())
 
-    return elastic_agent.installed(regroups=link.regroups, on_attempt=on_attempt)
+    return elastic_agent.installed(regroups=link.regroups, on_attempt=on_attempt, host=node.name, sockets=sockets)
+
+
+@contextlib.contextmanager
+def _regroup_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | None]:
+    """An elastic PyTorch job: a private folder where each worker armed by ``disttrain.resume()``
+    listens for an in-place regroup (disttrain.runtime.regroup), in the workers' environment."""
+    if not plan.elastic or plan.framework != "pytorch" or plan.run_path:
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix="disttrain-rg-")  # short: a Unix socket's path has 108 bytes
+    env[REGROUP_SOCKET] = folder
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -206,17 +228,18 @@ def _started(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, env:
     early = stack.enter_context(exits_awaited())
     group = stack.enter_context(_worker_group(plan, node))
     sockets = stack.enter_context(_recorder_sockets(plan, env))
+    regroups = stack.enter_context(_regroup_sockets(plan, env))
     stack.enter_context(aborts_after_return(env, say))
     stack.enter_context(_exported(env))
-    return early, group, sockets
+    return early, group, sockets, regroups
 
 
 def _monitored(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt,
-               sockets: str | None, report_to: TextIO):
+               sockets: str | None, regroups: str | None, report_to: TextIO):
     """Monitor, in the node's role: its watchdog (alone it judges hangs; linked it reports its ranks'
     progress), the elastic rounds (``--nnodes MIN:MAX``), the wait for the rendezvous."""
     dog = stack.enter_context(_watchdog(plan, node, link, attempt, sockets))
-    agents = stack.enter_context(_elastic(plan, node, link))
+    agents = stack.enter_context(_elastic(plan, node, link, attempt, regroups))
     wait = stack.enter_context(RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to))
     return dog, agents, wait
 
@@ -256,8 +279,8 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     stores = AttemptStores(plan, node)
     attempt = Attempt(plan.run_dir, plan.world_size)
     with contextlib.ExitStack() as stack:  # stop: all of it undone, in reverse order
-        early, group, sockets = _started(stack, plan, node, env, say)
-        dog, agents, wait = _monitored(stack, plan, node, link, attempt, sockets, report_to)
+        early, group, sockets, regroups = _started(stack, plan, node, env, say)
+        dog, agents, wait = _monitored(stack, plan, node, link, attempt, sockets, regroups, report_to)
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(stores, attempt, group)
         if plan.nnodes > 1:

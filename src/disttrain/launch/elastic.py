@@ -37,7 +37,7 @@ from ..atomic import write_atomic
 from ..config.hosts import Host
 from ..errors import DisttrainError, UsageError
 from ..preflight.checks import check_facts, fact_checks, first_failure
-from ..wire import AttemptStarted, Beats, HostFacts, WireError
+from ..wire import AttemptStarted, Beats, HostFacts, InPlace, WireError
 from ..workerenv import RESUMED_MARKER
 from .supervision import Agents, AgentState, exit_cause
 
@@ -65,6 +65,7 @@ class Change:
     noticed: float | None = None  # a host lost: seconds from its last word to the launcher's verdict
     regrouped: float | None = None  # seconds from the change to the next round's workers starting
     backoff: float | None = None  # a host lost soon after it joined: seconds before it may be tried again
+    path: str | None = None  # how the round after it formed: "in place" (the workers stayed) or "restart"
 
 
 class Membership:
@@ -111,6 +112,11 @@ class Membership:
         self._trained: tuple[float, float] | None = None  # the round's first step, when it was seen
         self._last_attempt = -1
         self._attempted: set[int] = set()  # agent slots that joined a round
+        self._ranks: dict[int, tuple[int, tuple[int, ...]]] = {}  # slot -> (attempt, its global ranks then)
+        # The next job-wide round number from the rendezvous store (an in-place regroup numbers its own
+        # round); None: regroups restart the workers.
+        self.next_attempt: Callable[[], int] | None = None
+        self.store = ""  # host:port of the launcher's store, where an in-place round meets
         start = Change(time=time.time(), change="start", host=None, why="the job started",
                        hosts=self.member_hosts())
         self._pending.append([start, time.monotonic(), None, time.monotonic()])
@@ -171,12 +177,16 @@ class Membership:
             return False
         with self._lock:
             self._attempted.add(slot)
+            self._ranks[slot] = (started.attempt, started.ranks)
             if started.attempt > self._last_attempt:
                 if self._round is not None and not self._round_said and self._trained is not None:
                     self._said_round(self._trained[0], self._round[1])  # it trained: its changes are its
                 self._last_attempt = started.attempt
                 self._round = (started.attempt, now, started)
                 self._round_said = False
+                for entry in self._pending:
+                    if entry[2] is None and entry[3] <= now and entry[0].change != "start":
+                        entry[0] = dataclasses.replace(entry[0], path="in place" if started.in_place else "restart")
                 self._resumed = None
                 self._trained = None
                 for entry in self._pending:
@@ -254,6 +264,29 @@ class Membership:
         self.changes.append(done)
         if say and (change.change != "start" or earlier):
             self.say(membership_line(done, steps=steps, earlier=earlier))
+
+    def in_place(self, slots: Sequence[int]) -> InPlace | None:
+        """The new membership for the agents ``slots`` (the survivors) to regroup in place: their
+        workers keep their order, numbered from 0; None where it cannot be decided here (a member not
+        in the current round yet, no store): they restart."""
+        if self.next_attempt is None or not slots:
+            return None
+        with self._lock:
+            known = [self._ranks.get(slot) for slot in slots]
+            if any(k is None for k in known) or len({attempt for attempt, _ in known}) != 1:
+                return None
+            members = sorted(zip(slots, (ranks for _, ranks in known)), key=lambda m: min(m[1], default=0))
+        new, ranks, group_ranks = 0, {}, {}
+        for group_rank, (slot, old) in enumerate(members):
+            group_ranks[self.table[slot].host] = group_rank
+            for rank in sorted(old):
+                ranks[rank] = new
+                new += 1
+        try:
+            attempt = self.next_attempt()
+        except (RuntimeError, OSError):  # the store did not answer: the restart path's rendezvous decides
+            return None
+        return InPlace(attempt=attempt, ranks=ranks, group_ranks=group_ranks, world_size=new, store=self.store)
 
     # -- hosts that end ---------------------------------------------------------------------
 
@@ -379,6 +412,8 @@ def membership_line(change: Change, *, steps: bool = True, earlier: Sequence[Cha
         parts.append(f"world size {change.world_size}")
     parts.append(f"resumed from step {change.resumed_from}" if change.resumed_from is not None
                  else "no disttrain.resume() step said")
+    if change.path == "in place":
+        parts.append("regrouped in place")
     if change.seconds is not None:
         parts.append(f"training again {change.seconds:.1f} s later" if steps
                      else f"workers started {change.seconds:.1f} s later (the script reports no steps)")

@@ -16,6 +16,7 @@ kept for its root-cause block.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -47,6 +48,7 @@ from ..wire import (
     StopRequest,
     WireError,
 )
+from ..workerenv import REGROUP_MODE, ROUND_COUNTER
 from .diagnostics import Diagnostics
 from .elastic import Membership
 from .rootcause import first_in_time
@@ -220,6 +222,25 @@ class _Solo:
     def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]: return []
     def ended(self, slot: int) -> None: ...
+    def in_place(self, slots) -> None: return None
+
+
+def _round_counter(endpoint: str) -> Callable[[], int]:
+    """The next job-wide round number, from the rendezvous store's counter (the one the agents'
+    rounds take theirs from: disttrain.agent.elastic_agent.job_attempt)."""
+    store = None
+
+    def next_round() -> int:
+        nonlocal store
+        if store is None:
+            from datetime import timedelta
+
+            from torch.distributed import TCPStore
+
+            host, port = endpoint.rsplit(":", 1)
+            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+        return store.add(ROUND_COUNTER, 1) - 1
+    return next_round
 
 
 class _Supervised:
@@ -241,6 +262,9 @@ class _Supervised:
         if membership is not None:
             elastic = self.sup.elastic
             membership.admit = lambda hosts, now: [a.host for a in elastic.admit(self.sup, hosts, now)]
+            if os.environ.get(REGROUP_MODE, "in-place") != "restart":  # the survivors' workers stay
+                membership.store = f"{plan.master_addr}:{plan.master_port}"
+                membership.next_attempt = _round_counter(membership.store)
         self.diag = Diagnostics(say=self.say, late=self.sup.late)
         self.hangs: list[HangReport] = []
         self.failed: dict[int, RankFailed] = {}  # per agent: its root cause, timed on its worker
@@ -450,8 +474,9 @@ class _Supervised:
                     self.stdins.send(self.procs[slot], DumpRequest().to_line())
                 return None
             if isinstance(decision, RegroupWithout):
+                in_place = self.membership.in_place(decision.slots)
                 for slot in decision.slots:
-                    self.stdins.send(self.procs[slot], Regroup(lost=decision.lost).to_line())
+                    self.stdins.send(self.procs[slot], Regroup(lost=decision.lost, in_place=in_place).to_line())
         return False
 
     def _record_losses(self) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..errors import DisttrainError
 from ..placement import choose_device, choose_dist_backend
 from ..workerenv import BENCH_FLUSH_DENORMAL, CONNECT_TIMEOUT, WorkerEnv
-from . import heartbeat, regroup
+from . import groupsockets, heartbeat
 from .state import Runtime
 
 CONNECT_FAILED_EXIT = 75  # EX_TEMPFAIL: the network, not the script, is at fault
@@ -214,7 +214,7 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> Conte
         # torch's init_process_group makes every traceback line read "[rankN]: ..."; disttrain's
         # launcher already puts "[rankN] " before each line, so keep Python's own hook there.
         hook = sys.excepthook
-        with _connect_watchdog(env), regroup.tracking_sockets():
+        with _connect_watchdog(env), groupsockets.tracking():
             store = _attempt_store(env, timeout)
             if store is None:
                 dist.init_process_group(ctx.dist_backend, init_method="env://", timeout=timeout, **extra)

@@ -36,13 +36,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import json
 import os
 import runpy
 import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -50,39 +48,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..inplace import FALLBACK_EXIT, Plan, socket_path
 from ..workerenv import REGROUP_SOCKET
+from . import groupsockets
 
 SETTLE_S = 5.0  # a worker whose collective failed waits this long for the agent's word
 JOIN_TIMEOUT_S = 20.0  # the new group forms within this, or the regroup falls back to the restart
-FALLBACK_EXIT = 76  # in place failed: the agent restarts the workers (the restart path)
 _DIST_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "nccl", "process group",
                "socket", "timed out")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The new membership for one worker, as its agent sends it."""
-
-    attempt: int
-    env: dict[str, str]  # RANK, WORLD_SIZE, GROUP_RANK... and the store to meet on
-    lost: tuple[str, ...] = ()
-
-    @property
-    def rank(self) -> int:
-        return int(self.env["RANK"])
-
-    @property
-    def world_size(self) -> int:
-        return int(self.env["WORLD_SIZE"])
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({"attempt": self.attempt, "env": self.env, "lost": list(self.lost)}).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> Plan:
-        raw = json.loads(data)
-        return cls(attempt=int(raw["attempt"]), env={k: str(v) for k, v in raw["env"].items()},
-                   lost=tuple(raw.get("lost", ())))
 
 
 @dataclass
@@ -106,7 +79,6 @@ class _Armed:
 
 
 _armed: _Armed | None = None
-_group_fds: set[int] = set()  # the current process group's connections
 _carry: Carry | None = None  # set for the second run's resume()
 _second_run = False
 _training: Any = None  # the TrainingState armed (what a regroup carries)
@@ -120,49 +92,6 @@ class Regrouping(BaseException):
 # -- the process group's connections -----------------------------------------------------------
 
 
-def _sockets() -> set[int]:
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                found.add(int(name))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-@contextlib.contextmanager
-def tracking_sockets():
-    """Around the making of the default process group: the sockets it opened are its connections."""
-    global _group_fds
-    if not sys.platform.startswith("linux"):
-        yield
-        return
-    before = _sockets()
-    try:
-        yield
-    finally:
-        _group_fds = _sockets() - before
-
-
-def _cut_group() -> None:
-    """Shut the group's TCP connections down: every collective on them fails now, none waits for a
-    peer that lost power. Listening sockets are left (gloo aborts the process when its listener
-    fails); so is the store's connection, made before the group."""
-    for fd in sorted(_group_fds):
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            sock.close()
-
-
 # -- armed -------------------------------------------------------------------------------------
 
 
@@ -172,7 +101,7 @@ def arm(training: Any) -> bool:
     global _armed, _training
     folder = os.environ.get(REGROUP_SOCKET)
     path = socket_path(folder, os.environ.get("LOCAL_RANK", "0")) if folder else None
-    if not path or not dist.is_initialized() or not _group_fds or threading.current_thread() is not threading.main_thread():
+    if not path or not dist.is_initialized() or not groupsockets.known() or threading.current_thread() is not threading.main_thread():
         return False
     _training = training
     if _armed is not None:
@@ -192,11 +121,6 @@ def arm(training: Any) -> bool:
     return True
 
 
-def socket_path(folder: str, local_rank: int | str) -> str:
-    """Where the worker of ``local_rank`` listens (the agent sends there)."""
-    return os.path.join(folder, f"regroup.local{local_rank}.sock")
-
-
 def _listen(armed: _Armed) -> None:
     while True:
         try:
@@ -206,7 +130,7 @@ def _listen(armed: _Armed) -> None:
             return
         armed.plan = plan
         armed.arrived.set()
-        _cut_group()
+        groupsockets.cut()
 
 
 def _disarm() -> None:
@@ -278,12 +202,11 @@ def _drop_old_world(training: Any) -> None:
 
 def _join(plan: Plan, backend: str) -> None:
     """The new group, on the launcher's store under the attempt's own prefix, within JOIN_TIMEOUT_S."""
-    global _group_fds
     os.environ.update(plan.env)
     timeout = timedelta(seconds=JOIN_TIMEOUT_S)
     store = dist.TCPStore(plan.env["MASTER_ADDR"], int(plan.env["MASTER_PORT"]), is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(f"/disttrain/attempt_{plan.attempt}", store)
-    with tracking_sockets():
+    with groupsockets.tracking():
         dist.init_process_group(backend, store=prefixed, rank=plan.rank, world_size=plan.world_size,
                                 timeout=timedelta(seconds=float(os.environ.get("DISTTRAIN_PG_TIMEOUT", 1800))))
 

@@ -53,7 +53,7 @@ from ..workerenv import REGROUP_SOCKET
 from . import groupsockets
 
 SETTLE_S = 5.0  # a worker whose collective failed waits this long for the agent's word
-JOIN_TIMEOUT_S = 20.0  # the new group forms within this, or the regroup falls back to the restart
+JOIN_TIMEOUT_S = 20.0  # the new group forms within this (DISTTRAIN_REGROUP_JOIN_S), or falls back to the restart
 _DIST_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "nccl", "process group",
                "socket", "timed out")
 
@@ -201,14 +201,42 @@ def _drop_old_world(training: Any) -> None:
 
 
 def _join(plan: Plan, backend: str) -> None:
-    """The new group, on the launcher's store under the attempt's own prefix, within JOIN_TIMEOUT_S."""
+    """The new group, on the launcher's store under the attempt's own prefix. Not formed within
+    :func:`_join_timeout_s` (a member lost meanwhile, one not told): one line and
+    :data:`FALLBACK_EXIT` -- gloo's own wait for its peers is the group's timeout, minutes."""
     os.environ.update(plan.env)
-    timeout = timedelta(seconds=JOIN_TIMEOUT_S)
-    store = dist.TCPStore(plan.env["MASTER_ADDR"], int(plan.env["MASTER_PORT"]), is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(f"/disttrain/attempt_{plan.attempt}", store)
-    with groupsockets.tracking():
-        dist.init_process_group(backend, store=prefixed, rank=plan.rank, world_size=plan.world_size,
-                                timeout=timedelta(seconds=float(os.environ.get("DISTTRAIN_PG_TIMEOUT", 1800))))
+    limit = _join_timeout_s()
+    formed = threading.Event()
+
+    def watch() -> None:
+        if not formed.wait(limit):
+            _fall_back(plan, f"not every member came within {limit:g} s")
+
+    threading.Thread(target=watch, name="disttrain-regroup-join", daemon=True).start()
+    try:
+        store = dist.TCPStore(plan.env["MASTER_ADDR"], int(plan.env["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=limit))
+        prefixed = dist.PrefixStore(f"/disttrain/attempt_{plan.attempt}", store)
+        with groupsockets.tracking():
+            dist.init_process_group(backend, store=prefixed, rank=plan.rank, world_size=plan.world_size,
+                                    timeout=timedelta(seconds=float(os.environ.get("DISTTRAIN_PG_TIMEOUT", 1800))))
+    except Exception as err:  # noqa: BLE001 -- any failure to form: the restart path
+        _fall_back(plan, str(err).splitlines()[0] if str(err) else type(err).__name__)
+    formed.set()
+
+
+def _fall_back(plan: Plan, why: str) -> None:
+    print(f"disttrain: rank {plan.rank}: the in-place regroup did not form ({why}; store "
+          f"{plan.env.get('MASTER_ADDR')}:{plan.env.get('MASTER_PORT')}): restarting from the newest checkpoint",
+          file=sys.stderr, flush=True)
+    os._exit(FALLBACK_EXIT)
+
+
+def _join_timeout_s() -> float:
+    try:
+        return float(os.environ.get("DISTTRAIN_REGROUP_JOIN_S", JOIN_TIMEOUT_S))
+    except ValueError:
+        return JOIN_TIMEOUT_S
 
 
 def _run_script() -> int:
@@ -237,7 +265,6 @@ def _run_again() -> None:
     from . import context
 
     backend = context.last_backend or "gloo"
-    code = 1
     while True:
         armed = _armed
         plan, armed.plan = armed.plan, None
@@ -245,15 +272,7 @@ def _run_again() -> None:
         carry = _take_carry() or _carry
         _drop_old_world(_training)
         gc.collect()
-        try:
-            _join(plan, backend)
-        except Exception as err:  # noqa: BLE001 -- any failure to form: the restart path
-            print(f"disttrain: rank {plan.rank}: the in-place regroup did not form within {JOIN_TIMEOUT_S:.0f} s "
-                  f"(store {plan.env.get('MASTER_ADDR')}:{plan.env.get('MASTER_PORT')}: "
-                  f"{str(err).splitlines()[0] if str(err) else type(err).__name__}): restarting from the newest "
-                  "checkpoint", file=sys.stderr, flush=True)
-            code = FALLBACK_EXIT
-            break
+        _join(plan, backend)
         _carry, _second_run = carry, True
         try:
             code = _run_script()

@@ -1,0 +1,177 @@
+"""Regroup in place (disttrain.runtime.regroup), on one machine: three worker processes of
+tests/scripts/elastic_train.py talk gloo over loopback; the test plays their agents and launcher
+(the store they meet on, the new membership sent on each worker's socket) and takes one away --
+SIGKILLed (its connections reset) or SIGSTOPped (silent, as a host that lost power). The survivors
+must go on as the same processes, with every sample trained once and no step done again.
+
+The launcher's and the agents' parts are tested on real hosts in tests/test_elastic.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from conftest import elastic_bench
+from disttrain.inplace import FALLBACK_EXIT, Plan, socket_path
+from disttrain.launch.elastic import Membership
+from disttrain.wire import AttemptStarted, InPlace, Regroup
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "scripts" / "elastic_train.py"
+bench = elastic_bench()
+
+
+class Workers:
+    """Three single-process 'hosts' of one job, on a store this test holds (the launcher's)."""
+
+    def __init__(self, tmp: Path, *, samples: int = 120, env: dict[str, str] | None = None) -> None:
+        self.out = tmp / "out"
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.folders = [tempfile.mkdtemp(prefix="dtrg-") for _ in range(3)]
+        self.procs = []
+        for rank in range(3):
+            worker_env = {**bench.worker_env(), **(env or {}), **self.world_env(rank, 3, attempt=0),
+                          "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "DISTTRAIN_REGROUP_SOCKETS": self.folders[rank]}
+            self.procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), "--out", str(self.out), "--ckpt", str(tmp / "ckpt"),
+                 "--samples", str(samples), "--epochs", "2", "--batch-size", "2", "--every", "4", "--pause", "0.05"],
+                env=worker_env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"rank{rank}.err", "w")))
+        self.errs = [tmp / f"rank{rank}.err" for rank in range(3)]
+
+    def world_env(self, rank: int, world: int, *, attempt: int) -> dict[str, str]:
+        return {"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": str(world),
+                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "DISTTRAIN_ATTEMPT": str(attempt),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while bench.step_of(self.out) < step:
+            assert all(p.poll() is None for p in self.procs), self.stderr()
+            assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
+            time.sleep(0.05)
+
+    def tell(self, rank: int, new_rank: int, world: int, attempt: int) -> None:
+        plan = Plan(attempt=attempt, env=self.world_env(new_rank, world, attempt=attempt))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(plan.to_bytes(), socket_path(self.folders[rank], 0))
+
+    def finish(self, ranks, timeout: float = 120) -> list[int]:
+        try:
+            return [self.procs[r].wait(timeout=timeout) for r in ranks]
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+    def stderr(self) -> str:
+        return "\n".join(err.read_text()[-3000:] for err in self.errs)
+
+    def start_of(self, attempt: int, rank: int) -> dict:
+        return json.loads((self.out / f"attempt{attempt}_rank{rank}.start").read_text())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("loss", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "silent"])
+def test_the_survivors_go_on_in_place_as_the_same_processes(tmp_path, loss):
+    workers = Workers(tmp_path)
+    try:
+        workers.wait_for_step(8)
+        os.kill(workers.procs[2].pid, loss)
+        for rank in (0, 1):
+            workers.tell(rank, rank, 2, attempt=1)
+        codes = workers.finish((0, 1))
+    finally:
+        workers.stop()
+    assert codes == [0, 0], workers.stderr()
+    accounting = bench.account(workers.out, 120)
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
+    assert accounting["redone_steps"] == 0 and accounting["epochs"] == [0, 1], accounting
+    assert [a["world_size"] for a in accounting["attempts"]] == [3, 2]
+    for rank in (0, 1):
+        before, after = workers.start_of(0, rank), workers.start_of(1, rank)
+        assert after["pid"] == before["pid"] and after["world_size"] == 2
+        assert after["resumed_from"] == accounting["attempts"][1]["first_step"]
+
+
+@pytest.mark.timeout(240)
+def test_a_new_group_that_does_not_form_falls_back_to_the_restart(tmp_path):
+    """Only rank 0 is told (rank 1 is lost too, meanwhile): its group never forms; it says so in one
+    line naming the store and exits with the code its agent answers with the restart."""
+    workers = Workers(tmp_path, env={"DISTTRAIN_REGROUP_JOIN_S": "3"})
+    try:
+        workers.wait_for_step(6)
+        for rank in (1, 2):
+            os.kill(workers.procs[rank].pid, signal.SIGKILL)
+        workers.tell(0, 0, 2, attempt=1)
+        code = workers.procs[0].wait(timeout=60)
+        err = workers.errs[0].read_text()
+    finally:
+        workers.stop()
+    assert code == FALLBACK_EXIT, err[-3000:]
+    assert f"disttrain: rank 0: the in-place regroup did not form (not every member came within 3 s; store " \
+        f"127.0.0.1:{workers.store.port}): restarting from the newest checkpoint" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+# --------------------------------------------------------------------------- the launcher's and agents' parts
+
+
+def test_the_launcher_numbers_the_survivors_in_their_order():
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=2, max_nnodes=3, run_dir="/nonexistent")
+    for slot, ranks in enumerate(((0, 1), (2, 3), (4, 5))):
+        m.agent_line(slot, AttemptStarted(host="abc"[slot], attempt=0, nodes=3, world_size=6, ranks=ranks).to_line())
+    assert m.in_place((0, 2)) is None  # no store to number the round: the restart
+    rounds = iter(range(1, 10))
+    m.next_attempt, m.store = lambda: next(rounds), "10.0.0.9:29500"
+    plan = m.in_place((2, 0))
+    assert plan == InPlace(attempt=1, ranks={0: 0, 1: 1, 4: 2, 5: 3}, group_ranks={"a": 0, "c": 1}, world_size=4,
+                           store="10.0.0.9:29500")
+    line = Regroup(lost=("b",), in_place=plan).to_line()
+    assert Regroup.from_line(line) == Regroup(lost=("b",), in_place=plan)
+    assert Regroup.from_line(Regroup(lost=("b",)).to_line()).in_place is None
+    m.agent_line(1, AttemptStarted(host="b", attempt=2, nodes=3, world_size=6, ranks=(2, 3)).to_line())
+    assert m.in_place((0, 1)) is None  # one member is in another round than the other: the restart decides
+
+
+def test_an_agent_whose_workers_are_not_armed_restarts_them(tmp_path):
+    """No worker listens (a plain torchrun script, or one not at resume() yet): the agent cannot tell it."""
+    from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup
+
+    from disttrain.agent.elastic_agent import ElasticNodeAgent
+
+    agent = object.__new__(ElasticNodeAgent)
+    agent._sockets, agent._host, agent._logs_specs = str(tmp_path), "a", None
+    said = []
+    agent._on_attempt = lambda attempt, group, in_place: said.append((attempt, in_place))
+    group = WorkerGroup.__new__(WorkerGroup)
+    worker = Worker(local_rank=0, global_rank=4, role_rank=4, world_size=6, role_world_size=6)
+    group.workers, group.group_rank, group.group_world_size = [worker], 2, 3
+    plan = InPlace(attempt=1, ranks={0: 0, 4: 1}, group_ranks={"b": 0, "a": 1}, world_size=2, store="h:1")
+    assert not agent._told_in_place(group, plan) and said == []
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listening.bind(socket_path(str(tmp_path), 0))
+    try:
+        assert agent._told_in_place(group, plan)
+        told = Plan.from_bytes(listening.recv(1 << 16))
+    finally:
+        listening.close()
+    assert (told.rank, told.world_size, told.env["GROUP_RANK"], told.env["MASTER_PORT"]) == (1, 2, "1", "1")
+    assert (worker.global_rank, worker.world_size, group.group_rank, group.group_world_size) == (1, 2, 1, 2)
+    assert said == [(1, True)]

@@ -326,8 +326,15 @@ def test_a_host_down_at_the_start_joins_when_it_comes_back(cluster3, tmp_path):
     accounting = bench.account(out, 120)
     assert accounting["attempts"][0]["world_size"] == 2 and accounting["attempts"][-1]["world_size"] == 3
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
-    assert accounting["redone_steps"] == 0  # growing stops at a step boundary and saves it
-    assert [c["change"] for c in record_of(tmp_path)] == ["start", "joined"]
+    assert accounting["redone_steps"] == 0, accounting
+    record = record_of(tmp_path)
+    assert [(c["change"], c["path"]) for c in record] == [("start", None), ("joined", "in place")], record
+    assert "regrouped in place" in line, line
+    # the two hosts that ran on are the processes they were; the new one took the state from them
+    first, last = accounting["attempts"][0]["attempt"], record[1]["attempt"]
+    assert [json.loads((out / f"attempt{last}_rank{r}.start").read_text())["pid"] for r in (0, 1)] == \
+        [json.loads((out / f"attempt{first}_rank{r}.start").read_text())["pid"] for r in (0, 1)]
+    assert json.loads((out / f"attempt{last}_rank2.start").read_text())["resumed_from"] == record[1]["resumed_from"]
     cluster3.assert_nothing_left()
 
 

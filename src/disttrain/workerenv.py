@@ -30,6 +30,9 @@ RESUMED_MARKER = "disttrain: resuming from step "
 # An elastic launch's workers: the folder where each, once disttrain.resume() armed it, listens for its
 # agent's word of an in-place regroup (disttrain.runtime.regroup), on ``regroup.local<LOCAL_RANK>.sock``.
 REGROUP_SOCKET = "DISTTRAIN_REGROUP_SOCKETS"
+# An elastic launch's workers: host:port of the launcher's store, where the runtime's process groups meet
+# under each round's own prefix (so that the survivors of an in-place regroup and new workers can meet).
+GROUP_STORE = "DISTTRAIN_GROUP_STORE"
 # The launcher's: "restart" has an elastic job's survivors restart their workers on a regroup, as
 # before in-place regroups (for comparison; the default keeps them: "in-place").
 REGROUP_MODE = "DISTTRAIN_REGROUP"
@@ -255,6 +258,7 @@ class WorkerEnv:
     # torch's agent hosts the store the workers rendezvous through (it sets
     # TORCHELASTIC_USE_AGENT_STORE), so keys outlive a restart.
     agent_store: bool = False
+    group_store: str | None = None  # GROUP_STORE: an elastic launch's, host:port
     dist_backend: str | None = None
     run_dir: str | None = None
     checkpoint_dir: str | None = None
@@ -291,6 +295,7 @@ class WorkerEnv:
             restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
             attempt=_int(environ, ATTEMPT, _int(environ, "TORCHELASTIC_RESTART_COUNT", 0)),
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            group_store=environ.get(GROUP_STORE) or None,
             dist_backend=environ.get(DIST_BACKEND) or None,
             run_dir=environ.get(RUN_DIR) or None,
             checkpoint_dir=environ.get(CHECKPOINT_DIR) or None,

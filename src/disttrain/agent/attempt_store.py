@@ -18,6 +18,7 @@ from torch.distributed import TCPStore
 
 from ..net import free_port
 from ..plan.launch import LaunchPlan, NodePlan
+from ..workerenv import GROUP_STORE
 
 FAREWELL_S = 10.0  # the rendezvous store's host waits at most this long for the others to leave it
 
@@ -35,6 +36,15 @@ class AttemptStores:
         for env in envs.values():
             env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
             env["MASTER_ADDR"], env["MASTER_PORT"] = addr, port
+            if self.plan.elastic:  # the runtime's groups meet on the launcher's store (runtime/regroup.py)
+                env[GROUP_STORE] = f"{self.plan.master_addr}:{self.plan.master_port}"
+
+    def kept(self, ranks: tuple[int, ...], attempt: int) -> None:
+        """A round whose workers here were kept (an in-place regroup that grew): the node of rank 0
+        still says where the round's store is, for the new nodes' agents, which wait for it (the
+        runtime's workers meet on the launcher's store: the address is for plain scripts)."""
+        if self.plan.nnodes > 1 and 0 in ranks:
+            self._endpoint({0: {"RANK": "0"}}, attempt)
 
     def _endpoint(self, envs: dict[int, dict[str, str]], attempt: int) -> str:
         hosts_rank0 = any(env.get("RANK") == "0" for env in envs.values())

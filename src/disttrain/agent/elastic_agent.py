@@ -24,6 +24,7 @@ duration of one launch in this process (the node's agent process, which disttrai
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -40,6 +41,7 @@ from .logs import RankLogs
 
 SETTLE_S = 5.0  # a failure of the workers waits this long for the launcher to name a lost host
 KILL_WAIT_S = 5  # for workers SIGKILLed on a regroup to be gone
+GROW_JOIN_S = 120  # kept workers wait this long for a joining node's new ones (they start Python and torch)
 
 
 class Regroups:
@@ -89,9 +91,13 @@ class ElasticNodeAgent(LocalElasticAgent):
     """``LocalElasticAgent`` that regroups when the launcher says hosts were lost (see the module)."""
 
     def __init__(self, *, regroups: Regroups, on_attempt: Callable[[int, WorkerGroup, bool], None],
-                 host: str = "", sockets: str | None = None, settle_s: float = SETTLE_S, **kwargs) -> None:
+                 host: str = "", sockets: str | None = None, store: str = "", settle_s: float = SETTLE_S,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self._host = host  # as the launcher names it (the keys of InPlace.group_ranks)
+        self._meet_at = store  # host:port of the launcher's store, where in-place rounds meet
+        self._attempt = 0  # the current round's job-wide number
+        self._in_place_round = False  # the round being formed keeps this node's workers
         self._regroups = regroups
         self._on_attempt = on_attempt
         self._sockets = sockets  # where armed workers listen for an in-place regroup
@@ -121,37 +127,68 @@ class ElasticNodeAgent(LocalElasticAgent):
             self._peer_lost = False
         return RunResult(state=WorkerState.HEALTHY)
 
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """A node waits to join (torch's agent restarts the workers for the round with it): workers
+        armed for it stay, told their ranks in the new round; its new workers take the state from them."""
+        if self._peer_lost or not self._meet_at or not self._armed(worker_group):
+            super()._restart_workers(worker_group)
+            return
+        pids = {worker.local_rank: worker.id for worker in worker_group.workers}
+        self._in_place_round = True
+        try:
+            self._rendezvous(worker_group)  # the round with the new node: this node's new ranks
+        finally:
+            self._in_place_round = False
+        for worker in worker_group.workers:
+            worker.id = pids.get(worker.local_rank)
+        host, port = self._meet_at.rsplit(":", 1)
+        if not all(self._tell(worker, worker_group, self._attempt, host, port) for worker in worker_group.workers):
+            self._stop_workers(worker_group)  # one was not told: all start again, as torch would
+            for local_rank, pid in self._start_workers(worker_group).items():
+                worker_group.workers[local_rank].id = pid
+        worker_group.state = WorkerState.HEALTHY
+
+    def _armed(self, worker_group: WorkerGroup) -> bool:
+        return self._sockets is not None and all(
+            os.path.exists(socket_path(self._sockets, w.local_rank)) for w in worker_group.workers)
+
+    def _tell(self, worker, worker_group: WorkerGroup, attempt: int, host: str, port: str, *, lost: bool = False) -> bool:
+        """Worker ``worker`` (its new ranks set) hears them on its socket; False when it cannot."""
+        env = {"RANK": str(worker.global_rank), "WORLD_SIZE": str(worker.world_size),
+               "ROLE_RANK": str(worker.role_rank), "ROLE_WORLD_SIZE": str(worker.role_world_size),
+               "GROUP_RANK": str(worker_group.group_rank), "GROUP_WORLD_SIZE": str(worker_group.group_world_size),
+               "DISTTRAIN_ATTEMPT": str(attempt), "MASTER_ADDR": host, "MASTER_PORT": port,
+               "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        if not lost:  # a node joins: its workers start (Python, torch) before the group forms
+            env["DISTTRAIN_REGROUP_JOIN_S"] = str(GROW_JOIN_S)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            try:
+                sock.sendto(Plan(attempt=attempt, env=env).to_bytes(), socket_path(self._sockets, worker.local_rank))
+            except OSError:
+                return False
+        return True
+
     def _told_in_place(self, worker_group: WorkerGroup, in_place: InPlace) -> bool:
         """Every worker of this node hears its new ranks on its socket (see disttrain.runtime.regroup);
         False when one cannot (not armed: a script without disttrain.resume(), one not that far yet):
         the workers are then restarted, and those told fall back when their group does not form."""
-        if self._sockets is None:
-            return False
         host, port = in_place.store.rsplit(":", 1)
         group_rank = in_place.group_ranks.get(self._host)
-        if group_rank is None:
+        if group_rank is None or not self._armed(worker_group):
             return False
         told = []
         for worker in worker_group.workers:
             new_rank = in_place.ranks.get(worker.global_rank)
             if new_rank is None:
                 return False
-            env = {"RANK": str(new_rank), "WORLD_SIZE": str(in_place.world_size), "ROLE_RANK": str(new_rank),
-                   "ROLE_WORLD_SIZE": str(in_place.world_size), "GROUP_RANK": str(group_rank),
-                   "GROUP_WORLD_SIZE": str(len(in_place.group_ranks)), "DISTTRAIN_ATTEMPT": str(in_place.attempt),
-                   "MASTER_ADDR": host, "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "True"}
-            plan = Plan(attempt=in_place.attempt, env=env)
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-                try:
-                    sock.sendto(plan.to_bytes(), socket_path(self._sockets, worker.local_rank))
-                except OSError:
-                    return False
             told.append((worker, new_rank))
         for worker, new_rank in told:
             worker.global_rank = worker.role_rank = new_rank
             worker.world_size = worker.role_world_size = in_place.world_size
         worker_group.group_rank = group_rank
         worker_group.group_world_size = len(in_place.group_ranks)
+        if not all(self._tell(worker, worker_group, in_place.attempt, host, port, lost=True) for worker, _ in told):
+            return False
         if isinstance(self._logs_specs, RankLogs):
             self._logs_specs.attempt = in_place.attempt
         self._on_attempt(in_place.attempt, worker_group, True)
@@ -165,10 +202,10 @@ class ElasticNodeAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
-        attempt = job_attempt(worker_group.store, worker_group.group_rank)
+        attempt = self._attempt = job_attempt(worker_group.store, worker_group.group_rank)
         if isinstance(self._logs_specs, RankLogs):
             self._logs_specs.attempt = attempt
-        self._on_attempt(attempt, worker_group, False)
+        self._on_attempt(attempt, worker_group, self._in_place_round)
 
 
 @contextlib.contextmanager

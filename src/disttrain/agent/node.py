@@ -144,7 +144,7 @@ def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailur
     return failures
 
 
-def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt,
+def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt, stores: AttemptStores,
              sockets: str | None) -> contextlib.AbstractContextManager:
     """With ``--nnodes MIN:MAX``, torch's agent that regroups (in place where the workers are armed:
     ``sockets``) and numbers rounds (see elastic_agent)."""
@@ -154,12 +154,14 @@ def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt,
     def on_attempt(number: int, group, in_place: bool) -> None:
         ranks = tuple(w.global_rank for w in group.workers)
         world = group.workers[0].world_size
-        if in_place:  # torch's agent started nobody: the watchdog learns the ranks here
+        if in_place:  # torch's agent started nobody: the watchdog and the new nodes learn the round here
             attempt.number, attempt.ranks, attempt.world_size = number, tuple(sorted(ranks)), world
+            stores.kept(ranks, number)
         link.send(AttemptStarted(host=node.name, attempt=number, nodes=group.group_world_size, world_size=world,
                                  ranks=ranks, in_place=in_place).to_line())
 
-    return elastic_agent.installed(regroups=link.regroups, on_attempt=on_attempt, host=node.name, sockets=sockets)
+    return elastic_agent.installed(regroups=link.regroups, on_attempt=on_attempt, host=node.name, sockets=sockets,
+                                   store=f"{plan.master_addr}:{plan.master_port}" if sockets else "")
 
 
 @contextlib.contextmanager
@@ -235,11 +237,11 @@ def _started(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, env:
 
 
 def _monitored(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt,
-               sockets: str | None, regroups: str | None, report_to: TextIO):
+               stores: AttemptStores, sockets: str | None, regroups: str | None, report_to: TextIO):
     """Monitor, in the node's role: its watchdog (alone it judges hangs; linked it reports its ranks'
     progress), the elastic rounds (``--nnodes MIN:MAX``), the wait for the rendezvous."""
     dog = stack.enter_context(_watchdog(plan, node, link, attempt, sockets))
-    agents = stack.enter_context(_elastic(plan, node, link, attempt, regroups))
+    agents = stack.enter_context(_elastic(plan, node, link, attempt, stores, regroups))
     wait = stack.enter_context(RendezvousWait(awaited(plan, node), timeout_s=plan.rdzv_timeout_s, report_to=report_to))
     return dog, agents, wait
 
@@ -280,7 +282,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     attempt = Attempt(plan.run_dir, plan.world_size)
     with contextlib.ExitStack() as stack:  # stop: all of it undone, in reverse order
         early, group, sockets, regroups = _started(stack, plan, node, env, say)
-        dog, agents, wait = _monitored(stack, plan, node, link, attempt, sockets, regroups, report_to)
+        dog, agents, wait = _monitored(stack, plan, node, link, attempt, stores, sockets, regroups, report_to)
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(stores, attempt, group)
         if plan.nnodes > 1:

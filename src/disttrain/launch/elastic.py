@@ -178,6 +178,10 @@ class Membership:
         with self._lock:
             self._attempted.add(slot)
             self._ranks[slot] = (started.attempt, started.ranks)
+            if started.in_place and started.attempt == self._last_attempt:  # a node of the round kept its workers
+                for entry in self._pending:
+                    if entry[2] == self._round[1] and entry[0].change != "start":
+                        entry[0] = dataclasses.replace(entry[0], path="in place")
             if started.attempt > self._last_attempt:
                 if self._round is not None and not self._round_said and self._trained is not None:
                     self._said_round(self._trained[0], self._round[1])  # it trained: its changes are its

@@ -60,18 +60,24 @@ def _connect_watchdog(env: WorkerEnv):
 
 
 def _attempt_store(env: WorkerEnv, timeout: timedelta) -> dist.Store | None:
-    """The agent's store, under a prefix of this restart's own; None: use ``env://``.
+    """The store the group meets on, under a prefix of this round's own; None: use ``env://``.
 
-    torch's elastic agent keeps one store for the whole job with static rendezvous (and
-    shares its c10d one), and ``env://`` adds no per-restart prefix: after a restart
-    (``--max-restarts``) the ranks can read the previous attempt's addresses and the
-    process group fails with "Connection refused" -- often, not always.
+    An elastic launch's workers meet on the launcher's store (``env.group_store``: the survivors
+    of an in-place regroup meet new workers there). Otherwise torch's elastic agent's, where it
+    keeps one store for the whole job with static rendezvous (and shares its c10d one), and
+    ``env://`` adds no per-restart prefix: after a restart (``--max-restarts``) the ranks can read
+    the previous attempt's addresses and the process group fails with "Connection refused" --
+    often, not always.
     """
-    if not env.agent_store or env.master_addr is None or env.master_port is None:
+    if env.group_store:
+        host, _, port = env.group_store.rpartition(":")
+    elif env.agent_store and env.master_addr is not None and env.master_port is not None:
+        host, port = env.master_addr, str(env.master_port)
+    else:
         return None
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
-                          timeout=timeout)
-    return dist.PrefixStore(f"/disttrain/attempt_{env.attempt}", store)
+    store = dist.TCPStore(host, int(port), env.world_size, is_master=False, timeout=timeout)
+    groupsockets.store = dist.PrefixStore(f"/disttrain/attempt_{env.attempt}", store)
+    return groupsockets.store
 
 
 @dataclass(frozen=True, kw_only=True)

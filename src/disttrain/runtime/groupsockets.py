@@ -1,4 +1,4 @@
-"""The default process group's own TCP connections, and cutting them.
+"""The default process group's own TCP connections, and cutting them; the store it met on.
 
 A collective blocked on a peer that lost power waits out the group's timeout: no reset ever comes,
 and gloo's ``abort()`` does not end a collective already waiting. Shutting the group's sockets down
@@ -14,6 +14,7 @@ import socket
 import sys
 
 _group_fds: set[int] = set()
+store = None  # the (prefixed) store the runtime made the group on, when it made it on one
 
 
 def _sockets() -> set[int]:

@@ -54,6 +54,7 @@ from . import groupsockets
 
 SETTLE_S = 5.0  # a worker whose collective failed waits this long for the agent's word
 JOIN_TIMEOUT_S = 20.0  # the new group forms within this (DISTTRAIN_REGROUP_JOIN_S), or falls back to the restart
+IN_PLACE_KEY = "in_place"  # in a round's store: survivors of an in-place regroup are in it
 _DIST_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "nccl", "process group",
                "socket", "timed out")
 
@@ -217,6 +218,8 @@ def _join(plan: Plan, backend: str) -> None:
         store = dist.TCPStore(plan.env["MASTER_ADDR"], int(plan.env["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(seconds=limit))
         prefixed = dist.PrefixStore(f"/disttrain/attempt_{plan.attempt}", store)
+        prefixed.set(IN_PLACE_KEY, "1")  # for new workers of the round (a host joining): take the state from us
+        groupsockets.store = prefixed
         with groupsockets.tracking():
             dist.init_process_group(backend, store=prefixed, rank=plan.rank, world_size=plan.world_size,
                                     timeout=timedelta(seconds=float(os.environ.get("DISTTRAIN_PG_TIMEOUT", 1800))))
@@ -310,6 +313,18 @@ def carried() -> tuple[bool, Carry | None]:
     found = _second_run, _carry
     _second_run, _carry = False, None
     return found
+
+
+def joining() -> bool:
+    """A worker's first run, in a round that survivors of an in-place regroup are in (a host that
+    joins): its ``resume()`` takes the state from them (:func:`adopt`), not from the checkpoint."""
+    store = groupsockets.store
+    if store is None or not os.environ.get(REGROUP_SOCKET):
+        return False
+    try:
+        return store.check([IN_PLACE_KEY])
+    except Exception:  # noqa: BLE001 -- a store gone: nobody to take it from
+        return False
 
 
 def adopt(carry: Carry | None, *, rank: int) -> tuple[Carry | None, int | None]:

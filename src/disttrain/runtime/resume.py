@@ -103,7 +103,7 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
                           keep_last=keep_last, objects=kept, ctx=ctx)
     state.asynchronous = asynchronous
     second_run, carry = regroup.carried() if ctx.distributed else (False, None)
-    if second_run:
+    if second_run or (ctx.distributed and regroup.joining()):
         state._adopt(carry, weights_only)
     elif state.directory is not None:
         state._load(weights_only)

@@ -60,7 +60,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "scripts" / "elastic_train.py"
-KINDS = ("power-off", "agent-killed", "store-host-lost", "flapping")
+KINDS = ("power-off", "agent-killed", "store-host-lost", "flapping", "join")
 LAUNCHER_ONLY = ("store-host-lost", "flapping", "none")  # node0 runs only the launcher
 SNAPSHOT_MODES = ("none", "memory", "shm", "peer", "disk")
 
@@ -161,12 +161,15 @@ def job_nodes(cluster, kind: str) -> list:
     return cluster.nodes[1:] if kind in LAUNCHER_ONLY else cluster.nodes
 
 
-def start_disttrain(cluster, out: Path, ckpt: Path, args, log: Path, kind: str = "power-off") -> subprocess.Popen:
+def start_disttrain(cluster, out: Path, ckpt: Path, args, log: Path, kind: str = "power-off",
+                    regroup: str = "in-place") -> subprocess.Popen:
+    """``regroup``: "restart" has the survivors' workers restarted (DISTTRAIN_REGROUP), as before
+    in-place regroups."""
     hosts = ",".join(f"root@{node.ip}" for node in job_nodes(cluster, kind))
     argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "--nnodes", "2:3", "-n", "1",
             "--log-dir", str(log.parent / "run"), *cluster.cli_ssh_args(), *job_args(out, ckpt, args)]
-    return cluster.popen_in("node0", argv, cwd=ROOT, env=worker_env(), stdout=subprocess.DEVNULL,
-                            stderr=open(log, "w"), stdin=subprocess.DEVNULL)
+    return cluster.popen_in("node0", argv, cwd=ROOT, env={**worker_env(), "DISTTRAIN_REGROUP": regroup},
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), stdin=subprocess.DEVNULL)
 
 
 def start_torchrun(cluster, out: Path, ckpt: Path, args, log: Path, kind: str = "power-off") -> list[subprocess.Popen]:
@@ -199,6 +202,8 @@ def cut(cluster, kind: str) -> float:
         cluster.power_off("node1")
     elif kind == "flapping":
         cluster.power_off("node3")
+    elif kind == "join":  # down from the start: back now
+        cluster.power_on("node2")
     return at
 
 
@@ -231,6 +236,12 @@ def parts(out: Path, record: list[dict] | None, cut_at: float) -> dict:
     result = {"recovered": bool(steps), "world_size": starts[0]["world_size"]}
     formed = None
     if record:
+        joined = next((c for c in record if c["change"] == "joined"), None)
+        if joined is not None and not any(c["change"] == "left" for c in record):
+            # a host back: from its answer to the preflight (the change's time) to the new world's first step
+            result["answered_s"] = round(joined["time"] - cut_at, 2)
+            result["join_to_training_s"] = joined["seconds"]
+            result["path"] = joined.get("path")
         left = next((c for c in record if c["change"] == "left"), None)
         if left is not None:
             detected = left["time"] + (left["noticed"] or 0)
@@ -238,6 +249,7 @@ def parts(out: Path, record: list[dict] | None, cut_at: float) -> dict:
             if left.get("regrouped") is not None:
                 formed = left["time"] + left["regrouped"]
                 result["rendezvous_s"] = round(formed - detected, 2)
+            result["path"] = left.get("path")
     began = formed if formed is not None else cut_at
     # To the script's model, optimizer and DDP ready on every rank (an interpreter, torch, the process
     # group, and torch.optim's first use, which imports torch._dynamo: seconds of their own).
@@ -255,7 +267,10 @@ def trial(cluster, kind: str, launcher: str, args, work: Path) -> dict:
     for path in (out, ckpt):
         shutil.rmtree(path, ignore_errors=True)
     out.mkdir(parents=True)
-    procs = ([start_disttrain(cluster, out, ckpt, args, log, kind)] if launcher == "disttrain"
+    if kind == "join":
+        cluster.power_off("node2")
+    procs = ([start_disttrain(cluster, out, ckpt, args, log, kind, regroup="restart" if launcher.endswith("restart")
+                              else "in-place")] if launcher.startswith("disttrain")
              else start_torchrun(cluster, out, ckpt, args, log, kind))
     began = time.time()
     deadline = time.monotonic() + args.start_timeout
@@ -269,7 +284,7 @@ def trial(cluster, kind: str, launcher: str, args, work: Path) -> dict:
         return {"kind": kind, "launcher": launcher, "error": "no checkpoint before the cut: " + log.read_text()[-2000:]}
     cut_step = step_of(out)
     cut_at = cut(cluster, kind)
-    flaps = flap(cluster, procs, args) if kind == "flapping" and launcher == "disttrain" else None
+    flaps = flap(cluster, procs, args) if kind == "flapping" and launcher.startswith("disttrain") else None
     cap = time.monotonic() + (args.torchrun_cap if launcher == "torchrun" else args.run_timeout)
     while time.monotonic() < cap and any(p.poll() is None for p in procs[:2]):
         time.sleep(0.2)
@@ -293,7 +308,7 @@ def trial(cluster, kind: str, launcher: str, args, work: Path) -> dict:
         result["joined"] = sum(c["change"] == "joined" for c in record or ())
         result["left"] = sum(c["change"] == "left" for c in record or ())
         result["backoffs_s"] = [c.get("backoff") for c in record or () if c["change"] == "left"]
-    if launcher == "disttrain":
+    if launcher.startswith("disttrain"):
         line = next((ln for ln in log.read_text().splitlines() if "disttrain: membership:" in ln), None)
         result["membership_line"] = line
     shutil.rmtree(work / "run", ignore_errors=True)
@@ -384,7 +399,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--kinds", default=",".join(KINDS))
-    parser.add_argument("--launchers", default="disttrain,torchrun")
+    parser.add_argument("--launchers", default="disttrain,disttrain-restart,torchrun",
+                        help="disttrain (in place), disttrain-restart (DISTTRAIN_REGROUP=restart), torchrun (by hand)")
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=2)
@@ -419,8 +435,8 @@ def main() -> int:
             for n in range(args.trials):
                 for kind in args.kinds.split(","):
                     for launcher in args.launchers.split(","):
-                        if kind == "flapping" and launcher != "disttrain":
-                            continue  # torchrun admits nothing back: no flap to measure
+                        if kind in ("flapping", "join") and launcher == "torchrun":
+                            continue  # torchrun admits nothing back by itself
                         with Cluster(4 if kind in LAUNCHER_ONLY else 3, bridge=True) as cluster:
                             res = trial(cluster, kind, launcher, args, work / f"{launcher}-{kind}-{n}")
                         res["load"] = os.getloadavg()[0]
@@ -441,7 +457,7 @@ def summarize(trials: list[dict]) -> dict:
     """Medians per kind and launcher; disttrain's total over torchrun's (capped) in the same run."""
     out: dict = {}
     keys = ("detection_s", "rendezvous_s", "worker_start_s", "torch_import_s", "checkpoint_load_s", "first_step_s",
-            "total_s", "job_s")
+            "total_s", "answered_s", "join_to_training_s", "job_s")
     for kind in {t["kind"] for t in trials}:
         for launcher in {t["launcher"] for t in trials}:
             runs = [t for t in trials if t["kind"] == kind and t["launcher"] == launcher and "error" not in t]
@@ -452,6 +468,7 @@ def summarize(trials: list[dict]) -> dict:
             entry["recovered"] = sum(bool(t.get("recovered")) for t in runs)
             entry["trials"] = len(runs)
             entry["redone_steps"] = [t["accounting"]["redone_steps"] for t in runs]
+            entry["paths"] = [t.get("path") for t in runs]
             out[f"{launcher}/{kind}"] = entry
         d, t = out.get(f"disttrain/{kind}"), out.get(f"torchrun/{kind}")
         if d and t and "total_s" in d:

@@ -36,7 +36,8 @@ bench = elastic_bench()
 class Workers:
     """Three single-process 'hosts' of one job, on a store this test holds (the launcher's)."""
 
-    def __init__(self, tmp: Path, *, samples: int = 120, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, *, samples: int = 120, env: dict[str, str] | None = None,
+                 args: tuple[str, ...] = ()) -> None:
         self.out = tmp / "out"
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
@@ -47,7 +48,7 @@ class Workers:
                           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "DISTTRAIN_REGROUP_SOCKETS": self.folders[rank]}
             self.procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), "--out", str(self.out), "--ckpt", str(tmp / "ckpt"),
-                 "--samples", str(samples), "--epochs", "2", "--batch-size", "2", "--every", "4", "--pause", "0.05"],
+                 "--samples", str(samples), "--epochs", "2", "--batch-size", "2", "--every", "4", "--pause", "0.05", *args],
                 env=worker_env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"rank{rank}.err", "w")))
         self.errs = [tmp / f"rank{rank}.err" for rank in range(3)]
 
@@ -128,6 +129,27 @@ def test_a_new_group_that_does_not_form_falls_back_to_the_restart(tmp_path):
     assert f"disttrain: rank 0: the in-place regroup did not form (not every member came within 3 s; store " \
         f"127.0.0.1:{workers.store.port}): restarting from the newest checkpoint" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_sharded_model_goes_on_in_place_from_the_newest_checkpoint(tmp_path):
+    """FSDP: the lost rank's shard is held nowhere else; the survivors stay, and load the checkpoint."""
+    workers = Workers(tmp_path, args=("--strategy", "fsdp"))
+    try:
+        workers.wait_for_step(9)
+        os.kill(workers.procs[2].pid, signal.SIGSTOP)
+        for rank in (0, 1):
+            workers.tell(rank, rank, 2, attempt=1)
+        codes = workers.finish((0, 1))
+    finally:
+        workers.stop()
+    assert codes == [0, 0], workers.stderr()
+    assert "disttrain: regrouped in place; a sharded model's lost shard is held nowhere else: loading the " \
+        "newest checkpoint" in workers.stderr()
+    accounting = bench.account(workers.out, 120)
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
+    assert accounting["attempts"][1]["first_step"] % 4 == 0  # a checkpoint's step
+    assert [workers.start_of(1, r)["pid"] for r in (0, 1)] == [workers.start_of(0, r)["pid"] for r in (0, 1)]
 
 
 # --------------------------------------------------------------------------- the launcher's and agents' parts

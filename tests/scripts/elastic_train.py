@@ -3,6 +3,7 @@ samples with the step's index, so that tests/test_elastic.py (and bench/elastic.
 for every sample across attempts.
 
 Usage: elastic_train.py --out OUT [--ckpt CKPT] --samples N --epochs E --batch-size B --every K [--pause S]
+                        [--strategy fsdp]
 (CKPT: default $DISTTRAIN_CHECKPOINT_DIR, a job's checkpoint folder)
 Writes OUT/attempt<A>_rank<R>.jsonl: one line per finished step (the line precedes the step's
 checkpoint, so a step logged may be re-done after a loss; one checkpointed is always logged), and
@@ -32,17 +33,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--pause", type=float, default=0.2)
+    parser.add_argument("--strategy", default="ddp", help="prepare()'s: ddp or fsdp")
     args = parser.parse_args()
 
     imported = time.time()
     ctx = disttrain.init()
     joined = time.time()
     torch.manual_seed(0)
-    model = torch.nn.Linear(1, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(TensorDataset(torch.arange(args.samples)), batch_size=args.batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(1))
-    model, optimizer, loader = disttrain.prepare(model, optimizer, loader)
+    model, optimizer, loader = disttrain.prepare(model, optimizer, loader, strategy=args.strategy)
     prepared = time.time()
     state = disttrain.resume(args.ckpt, every=args.every, model=model, optimizer=optimizer)
     loaded = time.time()

@@ -82,6 +82,7 @@ class _Armed:
 _armed: _Armed | None = None
 _carry: Carry | None = None  # set for the second run's resume()
 _second_run = False
+_final = False  # the script's last run failed for good: the excepthook only reports
 _training: Any = None  # the TrainingState armed (what a regroup carries)
 
 
@@ -102,7 +103,8 @@ def arm(training: Any) -> bool:
     global _armed, _training
     folder = os.environ.get(REGROUP_SOCKET)
     path = socket_path(folder, os.environ.get("LOCAL_RANK", "0")) if folder else None
-    if not path or not dist.is_initialized() or not groupsockets.known() or threading.current_thread() is not threading.main_thread():
+    runnable = os.path.isfile(sys.argv[0]) or "-m" in getattr(sys, "orig_argv", [])[1:]  # not python -c
+    if not path or not runnable or not dist.is_initialized() or not groupsockets.known() or threading.current_thread() is not threading.main_thread():
         return False
     _training = training
     if _armed is not None:
@@ -168,7 +170,7 @@ class _Hook:
 
     def __call__(self, kind, value, tb) -> None:
         armed = _armed
-        if armed is None or not _distributed_failure(value) or not armed.arrived.wait(SETTLE_S):
+        if armed is None or _final or not _distributed_failure(value) or not armed.arrived.wait(SETTLE_S):
             self.previous(kind, value, tb)
             return
         value.__traceback__ = None
@@ -264,7 +266,7 @@ def _run_script() -> int:
 def _run_again() -> None:
     """Carry the state over, join the new world, run the script again (and again, while regroups
     come); then end the process as the interpreter would, with the script's exit code."""
-    global _carry, _second_run
+    global _carry, _second_run, _final
     from . import context
 
     backend = context.last_backend or "gloo"
@@ -284,8 +286,8 @@ def _run_again() -> None:
             if _distributed_failure(err) and armed.arrived.wait(SETTLE_S):
                 err.__traceback__ = None
                 continue
-            sys.excepthook.previous(type(err), err, err.__traceback__) if isinstance(sys.excepthook, _Hook) \
-                else sys.__excepthook__(type(err), err, err.__traceback__)
+            _final = True  # the hooks say it as for any failure; no more running again
+            sys.excepthook(type(err), err, err.__traceback__)
             code = 1
             break
     _exit(code)

@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from conftest import elastic_bench
@@ -37,20 +38,21 @@ class Workers:
     """Three single-process 'hosts' of one job, on a store this test holds (the launcher's)."""
 
     def __init__(self, tmp: Path, *, samples: int = 120, env: dict[str, str] | None = None,
-                 args: tuple[str, ...] = ()) -> None:
+                 args: tuple[str, ...] = (), world: int = 3, ckpt: Path | None = None) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
         self.out = tmp / "out"
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
-        self.folders = [tempfile.mkdtemp(prefix="dtrg-") for _ in range(3)]
+        self.folders = [tempfile.mkdtemp(prefix="dtrg-") for _ in range(world)]
         self.procs = []
-        for rank in range(3):
-            worker_env = {**bench.worker_env(), **(env or {}), **self.world_env(rank, 3, attempt=0),
+        for rank in range(world):
+            worker_env = {**bench.worker_env(), **(env or {}), **self.world_env(rank, world, attempt=0),
                           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "DISTTRAIN_REGROUP_SOCKETS": self.folders[rank]}
             self.procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), "--out", str(self.out), "--ckpt", str(tmp / "ckpt"),
+                [sys.executable, str(WORKER), "--out", str(self.out), "--ckpt", str(ckpt or tmp / "ckpt"),
                  "--samples", str(samples), "--epochs", "2", "--batch-size", "2", "--every", "4", "--pause", "0.05", *args],
                 env=worker_env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"rank{rank}.err", "w")))
-        self.errs = [tmp / f"rank{rank}.err" for rank in range(3)]
+        self.errs = [tmp / f"rank{rank}.err" for rank in range(world)]
 
     def world_env(self, rank: int, world: int, *, attempt: int) -> dict[str, str]:
         return {"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": str(world),
@@ -109,6 +111,29 @@ def test_the_survivors_go_on_in_place_as_the_same_processes(tmp_path, loss):
         before, after = workers.start_of(0, rank), workers.start_of(1, rank)
         assert after["pid"] == before["pid"] and after["world_size"] == 2
         assert after["resumed_from"] == accounting["attempts"][1]["first_step"]
+
+
+@pytest.mark.timeout(300)
+def test_in_place_ends_with_the_weights_of_a_restart_from_the_same_step(tmp_path):
+    """The survivors go on from memory; the same step saved, and resumed by two fresh ranks from disk,
+    ends with the same bits: nothing of the state is lost or changed by staying in place."""
+    workers = Workers(tmp_path / "in_place", args=("--final", str(tmp_path / "in_place.pt")))
+    try:
+        workers.wait_for_step(8)
+        os.kill(workers.procs[2].pid, signal.SIGSTOP)
+        for rank in (0, 1):
+            workers.tell(rank, rank, 2, attempt=1)
+        assert workers.finish((0, 1)) == [0, 0], workers.stderr()
+    finally:
+        workers.stop()
+    step = workers.start_of(1, 0)["resumed_from"]
+    ckpt = tmp_path / "ckpt"
+    for world, args in ((3, ("--stop-after", str(step))), (2, ("--final", str(tmp_path / "restart.pt")))):
+        run = Workers(tmp_path / f"restart{world}", world=world, ckpt=ckpt, args=args)
+        assert run.finish(range(world)) == [0] * world, run.stderr()
+    in_place, restart = torch.load(tmp_path / "in_place.pt"), torch.load(tmp_path / "restart.pt")
+    assert in_place.keys() == restart.keys()
+    assert all(torch.equal(in_place[k], restart[k]) for k in in_place), (step, in_place, restart)
 
 
 @pytest.mark.timeout(240)

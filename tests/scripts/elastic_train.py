@@ -3,7 +3,7 @@ samples with the step's index, so that tests/test_elastic.py (and bench/elastic.
 for every sample across attempts.
 
 Usage: elastic_train.py --out OUT [--ckpt CKPT] --samples N --epochs E --batch-size B --every K [--pause S]
-                        [--strategy fsdp]
+                        [--strategy fsdp] [--stop-after N] [--final WEIGHTS]
 (CKPT: default $DISTTRAIN_CHECKPOINT_DIR, a job's checkpoint folder)
 Writes OUT/attempt<A>_rank<R>.jsonl: one line per finished step (the line precedes the step's
 checkpoint, so a step logged may be re-done after a loss; one checkpointed is always logged), and
@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--pause", type=float, default=0.2)
     parser.add_argument("--strategy", default="ddp", help="prepare()'s: ddp or fsdp")
+    parser.add_argument("--stop-after", type=int, default=0, help="save after this step and end (0: never)")
+    parser.add_argument("--final", type=Path, help="where rank 0 saves the model's weights at the end")
     args = parser.parse_args()
 
     imported = time.time()
@@ -58,7 +60,11 @@ def main() -> None:
     with open(args.out / f"{name}.jsonl", "a") as log:
         for epoch in state.epochs(args.epochs):
             for (x,) in state.steps(loader):
-                loss = model(x.float().unsqueeze(1)).pow(2).mean()
+                if args.stop_after and state.step == args.stop_after:  # that many steps done: save, end
+                    state.save()
+                    disttrain.shutdown()
+                    return
+                loss = model(x.float().unsqueeze(1) / args.samples).pow(2).mean()
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
@@ -66,6 +72,8 @@ def main() -> None:
                                       "samples": x.tolist(), "time": time.time()}) + "\n")
                 log.flush()
                 time.sleep(args.pause)
+    if args.final is not None and ctx.is_main:
+        torch.save(disttrain.unwrap(model).state_dict(), args.final)
     disttrain.shutdown()
 
 

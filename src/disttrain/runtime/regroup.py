@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..inplace import FALLBACK_EXIT, Plan, socket_path
-from ..workerenv import REGROUP_SOCKET
+from ..workerenv import REGROUP_SOCKET, WorkerEnv
 from . import groupsockets
 
 SETTLE_S = 5.0  # a worker whose collective failed waits this long for the agent's word
@@ -91,9 +91,6 @@ class Regrouping(BaseException):
     (a BaseException: a script's ``except Exception`` around its step must not swallow it)."""
 
 
-# -- the process group's connections -----------------------------------------------------------
-
-
 # -- armed -------------------------------------------------------------------------------------
 
 
@@ -104,7 +101,8 @@ def arm(training: Any) -> bool:
     folder = os.environ.get(REGROUP_SOCKET)
     path = socket_path(folder, os.environ.get("LOCAL_RANK", "0")) if folder else None
     runnable = os.path.isfile(sys.argv[0]) or "-m" in getattr(sys, "orig_argv", [])[1:]  # not python -c
-    if not path or not runnable or not dist.is_initialized() or not groupsockets.known() or threading.current_thread() is not threading.main_thread():
+    if not (path and runnable and dist.is_initialized() and groupsockets.known()) \
+            or threading.current_thread() is not threading.main_thread():
         return False
     _training = training
     if _armed is not None:
@@ -143,10 +141,6 @@ def _disarm() -> None:
             os.unlink(_armed.path)
 
 
-def pending() -> bool:
-    return _armed is not None and _armed.plan is not None
-
-
 def check() -> None:
     """At a step's end: leave the script if a regroup is on its way."""
     if _armed is not None and _armed.plan is not None:
@@ -179,10 +173,16 @@ class _Hook:
 
 
 def _take_carry() -> Carry | None:
-    training = _training
-    if training is None:
+    """The armed loop's state (None: it never got to ``resume()``, or its state cannot be read: the
+    other ranks', or the checkpoint, then)."""
+    if _training is None:
         return None
-    return training._carry()
+    try:
+        return _training._carry()
+    except Exception as err:  # noqa: BLE001
+        print(f"disttrain: note: the state before the regroup could not be kept ({type(err).__name__}: {err})",
+              file=sys.stderr, flush=True)
+        return None
 
 
 def _drop_old_world(training: Any) -> None:
@@ -224,7 +224,7 @@ def _join(plan: Plan, backend: str) -> None:
         groupsockets.store = prefixed
         with groupsockets.tracking():
             dist.init_process_group(backend, store=prefixed, rank=plan.rank, world_size=plan.world_size,
-                                    timeout=timedelta(seconds=float(os.environ.get("DISTTRAIN_PG_TIMEOUT", 1800))))
+                                    timeout=timedelta(seconds=WorkerEnv.from_environ().pg_timeout_s))
     except Exception as err:  # noqa: BLE001 -- any failure to form: the restart path
         _fall_back(plan, str(err).splitlines()[0] if str(err) else type(err).__name__)
     formed.set()

@@ -406,8 +406,8 @@ def test_the_first_host_lost_is_a_loss_like_any_other(cluster4, tmp_path, loss):
     # none lost; trained twice only the consumed % W a part-way epoch on a new world size repeats
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     record = record_of(tmp_path)
-    assert [(c["change"], c["host"], len(c["hosts"])) for c in record[:2]] == [
-        ("start", None, 3), ("left", hosts[0].ip, 2)]
+    assert [(c["change"], c["host"], len(c["hosts"]), c["path"]) for c in record[:2]] == [
+        ("start", None, 3, None), ("left", hosts[0].ip, 2, "in place")]
     # the counts agree: each round's world is its hosts (one worker each); the last is the last round's
     worlds = [(c["world_size"], len(c["hosts"])) for c in record if c["world_size"] is not None]
     assert all(world == count for world, count in worlds) and worlds[-1][0] == accounting["attempts"][-1]["world_size"]

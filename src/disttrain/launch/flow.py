@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -48,9 +48,10 @@ from ..wire import (
     StopRequest,
     WireError,
 )
-from ..workerenv import REGROUP_MODE, ROUND_COUNTER
+from ..workerenv import REGROUP_MODE
 from .diagnostics import Diagnostics
 from .elastic import Membership
+from .rendezvous_store import round_counter
 from .rootcause import first_in_time
 from .supervision import (
     REGROUP_MARGIN_S,
@@ -225,24 +226,6 @@ class _Solo:
     def in_place(self, slots) -> None: return None
 
 
-def _round_counter(endpoint: str) -> Callable[[], int]:
-    """The next job-wide round number, from the rendezvous store's counter (the one the agents'
-    rounds take theirs from: disttrain.agent.elastic_agent.job_attempt)."""
-    store = None
-
-    def next_round() -> int:
-        nonlocal store
-        if store is None:
-            from datetime import timedelta
-
-            from torch.distributed import TCPStore
-
-            host, port = endpoint.rsplit(":", 1)
-            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
-        return store.add(ROUND_COUNTER, 1) - 1
-    return next_round
-
-
 class _Supervised:
     """One launch's agents: their processes, streams and stdins, the supervisor that decides, and
     what carries its decisions out."""
@@ -264,7 +247,7 @@ class _Supervised:
             membership.admit = lambda hosts, now: [a.host for a in elastic.admit(self.sup, hosts, now)]
             if os.environ.get(REGROUP_MODE, "in-place") != "restart":  # the survivors' workers stay
                 membership.store = f"{plan.master_addr}:{plan.master_port}"
-                membership.next_attempt = _round_counter(membership.store)
+                membership.next_attempt = round_counter(membership.store)
         self.diag = Diagnostics(say=self.say, late=self.sup.late)
         self.hangs: list[HangReport] = []
         self.failed: dict[int, RankFailed] = {}  # per agent: its root cause, timed on its worker

@@ -14,9 +14,11 @@ on an empty store: a restart of every agent, and a window where two stores disag
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 
 from ..errors import DisttrainError
+from ..workerenv import ROUND_COUNTER
 
 STORE_TIMEOUT_S = 60  # the server's own wait (for clients' requests); the rendezvous sets the nodes' waits
 
@@ -59,6 +61,23 @@ class LauncherStore:
 
     def close(self) -> None:
         self._store = None  # torch stops its server when the last reference goes
+
+
+def round_counter(endpoint: str) -> Callable[[], int]:
+    """The next job-wide round number, from the store's counter at ``endpoint`` (the one the agents'
+    rounds take theirs from: disttrain.agent.elastic_agent.job_attempt); an in-place regroup's round
+    has no rendezvous round to number it."""
+    store = None
+
+    def next_round() -> int:
+        nonlocal store
+        if store is None:
+            from torch.distributed import TCPStore
+
+            host, port = endpoint.rsplit(":", 1)
+            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+        return store.add(ROUND_COUNTER, 1) - 1
+    return next_round
 
 
 def _free(port: int) -> bool:

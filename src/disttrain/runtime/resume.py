@@ -161,9 +161,8 @@ class TrainingState:
         self._saved_step: int | None = None
         self._vote: preemption.StopVote | None = None
         self._stepped = False  # an optimizer stepped since the last step's end (the step in flight did)
-        for obj in objects.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                obj.register_step_post_hook(self._optimizer_stepped)
+        self._hooks = [obj.register_step_post_hook(self._optimizer_stepped) for obj in objects.values()
+                       if isinstance(obj, torch.optim.Optimizer)]
 
     # -- the loops ---------------------------------------------------------------------
 
@@ -229,6 +228,9 @@ class TrainingState:
         if self._vote is not None:
             preemption.uninstall()
             self._vote = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if self._ctx.runtime.training is self:
             self._ctx.runtime.training = None
 

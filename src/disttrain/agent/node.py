@@ -28,7 +28,7 @@ from ..net import busy_rendezvous
 from ..plan.launch import LaunchPlan, NodePlan
 from ..tfconfig import tf_node_env
 from ..wire import AttemptStarted
-from ..workerenv import HEARTBEAT_DIR, REGROUP_SOCKET, attempt_library_env
+from ..workerenv import HEARTBEAT_DIR, REGROUP_MODE, REGROUP_SOCKET, attempt_library_env
 from . import elastic_agent, flight, lifeline
 from .attempt_store import AttemptStores
 from .cgroup import Container
@@ -168,7 +168,7 @@ def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt, sto
 def _regroup_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | None]:
     """An elastic PyTorch job: a private folder where each worker armed by ``disttrain.resume()``
     listens for an in-place regroup (disttrain.runtime.regroup), in the workers' environment."""
-    if not plan.elastic or plan.framework != "pytorch" or plan.run_path:
+    if not plan.elastic or plan.framework != "pytorch" or plan.run_path or env.get(REGROUP_MODE) == "restart":
         yield None
         return
     folder = tempfile.mkdtemp(prefix="disttrain-rg-")  # short: a Unix socket's path has 108 bytes

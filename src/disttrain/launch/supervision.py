@@ -391,7 +391,8 @@ class Supervisor:
         row = self.agents[event.slot]
         if row.state.final:
             return False
-        row.heard = max(row.heard, event.at)
+        if event.kind is not EventKind.EXITED:  # its exit is not a word: a lost host's record dates from its last
+            row.heard = max(row.heard, event.at)
         if event.kind is EventKind.HEARD:
             if event.progress is not None and row.state is AgentState.STARTING:
                 self.agents.move(row.slot, AgentState.RUNNING)  # its ranks move (a job without rounds)

@@ -71,6 +71,18 @@ class Workers:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             sock.sendto(plan.to_bytes(), socket_path(self.folders[rank], 0))
 
+    def lose_rank2(self, after_step: int, how: signal.Signals) -> list[int]:
+        """Rank 2 gone (``how``) once ``after_step`` ran; ranks 0 and 1 told to go on as a world of 2;
+        their exit codes."""
+        try:
+            self.wait_for_step(after_step)
+            os.kill(self.procs[2].pid, how)
+            for rank in (0, 1):
+                self.tell(rank, rank, 2, attempt=1)
+            return self.finish((0, 1))
+        finally:
+            self.stop()
+
     def finish(self, ranks, timeout: float = 120) -> list[int]:
         try:
             return [self.procs[r].wait(timeout=timeout) for r in ranks]
@@ -94,15 +106,7 @@ class Workers:
 @pytest.mark.parametrize("loss", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "silent"])
 def test_the_survivors_go_on_in_place_as_the_same_processes(tmp_path, loss):
     workers = Workers(tmp_path)
-    try:
-        workers.wait_for_step(8)
-        os.kill(workers.procs[2].pid, loss)
-        for rank in (0, 1):
-            workers.tell(rank, rank, 2, attempt=1)
-        codes = workers.finish((0, 1))
-    finally:
-        workers.stop()
-    assert codes == [0, 0], workers.stderr()
+    assert workers.lose_rank2(8, loss) == [0, 0], workers.stderr()
     accounting = bench.account(workers.out, 120)
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     assert accounting["redone_steps"] == 0 and accounting["epochs"] == [0, 1], accounting
@@ -118,14 +122,7 @@ def test_in_place_ends_with_the_weights_of_a_restart_from_the_same_step(tmp_path
     """The survivors go on from memory; the same step saved, and resumed by two fresh ranks from disk,
     ends with the same bits: nothing of the state is lost or changed by staying in place."""
     workers = Workers(tmp_path / "in_place", args=("--final", str(tmp_path / "in_place.pt")))
-    try:
-        workers.wait_for_step(8)
-        os.kill(workers.procs[2].pid, signal.SIGSTOP)
-        for rank in (0, 1):
-            workers.tell(rank, rank, 2, attempt=1)
-        assert workers.finish((0, 1)) == [0, 0], workers.stderr()
-    finally:
-        workers.stop()
+    assert workers.lose_rank2(8, signal.SIGSTOP) == [0, 0], workers.stderr()
     step = workers.start_of(1, 0)["resumed_from"]
     ckpt = tmp_path / "ckpt"
     for world, args in ((3, ("--stop-after", str(step))), (2, ("--final", str(tmp_path / "restart.pt")))):
@@ -160,15 +157,7 @@ def test_a_new_group_that_does_not_form_falls_back_to_the_restart(tmp_path):
 def test_a_sharded_model_goes_on_in_place_from_the_newest_checkpoint(tmp_path):
     """FSDP: the lost rank's shard is held nowhere else; the survivors stay, and load the checkpoint."""
     workers = Workers(tmp_path, args=("--strategy", "fsdp"))
-    try:
-        workers.wait_for_step(9)
-        os.kill(workers.procs[2].pid, signal.SIGSTOP)
-        for rank in (0, 1):
-            workers.tell(rank, rank, 2, attempt=1)
-        codes = workers.finish((0, 1))
-    finally:
-        workers.stop()
-    assert codes == [0, 0], workers.stderr()
+    assert workers.lose_rank2(9, signal.SIGSTOP) == [0, 0], workers.stderr()
     assert "disttrain: regrouped in place; a sharded model's lost shard is held nowhere else: loading the " \
         "newest checkpoint" in workers.stderr()
     accounting = bench.account(workers.out, 120)

@@ -8,11 +8,16 @@ workers then wait inside a collective for a peer that will never answer (a host 
 sends no reset), or fail and use up ``--max-restarts``. The launcher sees it (the ssh connection
 dropped, the agent killed) and sends :class:`~disttrain.wire.Regroup`; this agent then
 
-- stops its workers at once (SIGKILL: no step can finish without the lost peer, and a worker
-  stuck in a collective would only wait out the stop grace), and joins the next round, as torch
-  does for a node that joins -- a membership change, not a failure;
+- with the launcher's new membership (``in_place``) and workers armed for it (each listens on its
+  socket: :mod:`disttrain.runtime.regroup`), tells each its new ranks and keeps it: no restart;
+- otherwise stops its workers at once (SIGKILL: no step can finish without the lost peer, and a
+  worker stuck in a collective would only wait out the stop grace), and joins the next round, as
+  torch does for a node that joins -- a membership change, not a failure (so do workers that
+  report their in-place group did not form, :data:`~disttrain.inplace.FALLBACK_EXIT`);
 - when its workers failed on their own first (a peer's connection reset), waits
   :data:`SETTLE_S` for the launcher to name a lost host before counting the failure;
+- when a node joins, keeps armed workers too: they are told their ranks in torch's new round,
+  and the new node's workers take the state from them;
 - numbers every round for the whole job (:func:`job_attempt`), the same on every node, since
   torch's restart count does not move on membership changes, and says each round's world to
   the launcher (:class:`~disttrain.wire.AttemptStarted`).

@@ -346,7 +346,8 @@ def test_a_plain_torchrun_script_restarts_the_same_way(cluster3, tmp_path):
     out.mkdir()
     hosts = ",".join(f"root@{node.ip}" for node in cluster3.nodes)
     argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "--nnodes", "2:3", "-n", "1",
-            *cluster3.cli_ssh_args(), str(ROOT / "tests" / "scripts" / "plain_elastic.py"), str(out), str(ckpt), "40"]
+            "--log-dir", str(tmp_path / "run"), *cluster3.cli_ssh_args(),
+            str(ROOT / "tests" / "scripts" / "plain_elastic.py"), str(out), str(ckpt), "40"]
     proc = cluster3.popen_in("node0", argv, cwd=ROOT, env=bench.worker_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     wait_for(proc, lambda: ckpt.exists(), timeout=240)
@@ -356,7 +357,9 @@ def test_a_plain_torchrun_script_restarts_the_same_way(cluster3, tmp_path):
     lines = [ln for ln in err.splitlines() if ln.startswith("disttrain: membership:")]
     assert lines, err[-4000:]
     assert f"{cluster3.nodes[2].ip} left" in lines[0], lines
-    assert "-> 2 hosts, world size 2, no disttrain.resume() step said" in lines[0], lines
+    assert "-> 2 hosts, world size 2, no disttrain.resume() step said, restarted (its workers on " in lines[0] \
+        and "are not armed (no disttrain.resume() yet, or a script without it))" in lines[0], lines
+    assert record_of(tmp_path)[1]["path"] == "restart"
     assert (out / "done").read_text() == "2\n"
     rows = [tuple(map(int, ln.split())) for ln in (out / "rank0.log").read_text().splitlines()]
     worlds = [world for _, world, _, _ in rows]

@@ -195,12 +195,13 @@ def test_an_agent_whose_workers_are_not_armed_restarts_them(tmp_path):
     agent = object.__new__(ElasticNodeAgent)
     agent._sockets, agent._host, agent._logs_specs = str(tmp_path), "a", None
     said = []
-    agent._on_attempt = lambda attempt, group, in_place: said.append((attempt, in_place))
+    agent._on_attempt = lambda attempt, group, in_place, why: said.append((attempt, in_place))
     group = WorkerGroup.__new__(WorkerGroup)
     worker = Worker(local_rank=0, global_rank=4, role_rank=4, world_size=6, role_world_size=6)
     group.workers, group.group_rank, group.group_world_size = [worker], 2, 3
     plan = InPlace(attempt=1, ranks={0: 0, 4: 1}, group_ranks={"b": 0, "a": 1}, world_size=2, store="h:1")
     assert not agent._told_in_place(group, plan) and said == []
+    assert agent._not_kept(group) == "its workers on a are not armed (no disttrain.resume() yet, or a script without it)"
     listening = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listening.bind(socket_path(str(tmp_path), 0))
     try:

@@ -410,6 +410,7 @@ class AttemptStarted(Message):
     world_size: int
     ranks: tuple[int, ...]  # this node's global ranks in this round
     in_place: bool = False  # its workers stayed (an in-place regroup), else they were started
+    why: str = ""  # a regroup asked to keep them, but they were started: why
 
 
 @dataclass(frozen=True, kw_only=True)

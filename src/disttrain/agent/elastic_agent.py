@@ -95,7 +95,7 @@ def job_attempt(store: Store, group_rank: int) -> int:
 class ElasticNodeAgent(LocalElasticAgent):
     """``LocalElasticAgent`` that regroups when the launcher says hosts were lost (see the module)."""
 
-    def __init__(self, *, regroups: Regroups, on_attempt: Callable[[int, WorkerGroup, bool], None],
+    def __init__(self, *, regroups: Regroups, on_attempt: Callable[[int, WorkerGroup, bool, str], None],
                  host: str = "", sockets: str | None = None, store: str = "", settle_s: float = SETTLE_S,
                  **kwargs) -> None:
         super().__init__(**kwargs)
@@ -103,6 +103,7 @@ class ElasticNodeAgent(LocalElasticAgent):
         self._meet_at = store  # host:port of the launcher's store, where in-place rounds meet
         self._attempt = 0  # the current round's job-wide number
         self._in_place_round = False  # the round being formed keeps this node's workers
+        self._restart_why = ""  # the round being formed restarts workers a regroup meant to keep: why
         self._regroups = regroups
         self._on_attempt = on_attempt
         self._sockets = sockets  # where armed workers listen for an in-place regroup
@@ -126,17 +127,34 @@ class ElasticNodeAgent(LocalElasticAgent):
         if in_place is not None and result.state == WorkerState.HEALTHY and self._told_in_place(worker_group, in_place):
             return RunResult(state=WorkerState.HEALTHY)
         self._peer_lost = True
+        self._restart_why = "the in-place group did not form" if fell_back else \
+            self._not_kept(worker_group) if in_place is not None else ""
         try:
             self._restart_workers(worker_group)  # stop (below), rendezvous, start: what torch does to grow
         finally:
-            self._peer_lost = False
+            self._peer_lost, self._restart_why = False, ""
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _not_kept(self, worker_group: WorkerGroup) -> str:
+        """Why this node's workers cannot stay for a new round."""
+        if self._sockets is None:
+            return "DISTTRAIN_REGROUP=restart"
+        if not self._armed(worker_group):
+            return f"its workers on {self._host} are not armed (no disttrain.resume() yet, or a script without it)"
+        return f"its workers on {self._host} could not be told"
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """A node waits to join (torch's agent restarts the workers for the round with it): workers
         armed for it stay, told their ranks in the new round; its new workers take the state from them."""
-        if self._peer_lost or not self._meet_at or not self._armed(worker_group):
-            super()._restart_workers(worker_group)
+        growing = not self._peer_lost and worker_group.state == WorkerState.HEALTHY  # not a failure's restart
+        if not growing or not self._meet_at or not self._armed(worker_group):
+            if growing:
+                self._restart_why = self._not_kept(worker_group)
+            try:
+                super()._restart_workers(worker_group)
+            finally:
+                if growing:
+                    self._restart_why = ""
             return
         pids = {worker.local_rank: worker.id for worker in worker_group.workers}
         self._in_place_round = True
@@ -196,7 +214,7 @@ class ElasticNodeAgent(LocalElasticAgent):
             return False
         if isinstance(self._logs_specs, RankLogs):
             self._logs_specs.attempt = in_place.attempt
-        self._on_attempt(in_place.attempt, worker_group, True)
+        self._on_attempt(in_place.attempt, worker_group, True, "")
         return True
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
@@ -210,7 +228,7 @@ class ElasticNodeAgent(LocalElasticAgent):
         attempt = self._attempt = job_attempt(worker_group.store, worker_group.group_rank)
         if isinstance(self._logs_specs, RankLogs):
             self._logs_specs.attempt = attempt
-        self._on_attempt(attempt, worker_group, self._in_place_round)
+        self._on_attempt(attempt, worker_group, self._in_place_round, self._restart_why)
 
 
 @contextlib.contextmanager

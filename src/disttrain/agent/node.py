@@ -151,14 +151,14 @@ def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt, sto
     if not plan.elastic:
         return contextlib.nullcontext([])
 
-    def on_attempt(number: int, group, in_place: bool) -> None:
+    def on_attempt(number: int, group, in_place: bool, why: str) -> None:
         ranks = tuple(w.global_rank for w in group.workers)
         world = group.workers[0].world_size
         if in_place:  # torch's agent started nobody: the watchdog and the new nodes learn the round here
             attempt.number, attempt.ranks, attempt.world_size = number, tuple(sorted(ranks)), world
             stores.kept(ranks, number)
         link.send(AttemptStarted(host=node.name, attempt=number, nodes=group.group_world_size, world_size=world,
-                                 ranks=ranks, in_place=in_place).to_line())
+                                 ranks=ranks, in_place=in_place, why=why).to_line())
 
     return elastic_agent.installed(regroups=link.regroups, on_attempt=on_attempt, host=node.name, sockets=sockets,
                                    store=f"{plan.master_addr}:{plan.master_port}" if sockets else "")

@@ -66,6 +66,7 @@ class Change:
     regrouped: float | None = None  # seconds from the change to the next round's workers starting
     backoff: float | None = None  # a host lost soon after it joined: seconds before it may be tried again
     path: str | None = None  # how the round after it formed: "in place" (the workers stayed) or "restart"
+    path_why: str | None = None  # a restart: why the workers could not stay
 
 
 class Membership:
@@ -117,6 +118,7 @@ class Membership:
         # round); None: regroups restart the workers.
         self.next_attempt: Callable[[], int] | None = None
         self.store = ""  # host:port of the launcher's store, where an in-place round meets
+        self.restart_why: str | None = None  # why the launcher sent no in-place plan, the last time it did not
         start = Change(time=time.time(), change="start", host=None, why="the job started",
                        hosts=self.member_hosts())
         self._pending.append([start, time.monotonic(), None, time.monotonic()])
@@ -178,10 +180,13 @@ class Membership:
         with self._lock:
             self._attempted.add(slot)
             self._ranks[slot] = (started.attempt, started.ranks)
-            if started.in_place and started.attempt == self._last_attempt:  # a node of the round kept its workers
+            if started.attempt == self._last_attempt:  # another node of the round: it may say more
                 for entry in self._pending:
                     if entry[2] == self._round[1] and entry[0].change != "start":
-                        entry[0] = dataclasses.replace(entry[0], path="in place")
+                        if started.in_place:  # a node of the round kept its workers
+                            entry[0] = dataclasses.replace(entry[0], path="in place", path_why=None)
+                        elif started.why and entry[0].path_why is None:
+                            entry[0] = dataclasses.replace(entry[0], path_why=started.why)
             if started.attempt > self._last_attempt:
                 if self._round is not None and not self._round_said and self._trained is not None:
                     self._said_round(self._trained[0], self._round[1])  # it trained: its changes are its
@@ -190,7 +195,9 @@ class Membership:
                 self._round_said = False
                 for entry in self._pending:
                     if entry[2] is None and entry[3] <= now and entry[0].change != "start":
-                        entry[0] = dataclasses.replace(entry[0], path="in place" if started.in_place else "restart")
+                        entry[0] = dataclasses.replace(
+                            entry[0], path="in place" if started.in_place else "restart",
+                            path_why=None if started.in_place else started.why or self.restart_why)
                 self._resumed = None
                 self._trained = None
                 for entry in self._pending:
@@ -274,10 +281,12 @@ class Membership:
         workers keep their order, numbered from 0; None where it cannot be decided here (a member not
         in the current round yet, no store): they restart."""
         if self.next_attempt is None or not slots:
+            self.restart_why = "DISTTRAIN_REGROUP=restart" if self.next_attempt is None else None
             return None
         with self._lock:
             known = [self._ranks.get(slot) for slot in slots]
             if any(k is None for k in known) or len({attempt for attempt, _ in known}) != 1:
+                self.restart_why = "a host was not in the current round yet"
                 return None
             members = sorted(zip(slots, (ranks for _, ranks in known)), key=lambda m: min(m[1], default=0))
         new, ranks, group_ranks = 0, {}, {}
@@ -289,7 +298,9 @@ class Membership:
         try:
             attempt = self.next_attempt()
         except (RuntimeError, OSError):  # the store did not answer: the restart path's rendezvous decides
+            self.restart_why = f"the store at {self.store} did not answer"
             return None
+        self.restart_why = None
         return InPlace(attempt=attempt, ranks=ranks, group_ranks=group_ranks, world_size=new, store=self.store)
 
     # -- hosts that end ---------------------------------------------------------------------
@@ -418,6 +429,8 @@ def membership_line(change: Change, *, steps: bool = True, earlier: Sequence[Cha
                  else "no disttrain.resume() step said")
     if change.path == "in place":
         parts.append("regrouped in place")
+    elif change.path == "restart" and change.path_why:
+        parts.append(f"restarted ({change.path_why})")
     if change.seconds is not None:
         parts.append(f"training again {change.seconds:.1f} s later" if steps
                      else f"workers started {change.seconds:.1f} s later (the script reports no steps)")

@@ -212,3 +212,30 @@ def test_an_agent_whose_workers_are_not_armed_restarts_them(tmp_path):
     assert (told.rank, told.world_size, told.env["GROUP_RANK"], told.env["MASTER_PORT"]) == (1, 2, "1", "1")
     assert (worker.global_rank, worker.world_size, group.group_rank, group.group_world_size) == (1, 2, 1, 2)
     assert said == [(1, True)]
+
+
+def test_the_state_carried_is_a_steps_own(tmp_path, monkeypatch):
+    """Inside an epoch's steps the objects hold the last step's state (or the one in flight's, once its
+    optimizer stepped); after them the script's own code may have moved them (a scheduler's epoch step):
+    with a checkpoint folder, the newest checkpoint is taken instead."""
+    import disttrain
+    from torch.utils.data import DataLoader, TensorDataset
+
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "DISTTRAIN_RUN_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2)
+    state = disttrain.resume(tmp_path / "ckpt", model=model, optimizer=optimizer)
+    try:
+        for batch, (x,) in enumerate(state.steps(loader)):
+            model(x).sum().backward()
+            optimizer.step()
+            carry = state._carry()  # the optimizer stepped: this step counts
+            assert carry.adoptable and carry.step == batch + 1 and carry.progress["epoch_samples"] == 2 * (batch + 1)
+            state.step, state.epoch_step, state._epoch_samples = batch, batch, 2 * batch  # as before the carry
+        carry = state._carry()
+        assert not carry.adoptable and carry.why_not == "it came between two epochs' steps"
+    finally:
+        state.close()
+        disttrain.shutdown()

@@ -161,6 +161,7 @@ class TrainingState:
         self._saved_step: int | None = None
         self._vote: preemption.StopVote | None = None
         self._stepped = False  # an optimizer stepped since the last step's end (the step in flight did)
+        self._in_steps = False  # inside steps(): the objects' state is the last step's (or the one in flight's)
         self._hooks = [obj.register_step_post_hook(self._optimizer_stepped) for obj in objects.values()
                        if isinstance(obj, torch.optim.Optimizer)]
 
@@ -185,9 +186,11 @@ class TrainingState:
         SIGTERM on any rank makes every rank save here and exit.
         """
         batches = self._begin_epoch(loader)
+        self._in_steps = True
         for batch in batches:
             yield batch
             self._end_step(loader)
+        self._in_steps = False
         if self.every == 0 and self.directory is not None:
             self._checkpoint()
 
@@ -286,7 +289,10 @@ class TrainingState:
             self._count_step(self._loader)
         generator = getattr(self._loader, "generator", None)
         why_not = ("a sharded model's lost shard is held nowhere else" if checkpoint.holds_sharded(self._objects)
-                   else "Local SGD / DiLoCo keep state per rank" if periodic.active() else "")
+                   else "Local SGD / DiLoCo keep state per rank" if periodic.active()
+                   # after an epoch's steps the script's own code ran part-way (a scheduler may have stepped)
+                   else "it came between two epochs' steps" if self.step and not self._in_steps
+                   and self.directory is not None else "")
         # No state_dict() of a sharded model: it would gather over the group just cut.
         objects = {} if why_not else {name: unwrap(obj).state_dict() for name, obj in self._objects.items()}
         carry = regroup.Carry(objects=objects, step=self.step, progress=self._progress(),

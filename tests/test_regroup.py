@@ -117,6 +117,19 @@ def test_the_survivors_go_on_in_place_as_the_same_processes(tmp_path, loss):
         assert after["resumed_from"] == accounting["attempts"][1]["first_step"]
 
 
+@pytest.mark.timeout(240)
+def test_the_trainer_goes_on_in_place(tmp_path):
+    """disttrain.Trainer: its loop position is a counting state; the step in flight (its loss logged
+    before the cut) is the only one done again."""
+    workers = Workers(tmp_path, args=("--trainer",))
+    assert workers.lose_rank2(8, signal.SIGSTOP) == [0, 0], workers.stderr()
+    assert "regrouped in place: 3 -> 2 ranks" in workers.stderr()
+    accounting = bench.account(workers.out, 120)
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
+    assert accounting["redone_steps"] <= 1 and [a["world_size"] for a in accounting["attempts"]] == [3, 2]
+    assert [workers.start_of(1, r)["pid"] for r in (0, 1)] == [workers.start_of(0, r)["pid"] for r in (0, 1)]
+
+
 @pytest.mark.timeout(300)
 def test_in_place_ends_with_the_weights_of_a_restart_from_the_same_step(tmp_path):
     """The survivors go on from memory; the same step saved, and resumed by two fresh ranks from disk,
@@ -218,8 +231,9 @@ def test_the_state_carried_is_a_steps_own(tmp_path, monkeypatch):
     """Inside an epoch's steps the objects hold the last step's state (or the one in flight's, once its
     optimizer stepped); after them the script's own code may have moved them (a scheduler's epoch step):
     with a checkpoint folder, the newest checkpoint is taken instead."""
-    import disttrain
     from torch.utils.data import DataLoader, TensorDataset
+
+    import disttrain
 
     for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "DISTTRAIN_RUN_DIR"):
         monkeypatch.delenv(key, raising=False)

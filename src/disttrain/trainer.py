@@ -37,8 +37,8 @@ from .runtime import checkpoint, periodic, strategies, track
 from .runtime.accumulate import Accumulator
 from .runtime.context import context
 from .runtime.data import prepare
-from .runtime.loop import epochs as epoch_range
 from .runtime.metrics import MeanMeter, barrier, print0, reduce_max, reduce_mean, reduce_sum, topk_correct
+from .runtime.resume import counting
 from .tbevents import EventFile
 
 __all__ = ["Trainer"]
@@ -114,16 +114,23 @@ class Trainer:
         self.best: float | None = None
         self.history: list[dict[str, Any]] = []
         self._writer: Any = None
+        self._state: Any = None  # fit()'s loop position (runtime.resume.counting)
 
     # -- the loop ------------------------------------------------------------------------
 
     def fit(self, epochs: int) -> list[dict[str, Any]]:
         """Train until ``epochs`` epochs are done (counting those a checkpoint holds);
         return one record per epoch run now."""
-        start = self._resume()
+        # The loop's position, for a regroup in place: after one, the state comes from the other ranks.
+        self._state = counting(model=self.ddp_model, optimizer=self.optimizer, **self._extra_objects(),
+                               disk_between_epochs=self.checkpoint_dir is not None,
+                               why_not_in_place=f"its gradients are accumulated over {self.step.steps} batches"
+                               if self.step.steps > 1 else "")
+        start = self._state.epoch if self._state.resumed_from is not None else self._resume()
+        self._state.epoch = start
         ran = []
         try:
-            for epoch in epoch_range(epochs, start=start):
+            for epoch in self._state.epochs(epochs):
                 record = {"epoch": epoch, **self.train_epoch(epoch)}
                 if self.val_loader is not None:
                     record.update(self.validate())
@@ -147,7 +154,8 @@ class Trainer:
         # metrics, the best model) would otherwise count in the other ranks' first step.
         barrier()
         start = time.perf_counter()
-        batches = self._bar(self.train_loader, epoch)
+        batches = self._bar(self._state.steps(self.train_loader) if self._state is not None else self.train_loader,
+                            epoch)
         for step, (inputs, target) in enumerate(batches):
             with self.step:  # the optimizer steps every `accumulate` batches
                 loss = self.loss_fn(self.ddp_model(inputs), target)

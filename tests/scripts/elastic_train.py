@@ -36,9 +36,13 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp", help="prepare()'s: ddp or fsdp")
     parser.add_argument("--stop-after", type=int, default=0, help="save after this step and end (0: never)")
     parser.add_argument("--final", type=Path, help="where rank 0 saves the model's weights at the end")
+    parser.add_argument("--trainer", action="store_true", help="train with disttrain.Trainer (its loss logs)")
     args = parser.parse_args()
 
     imported = time.time()
+    if args.trainer:
+        trainer_main(args, imported)
+        return
     ctx = disttrain.init()
     joined = time.time()
     torch.manual_seed(0)
@@ -74,6 +78,38 @@ def main() -> None:
                 time.sleep(args.pause)
     if args.final is not None and ctx.is_main:
         torch.save(disttrain.unwrap(model).state_dict(), args.final)
+    disttrain.shutdown()
+
+
+def trainer_main(args, imported: float) -> None:
+    """The same job under disttrain.Trainer: its loss function logs each step's samples (before the
+    step's backward: a step cut short is logged, and done again)."""
+    from disttrain.runtime.resume import current
+
+    ctx = disttrain.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    indices = torch.arange(args.samples)
+    loader = DataLoader(TensorDataset(indices.float().unsqueeze(1) / args.samples, indices),
+                        batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(1))
+    attempt = int(os.environ.get("DISTTRAIN_ATTEMPT", "0"))
+    name = f"attempt{attempt}_rank{ctx.rank}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.start").write_text(json.dumps({
+        "started": started, "imported": imported, "joined": time.time(), "prepared": time.time(),
+        "loaded": time.time(), "resumed_from": None, "world_size": ctx.world_size, "pid": os.getpid()}))
+    with open(args.out / f"{name}.jsonl", "a") as log:
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            state = current()
+            log.write(json.dumps({"step": state.step, "epoch": state.epoch, "world_size": ctx.world_size,
+                                  "samples": target.tolist(), "time": time.time()}) + "\n")
+            log.flush()
+            time.sleep(args.pause)
+            return output.pow(2).mean()
+
+        disttrain.Trainer(model, optimizer, loader, loss_fn=loss_fn, checkpoint_dir=args.ckpt, metrics=(),
+                          progress=False).fit(args.epochs)
     disttrain.shutdown()
 
 

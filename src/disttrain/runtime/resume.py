@@ -97,11 +97,33 @@ def resume(directory: str | PathLike[str] | None = None, *, every: int | None = 
         raise UsageError("resume(asynchronous=True) writes sharded models, or checkpoints at a URL "
                          "(s3://...), in the background; prepare the model with strategy='fsdp', or "
                          "drop asynchronous")
-    if ctx.runtime.training is not None:
-        ctx.runtime.training.close()
     state = TrainingState(location(directory) if directory else None, every=every,
                           keep_last=keep_last, objects=kept, ctx=ctx)
     state.asynchronous = asynchronous
+    return _begin(state, weights_only)
+
+
+def counting(*, why_not_in_place: str = "", disk_between_epochs: bool = False, **objects: Any) -> TrainingState:
+    """A state over ``objects`` that saves and loads nothing -- their owner checkpoints them its own
+    way (the :class:`~disttrain.Trainer`) -- for the loop's position and an in-place regroup (see
+    :mod:`.regroup`): after one, it holds the state from memory (``resumed_from`` set), else nothing.
+
+    ``why_not_in_place``: why its objects cannot be carried over (they go on from the owner's
+    checkpoint then); ``disk_between_epochs``: so too when the regroup comes between two epochs' steps.
+    """
+    ctx = context()
+    state = TrainingState(None, every=0, keep_last=None, ctx=ctx,
+                          objects={name: obj for name, obj in objects.items() if obj is not None})
+    state.why_not_in_place, state.disk_between_epochs = why_not_in_place, disk_between_epochs
+    return _begin(state, True)
+
+
+def _begin(state: TrainingState, weights_only: bool) -> TrainingState:
+    """Where ``state`` starts: the other ranks' (an in-place regroup), else the newest checkpoint; it
+    becomes the context's, armed for a regroup."""
+    ctx = state._ctx
+    if ctx.runtime.training is not None:
+        ctx.runtime.training.close()
     second_run, carry = regroup.carried() if ctx.distributed else (False, None)
     if second_run or (ctx.distributed and regroup.joining()):
         state._adopt(carry, weights_only)
@@ -162,6 +184,8 @@ class TrainingState:
         self._vote: preemption.StopVote | None = None
         self._stepped = False  # an optimizer stepped since the last step's end (the step in flight did)
         self._in_steps = False  # inside steps(): the objects' state is the last step's (or the one in flight's)
+        self.why_not_in_place = ""  # set by an owner whose objects cannot be carried over a regroup
+        self.disk_between_epochs = False  # an owner that checkpoints between epochs: its checkpoint then
         self._hooks = [obj.register_step_post_hook(self._optimizer_stepped) for obj in objects.values()
                        if isinstance(obj, torch.optim.Optimizer)]
 
@@ -288,11 +312,12 @@ class TrainingState:
         if self._stepped:
             self._count_step(self._loader)
         generator = getattr(self._loader, "generator", None)
-        why_not = ("a sharded model's lost shard is held nowhere else" if checkpoint.holds_sharded(self._objects)
-                   else "Local SGD / DiLoCo keep state per rank" if periodic.active()
+        why_not = (self.why_not_in_place or ("a sharded model's lost shard is held nowhere else"
+                   if checkpoint.holds_sharded(self._objects) else "Local SGD / DiLoCo keep state per rank"
+                   if periodic.active()
                    # after an epoch's steps the script's own code ran part-way (a scheduler may have stepped)
                    else "it came between two epochs' steps" if self.step and not self._in_steps
-                   and self.directory is not None else "")
+                   and (self.directory is not None or self.disk_between_epochs) else ""))
         # No state_dict() of a sharded model: it would gather over the group just cut.
         objects = {} if why_not else {name: unwrap(obj).state_dict() for name, obj in self._objects.items()}
         carry = regroup.Carry(objects=objects, step=self.step, progress=self._progress(),

@@ -184,7 +184,8 @@ def _exit_cleanly() -> None:
     From an ``atexit`` handler registered now, before the script's own (so it runs after theirs,
     just before the interpreter's finalization), unless the script ended by an unhandled exception
     or a non-zero ``sys.exit``: first the mark that the script returned; then, in a process that
-    used torch.distributed, a ``gc.collect()`` and a short sleep. gloo's worker threads free each
+    used torch.distributed and still has threads torch started (:func:`_torch_threads`), a
+    ``gc.collect()`` and, if they outlive it, a short sleep. gloo's worker threads free each
     finished collective's work on their own, and freeing one takes the GIL: a thread that asks for
     it once finalization has begun is unwound inside a C++ destructor, and the process dies by
     SIGABRT ("terminate called without an active exception") -- the DDP model the script still
@@ -218,15 +219,43 @@ def _exit_cleanly() -> None:
                 fh.write("returned\n")
         except OSError:  # no mark: an abort after this is a failure, as without disttrain
             pass
-        if "torch.distributed" in sys.modules:
+        if "torch.distributed" in sys.modules and _torch_threads():
             import gc
             import time
 
             gc.collect()
-            time.sleep(0.1)  # long enough for a descheduled gloo thread to run (the runtime's _DRAIN_S)
+            if _torch_threads():  # a process group outlived the collection: its threads may still free work
+                time.sleep(0.1)  # long enough for a descheduled gloo thread to run (the runtime's _DRAIN_S)
 
     sys.excepthook, sys.exit = excepthook, exit
     atexit.register(at_exit)
+
+
+# The names torch gives the threads it starts (gloo's ``pt_gloo_runloop``, NCCL's watchdog, autograd's
+# device threads: ``pt_...``) and gloo's own I/O thread (``gloo_tcp_loop``).
+_TORCH_THREADS = ("pt_", "gloo")
+
+
+def _torch_threads() -> bool:
+    """Whether a thread torch started is still alive in this process (True where it cannot be told).
+
+    A process group's threads end with it: once ``destroy_process_group()`` has freed the last
+    reference to the group (no DDP model holds it), none is left to take the GIL during the
+    interpreter's finalization, and the exit's drain has nothing to wait for.
+    """
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as fh:
+                name = fh.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(_TORCH_THREADS):
+            return True
+    return False
 
 
 def _stack_dump(path: str) -> None:

@@ -10,7 +10,8 @@ exit code says failed, and a job would be recorded Failed.
 
 Prevented where it can be: the worker bootstrap (``disttrain/_worker_site``) runs, after the
 script's own ``atexit`` handlers, a ``gc.collect()`` and a short sleep in a process that used
-torch.distributed, so those threads finish while the interpreter is whole. Told apart where it
+torch.distributed while threads torch started are alive (none are once ``destroy_process_group``
+freed the group), so those threads finish while the interpreter is whole. Told apart where it
 still happens: the bootstrap first writes ``local<LOCAL_RANK>.<pid>`` in :data:`EXIT_MARKS`'
 folder, only when the script ended without an unhandled exception and without a non-zero
 ``sys.exit``. Here, torch's worker group counts a rank that died by SIGABRT *with* its mark as

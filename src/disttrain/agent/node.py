@@ -36,6 +36,7 @@ from .elastic_config import endpoint, launch_config
 from .exit_abort import aborts_after_return
 from .exit_grace import exits_awaited
 from .link import Role, Standalone
+from .log_tail import tails_end_at_once
 from .oom import OomWatch
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
@@ -225,9 +226,11 @@ def _recorder_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | N
 def _started(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, env: dict[str, str], say):
     """Start: what the workers need before torch's agent starts them -- the program's signal handlers
     kept, their exits awaited, their process group, the recorders' sockets (``--hang-timeout``: this
-    adds the bootstrap to ``env``), the abort at exit prevented, ``env`` exported. Undone by ``stack``."""
+    adds the bootstrap to ``env``), the abort at exit prevented, ``env`` exported, the output tails ended at
+    the workers' end. Undone by ``stack``."""
     stack.enter_context(_handlers_kept())
     early = stack.enter_context(exits_awaited())
+    stack.enter_context(tails_end_at_once())
     group = stack.enter_context(_worker_group(plan, node))
     sockets = stack.enter_context(_recorder_sockets(plan, env))
     regroups = stack.enter_context(_regroup_sockets(plan, env))

@@ -15,6 +15,7 @@ from . import bench as bench_cmd
 from . import doctor as doctor_cmd
 from . import job as job_cmd
 from . import jobs as jobs_cmd
+from . import quick_exit
 from . import run as run_cmd
 from . import sagemaker as sagemaker_cmd
 from . import tune as tune_cmd
@@ -62,10 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands whose process ends at once when they return (quick_exit.py): a launcher's job is over.
+QUICK_EXIT = frozenset({"run"})
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         code = args.handler(args)  # a node's agent never returns: it ends its own process (agent/entry.py)
+        if argv is None and args.command in QUICK_EXIT:  # the process's own command line, not a caller's list
+            code = quick_exit.exit_now(code)
     except DisttrainError as err:
         print(error_line(err), file=sys.stderr)
         code = err.exit_code

@@ -15,11 +15,10 @@ tell (no ``/proc``).
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import os
-import sys
 import threading
+
+from ..process_end import exit_after_atexit
 
 
 def _threads_waited_for() -> bool:
@@ -54,24 +53,9 @@ def _running_children() -> bool:
     return False
 
 
-def _flush_c_stdio() -> None:
-    """C's stdio buffers (a library's ``printf``), which ``exit()`` would flush and ``os._exit`` does not."""
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
-        pass
-
-
 def exit_now(code: int) -> int:
     """End the process with ``code`` at once when nothing is left to wait for (see the module's
     doc); else return ``code`` for the normal exit."""
     if _threads_waited_for() or _running_children():
         return code
-    atexit._run_exitfuncs()  # each handler's exception is printed and the others still run
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: the normal exit could not write it either
-            pass
-    _flush_c_stdio()
-    os._exit(code)
+    exit_after_atexit(code)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..inplace import FALLBACK_EXIT, Plan, socket_path
+from ..process_end import exit_after_atexit
 from ..workerenv import REGROUP_SOCKET, WorkerEnv
 from . import groupsockets
 
@@ -290,18 +291,7 @@ def _run_again() -> None:
             sys.excepthook(type(err), err, err.__traceback__)
             code = 1
             break
-    _exit(code)
-
-
-def _exit(code: int) -> None:
-    """What the interpreter's end does that matters here: atexit handlers (the runtime's shutdown,
-    the worker bootstrap's mark that the script returned), flushed streams; then the exit code."""
-    with contextlib.suppress(Exception):
-        atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
+    exit_after_atexit(code)  # the runtime's shutdown, the bootstrap's mark that the script returned
 
 
 # -- the second run's resume() -----------------------------------------------------------------

@@ -2,15 +2,15 @@
 processes stay alive and go on from memory, instead of being killed, started again and loaded
 from the newest checkpoint.
 
-Armed by :func:`disttrain.resume` in a worker of an elastic launch (the agent sets
+Armed by :func:`disttrain.resume` (and the Trainer's loop) in a worker of an elastic launch (the agent sets
 :data:`~disttrain.workerenv.REGROUP_SOCKET`); a plain torchrun script is never armed and keeps
 the restart. What happens when the launcher decides a regroup:
 
 1. The agent sends each of its workers the new membership (:class:`Plan`) on the worker's own
    Unix socket; a thread here, blocked on it, wakes. That the socket accepts is how the agent
    knows this worker is armed: one that is not gets today's restart.
-2. The thread shuts the process group's TCP connections down (:func:`tracking_sockets` noted
-   them when the group was made). A collective waiting for a host that lost power -- no reset
+2. The thread shuts the process group's TCP connections down (:func:`.groupsockets.tracking`
+   noted them when the group was made). A collective waiting for a host that lost power -- no reset
    ever comes, gloo would wait out its timeout, and its own ``abort()`` does not end a blocked
    collective -- fails at once; a rank between collectives fails at its next one, or at the
    step's end (:func:`check`).
@@ -25,10 +25,11 @@ the restart. What happens when the launcher decides a regroup:
    the last step every survivor completed, the rank(s) holding it send it to those that do not,
    and the epoch goes on from the samples consumed, re-cut for the new world size.
 
-What cannot go on in place falls back to the restart, in one line: sharded models (the lost
-rank's shard is held nowhere else: the survivors load the newest checkpoint, in place), Local
-SGD / DiLoCo state, a group that does not form in time (exit :data:`FALLBACK_EXIT`, which the
-agent answers with the restart).
+What cannot go on from memory says so in one line: sharded models (the lost rank's shard is held
+nowhere else), Local SGD / DiLoCo state, the Trainer's accumulated gradients, a regroup between
+two epochs' steps with a checkpoint folder (the script's epoch-end code ran part-way) -- the
+survivors stay and load the newest checkpoint; a group that does not form in time exits
+:data:`~disttrain.inplace.FALLBACK_EXIT`, which the agent answers with the restart.
 """
 
 from __future__ import annotations

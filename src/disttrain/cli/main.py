@@ -63,15 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Commands whose process ends at once when they return (quick_exit.py): a launcher's job is over.
-QUICK_EXIT = frozenset({"run"})
+# Commands whose process ends at once when they return (quick_exit.py): a launcher's job is over. By
+# handler: ``args.command`` is the subcommand's name only where the subcommand has no ``command`` of
+# its own (``disttrain bench``'s is the script to time).
+QUICK_EXIT = (run_cmd.handle,)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         code = args.handler(args)  # a node's agent never returns: it ends its own process (agent/entry.py)
-        if argv is None and args.command in QUICK_EXIT:  # the process's own command line, not a caller's list
+        if argv is None and args.handler in QUICK_EXIT:  # the process's own command line, not a caller's list
             code = quick_exit.exit_now(code)
     except DisttrainError as err:
         print(error_line(err), file=sys.stderr)

@@ -461,14 +461,7 @@ def test_a_slurm_node_that_loses_power_is_left_behind(slurm3, tmp_path):
     assert accounting["attempts"][0]["world_size"] == 3 and accounting["attempts"][-1]["world_size"] == 2
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"] == 0, accounting
     assert [c["change"] for c in record_of(tmp_path)] == ["start", "left"]
-    deadline = time.monotonic() + 20
-    while True:  # Slurm's daemons stay; nothing of the job does
-        left = [_cmdline(pid) for node in slurm3.rig.nodes for pid in slurm3.rig.processes_in(node)
-                if "disttrain" in _cmdline(pid) or "elastic_train" in _cmdline(pid)]
-        if not left:
-            break
-        assert time.monotonic() < deadline, f"processes left behind: {left}"
-        time.sleep(0.2)
+    _nothing_of_the_job_left(slurm3)
 
 
 slurm4 = slurm_fixture(4, scope="function", name="slurm4")
@@ -499,12 +492,17 @@ def test_the_allocations_first_node_lost_under_salloc_is_a_loss_like_any_other(s
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     assert [c["change"] for c in record_of(tmp_path)] == ["start", "left"]
     print(f"recovery (the allocation's first node): {record_of(tmp_path)[1]['seconds']} s; {line}")
+    _nothing_of_the_job_left(slurm4)
+
+
+def _nothing_of_the_job_left(slurm) -> None:
+    """Slurm's daemons stay on its nodes; within 20 s no process of the job does."""
     deadline = time.monotonic() + 20
-    while True:  # Slurm's daemons stay; nothing of the job does
-        left = [_cmdline(pid) for node in slurm4.rig.nodes for pid in slurm4.rig.processes_in(node)
+    while True:
+        left = [_cmdline(pid) for node in slurm.rig.nodes for pid in slurm.rig.processes_in(node)
                 if "disttrain" in _cmdline(pid) or "elastic_train" in _cmdline(pid)]
         if not left:
-            break
+            return
         assert time.monotonic() < deadline, f"processes left behind: {left}"
         time.sleep(0.2)
 

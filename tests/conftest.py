@@ -67,6 +67,25 @@ def job_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+# A tuning job's script, first part: its loss a known function of its hyperparameters (hp_loss), which
+# the tuner tests check as the objective; each test prints it its own way after this.
+HP_LOSS_SCRIPT = """\
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--lr", type=float)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--opt")
+    p.add_argument("--epochs", type=int)
+    a = p.parse_args()
+    loss = (a.lr - 0.3) ** 2 + 0.01 * a.layers + (0.1 if a.opt == "sgd" else 0.0) + 0.001 * a.epochs
+"""
+
+
+def hp_loss(lr: float, layers: int, opt: str, epochs: int = 2) -> float:
+    """HP_LOSS_SCRIPT's loss, to 6 places as the scripts print it."""
+    return round((lr - 0.3) ** 2 + 0.01 * layers + (0.1 if opt == "sgd" else 0.0) + 0.001 * epochs, 6)
+
+
 def write(path: Path, text: str) -> Path:
     """``text`` (dedented) at ``path``, its folders made."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import disttrain, write
+from conftest import HP_LOSS_SCRIPT, disttrain, hp_loss, write
 from disttrain.errors import UsageError
 from disttrain.store import JobStore
 
@@ -23,22 +23,10 @@ pytest.importorskip("optuna")
 pytest.importorskip("pandas")
 pytestmark = pytest.mark.timeout(300)
 
-LOSS_SCRIPT = """\
-    import argparse
-    p = argparse.ArgumentParser()
-    p.add_argument("--lr", type=float)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--opt")
-    p.add_argument("--epochs", type=int)
-    a = p.parse_args()
-    loss = (a.lr - 0.3) ** 2 + 0.01 * a.layers + (0.1 if a.opt == "sgd" else 0.0) + 0.001 * a.epochs
+LOSS_SCRIPT = HP_LOSS_SCRIPT + """\
     print(f"epoch {a.epochs} loss={loss:.6f}", flush=True)
 """
 DEFINITIONS = [{"Name": "loss", "Regex": r"loss=([0-9.]+)"}]
-
-
-def expected_loss(lr: float, layers: int, opt: str, epochs: int = 2) -> float:
-    return round((lr - 0.3) ** 2 + 0.01 * layers + (0.1 if opt == "sgd" else 0.0) + 0.001 * epochs, 6)
 
 
 def check_trials(tuner, frame, *, count: int, params: list[str]) -> list:
@@ -58,7 +46,7 @@ def check_trials(tuner, frame, *, count: int, params: list[str]) -> list:
         assert row.TrainingJobName.startswith(f"{name}-") and str(record.state) == "Completed"
         hps = record.spec["hyperparameters"]
         assert hps["epochs"] == 2  # the static hyperparameter, with the trial's own
-        assert row.FinalObjectiveValue == expected_loss(hps["lr"], int(hps["layers"]), hps["opt"])
+        assert row.FinalObjectiveValue == hp_loss(hps["lr"], int(hps["layers"]), hps["opt"])
     return list(records.values())
 
 

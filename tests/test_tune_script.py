@@ -12,29 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, disttrain, write
+from conftest import HP_LOSS_SCRIPT, cli_env, disttrain, hp_loss, write
 from disttrain.store import JobStore
 
 pytest.importorskip("optuna")
 pytestmark = pytest.mark.timeout(300)
 
-SCRIPT = """\
-    import argparse
-    p = argparse.ArgumentParser()
-    p.add_argument("--lr", type=float)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--opt")
-    p.add_argument("--epochs", type=int)
-    a = p.parse_args()
-    loss = (a.lr - 0.3) ** 2 + 0.01 * a.layers + (0.1 if a.opt == "sgd" else 0.0) + 0.001 * a.epochs
+SCRIPT = HP_LOSS_SCRIPT + """\
     for step in range(2):
         print(f"step {step} loss: {loss + 1 - step:.6f}", flush=True)  # the last value is the objective
 """
 
 
 def expected(hps: dict) -> float:
-    return round((hps["lr"] - 0.3) ** 2 + 0.01 * int(hps["layers"]) + (0.1 if hps["opt"] == "sgd" else 0.0)
-                 + 0.001 * int(hps["epochs"]), 6)
+    return hp_loss(hps["lr"], int(hps["layers"]), hps["opt"], int(hps["epochs"]))
 
 
 @pytest.fixture

@@ -18,13 +18,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from overhead import last_json, timed  # noqa: E402  (how a run's JSON line is read: one place)
 
 
 def samples_per_s(armed: bool, args, folder: str) -> float:
@@ -34,14 +35,7 @@ def samples_per_s(armed: bool, args, folder: str) -> float:
         env["DISTTRAIN_REGROUP_SOCKETS"] = folder
     cmd = [sys.executable, "-m", "disttrain", "run", "-n", "2", "--ranks", "0", "examples/mnist_convnet.py",
            "--samples", str(args.samples), "--batch-size", str(args.batch_size), "--epochs", "1", "--log-every", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    for line in reversed(proc.stdout.strip().splitlines()):
-        line = line.split("] ", 1)[-1]
-        if line.startswith("{"):
-            return json.loads(line)["train_samples_per_s"]
-    raise RuntimeError(f"no JSON line:\n{proc.stdout[-2000:]}")
+    return last_json(timed(cmd, env)[1])["train_samples_per_s"]
 
 
 def main() -> int:

@@ -69,10 +69,10 @@ def site_env(inherited: Mapping[str, str]) -> dict[str, str]:
     return {"PYTHONPATH": f"{SITE_DIR}{os.pathsep}{path}"}
 
 
-def socket_folder() -> str:
+def socket_folder(prefix: str = "disttrain-fr-") -> str:
     """A private folder for the ranks' sockets: short, as a Unix socket's path must be (108 bytes),
     whatever the run folder's length."""
-    return tempfile.mkdtemp(prefix="disttrain-fr-")
+    return tempfile.mkdtemp(prefix=prefix)
 
 
 def remove_folder(folder: str) -> None:

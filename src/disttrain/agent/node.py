@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -172,12 +170,12 @@ def _regroup_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | No
     if not plan.elastic or plan.framework != "pytorch" or plan.run_path or env.get(REGROUP_MODE) == "restart":
         yield None
         return
-    folder = tempfile.mkdtemp(prefix="disttrain-rg-")  # short: a Unix socket's path has 108 bytes
+    folder = flight.socket_folder("disttrain-rg-")
     env[REGROUP_SOCKET] = folder
     try:
         yield folder
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        flight.remove_folder(folder)
 
 
 @contextlib.contextmanager

@@ -9,21 +9,19 @@ agent to stop its workers (see :mod:`disttrain.agent.entry`), which is how every
 stopped at the first failure or on Ctrl-C; agents that do not exit within the grace period
 are killed.
 
-The agents' output is already prefixed ``[host rankN]``; it is relayed to the terminal, to a
-per-rank log in the run folder and to an optional transcript, and each agent's own lines are
-kept for its root-cause block.
+The agents' output is already prefixed ``[host rankN]``; it is relayed (:mod:`.relay`) to the
+terminal, to a per-rank log in the run folder and to an optional transcript, and each agent's own
+lines are kept for its root-cause block.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
@@ -31,8 +29,6 @@ from typing import TextIO
 from ..agent.verdict import verdict, warm
 from ..agent.watchdog import HANG_EXIT
 from ..plan.launch import LaunchPlan
-from ..private import private_opener
-from ..trackline import MARKER as TRACK_MARKER
 from ..wire import (
     ALIVE_EVERY_S,
     Alive,
@@ -51,6 +47,7 @@ from ..wire import (
 from ..workerenv import REGROUP_MODE
 from .diagnostics import Diagnostics
 from .elastic import Membership
+from .relay import Relay
 from .rendezvous_store import round_counter
 from .rootcause import first_in_time
 from .supervision import (
@@ -66,77 +63,6 @@ from .supervision import (
     Stop,
     Supervisor,
 )
-
-AGENT_LINES_KEPT = 200
-_PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
-# A C++ stack dump, as torch's c10 errors and warnings print them: kept in the logs, not shown.
-_CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from .*\(most recent call first\):$|<omitting python frames>$)")
-# torch's own C++ log lines (glog style: "[W1124 03:33:59.078 TCPStore.cpp:138] ...") from an agent's
-# internals -- a store that lost its server once another node failed: disttrain says what happened.
-_C10_LOG = re.compile(r"^\[[WEIF]\d{4} [\d:.]+ (\d+ )?\S+:\d+\] ")
-
-
-class Relay:
-    """Copies one stream of one agent to the terminal, to per-rank log files and to an
-    optional transcript; keeps the agent's own lines (its root-cause block) and writes them to
-    ``node<k>.log``. C++ stack dumps go to the logs only."""
-
-    def __init__(self, run_dir: Path, lock: threading.Lock, transcript: TextIO | None = None,
-                 on_agent_line=None, on_rank_line=None) -> None:
-        self._run_dir = run_dir
-        self._lock = lock
-        self._transcript = transcript
-        self._files: dict[str, TextIO] = {}
-        self._on_agent_line = on_agent_line
-        self._on_rank_line = on_rank_line
-        # Per agent: its own (unprefixed) stderr lines; the root-cause block is at the end.
-        self.agent_lines: dict[int, deque[str]] = {}
-        self.drained: dict[int, threading.Thread] = {}  # per agent: the thread reading its stderr
-
-    def pump(self, stream, out: TextIO, agent: int | None = None) -> None:
-        in_dump = False
-        for line in iter(stream.readline, ""):
-            match = _PREFIX.match(line)
-            if not match and agent is not None and self._on_agent_line is not None:
-                if self._on_agent_line(agent, line):  # the launcher consumed it (a heartbeat)
-                    continue
-            if match and self._on_rank_line is not None:
-                self._on_rank_line(line[match.end():])
-            text = line[match.end():] if match else line
-            if _CPP_FRAME.match(text) or (not match and agent is not None and _C10_LOG.match(text)):
-                in_dump = True
-            elif text.strip():
-                in_dump = False
-            with self._lock:
-                if not in_dump:
-                    if not (match and text.startswith(TRACK_MARKER)):  # for the tracker (the transcript) only
-                        out.write(line)
-                        out.flush()
-                    if self._transcript is not None:
-                        self._transcript.write(line)
-                        self._transcript.flush()
-                if match:
-                    self._write(f"rank{match['rank']}.log", text)
-                elif agent is not None:
-                    self._write(f"node{agent}.log", text)
-                    if not in_dump:
-                        self.agent_lines.setdefault(agent, deque(maxlen=AGENT_LINES_KEPT)).append(line.rstrip("\n"))
-
-    def _write(self, name: str, text: str) -> None:
-        if name not in self._files:
-            self._files[name] = open(self._run_dir / name, "a", opener=private_opener)  # a rank printed it: 0600
-        self._files[name].write(text)
-        self._files[name].flush()
-
-    def report(self, agent: int) -> str:
-        """The agent's own message about the failure: from its first ``disttrain:`` line on."""
-        lines = list(self.agent_lines.get(agent, ()))
-        start = next((i for i, line in enumerate(lines) if line.startswith("disttrain:")), len(lines))
-        return "\n".join(lines[start:])
-
-    def close(self) -> None:
-        for fh in self._files.values():
-            fh.close()
 
 
 def start(argv: Sequence[str], *, cwd: str | None = None) -> subprocess.Popen:
@@ -407,7 +333,7 @@ class _Supervised:
                     continue  # it reports its ranks, then stops: collected after the watch
                 cause = None
                 if code != 0:
-                    last = _last_line(self.relay, index)
+                    last = self.relay.last_line(index)
                     ended = self._handle_pending()  # its last lines, read to the end, are events too
                     if ended is not False:
                         return ended
@@ -497,15 +423,6 @@ class _Supervised:
                     pump.join(timeout=2)
         self.say(self.verdict)
         self.say(f"disttrain: stopped the job on all {len(self.procs)} hosts (exit {HANG_EXIT})")
-
-
-def _last_line(relay: Relay, index: int) -> str:
-    """Agent ``index``'s last own line (it exited: its stream is read to the end first)."""
-    pump = relay.drained.get(index)
-    if pump is not None:
-        pump.join(timeout=2)
-    lines = relay.agent_lines.get(index)
-    return lines[-1] if lines else ""
 
 
 def stop(procs: list[subprocess.Popen], *, grace_s: float, stdins: Stdins | None = None,

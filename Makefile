@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install --progress-bar off --disable-pip-version-check
 TORCH ?= torch==2.13.0
 DEMO_ARGS ?=
 
-.PHONY: setup setup-demo demo test bench gpu-check clean
+.PHONY: setup setup-demo demo test bench compat gpu-check clean
 
 # The demo needs torch and the package alone (~1 min); the test suite adds the extras it exercises.
 setup-demo: $(VENV)/.demo
@@ -43,6 +43,13 @@ test: setup
 
 bench: setup-demo
 	$(PY) bench/overhead.py
+
+# The torch range (bench/compat.py): one venv per torch of the matrix under .compat/ (PyPI's CUDA builds,
+# ~5 GB each, reused between runs; the pinned version runs in .venv), each running the smoke set.
+# COMPAT_ARGS: e.g. "--versions 2.6.0,2.15.0" or "--only hang verdict".
+COMPAT_ARGS ?=
+compat: setup
+	$(PY) bench/compat.py $(COMPAT_ARGS)
 
 # The GPU check (bench/gpu_check.py): no venv and no network, the python that holds the
 # machine's own CUDA torch (GPU_PYTHON) with disttrain from src/; log and JSON under $OUT.

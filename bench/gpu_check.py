@@ -236,12 +236,30 @@ def line(step: dict) -> str:
 
 
 def check(out_dir: Path, *, budget_s: float = BUDGET_S, only: list[str] | None = None, say=print) -> dict:
-    """Run the steps; ``say`` gets a line as each ends (the facts' first: the NCCL version)."""
+    """Run the steps; ``say`` gets a line as each starts and as it ends (the facts' first: the NCCL
+    version). The JSON is written again after every step, so a bound that stops the check keeps
+    every figure taken before it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     left = lambda: budget_s - (time.monotonic() - start)  # noqa: E731
     python = sys.executable
+    facts: dict = {}
+    two_ranks = ""
+    steps: list[dict] = []
+
+    def record() -> dict:
+        result = {
+            "check": "gpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
+            "budget_s": budget_s, "seconds": round(time.monotonic() - start, 1), "facts": facts,
+            "two_ranks_on_one_gpu": two_ranks,
+            "steps": steps,
+            "ok": bool(steps) and all(s["status"] in ("ok", "skipped") for s in steps),
+        }
+        (out_dir / "gpu-check.json").write_text(json.dumps(result, indent=2) + "\n")
+        return result
+
     with open(out_dir / "gpu-check.log", "w") as log:
+        say("gpu-check: facts ... (bound 60 s)")
         first = run_step(Step("facts", [python, PROBE, "facts"], 60, judge_json("torch")), left(), log)
         facts = first.pop("figures", {})
         if facts:
@@ -253,21 +271,17 @@ def check(out_dir: Path, *, budget_s: float = BUDGET_S, only: list[str] | None =
         say(line(first))
         say(f"gpu-check: torch {facts.get('torch')}, CUDA {facts.get('cuda')}, NCCL {facts.get('nccl')}, "
             f"{facts.get('gpu')}; two ranks on one GPU {two_ranks}")
-        steps = [first]
+        steps.append(first)
+        record()
         for step in gpu_steps(facts, python):
             reason = skip_reason(facts, step, only)
+            if not reason:
+                say(f"gpu-check: {step.name} ... (bound {min(step.bound_s, max(0.0, left())):.0f} s)")
             steps.append({"name": step.name, "bound_s": step.bound_s, "status": "skipped", "reason": reason}
                          if reason else run_step(step, left(), log))
             say(line(steps[-1]))
-    result = {
-        "check": "gpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
-        "budget_s": budget_s, "seconds": round(time.monotonic() - start, 1), "facts": facts,
-        "two_ranks_on_one_gpu": two_ranks,
-        "steps": steps,
-        "ok": all(s["status"] in ("ok", "skipped") for s in steps),
-    }
-    (out_dir / "gpu-check.json").write_text(json.dumps(result, indent=2) + "\n")
-    return result
+            record()
+    return record()
 
 
 def main(argv: list[str] | None = None) -> int:

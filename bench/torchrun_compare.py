@@ -212,6 +212,7 @@ def main() -> None:
             times: dict[str, list[float]] = {who: [] for who in launchers}
             cpu: dict[str, list[float]] = {who: [] for who in launchers}
             lines: dict[str, list[dict[str, float]]] = {who: [] for who in launchers}
+            print(f"torchrun-compare: {name} ... ({args.repeats} repeats)", file=sys.stderr, flush=True)
             for k in range(args.repeats):
                 order = list(launchers) if k % 2 == 0 else list(reversed(launchers))
                 for who in order:
@@ -234,8 +235,16 @@ def main() -> None:
                 base = summary(times, cpu, lines, "baseline")
                 base["baseline_ratio"], base["baseline_cpu_ratio"] = base.pop("ratio"), base.pop("cpu_ratio")
                 results[name].update(base)
+            write(args, load_before, results)  # a bound that stops the bench keeps the sets done
+            print(f"torchrun-compare: {name} done: ratio {results[name].get('ratio')}", file=sys.stderr, flush=True)
     if args.ssh and (not args.only or SSH_SET in args.only):
+        print(f"torchrun-compare: {SSH_SET} ...", file=sys.stderr, flush=True)
         results[SSH_SET] = over_ssh(args.repeats, py, env)
+    print(json.dumps(write(args, load_before, results)))
+
+
+def write(args: argparse.Namespace, load_before: tuple[float, ...], results: dict[str, dict]) -> dict:
+    """The result as it stands, written to its file; returned."""
     ratios = [r["ratio"] for name, r in results.items() if name != SSH_SET]  # the goal: one host
     result = {
         "bench": "torchrun-compare",
@@ -259,7 +268,7 @@ def main() -> None:
     out = Path(args.out) if args.out else (
         ROOT / "bench" / "results" / f"torchrun-compare-{result['date']}-{result['machine']}-{result['cpus']}cpu.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

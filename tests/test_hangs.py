@@ -16,6 +16,8 @@ import pytest
 from test_multinode import ROOT, launch_argv, run_on_node0
 
 from conftest import SCRIPTS, assert_all_gone, cli_env, descendants
+from disttrain import torchcompat
+from disttrain.agent import flight
 from rig import cluster_fixture
 from slurm_rig import slurm_fixture
 
@@ -48,6 +50,13 @@ def run_hang(case: str, nproc: int = 2, script: Path = PLAIN) -> tuple[int, str,
     return launcher.returncode, err, Path(err.split("logs: ")[1].split()[0])
 
 
+# A plain script's progress is its collectives, read from gloo's recorder through torch's worker server.
+needs_gloo_recorder = pytest.mark.skipif(
+    flight.CPU_FR_HANDLER not in torchcompat.worker_handlers(),
+    reason=f"torch {torchcompat.torch_version()} serves no gloo recorder: said in one line (tests/test_compat.py)")
+
+
+@needs_gloo_recorder
 @pytest.mark.timeout(120)
 def test_a_collective_mismatch_ends_in_a_verdict_naming_both_ranks_and_ops(home):
     code, err, run_dir = run_hang("op")

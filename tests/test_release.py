@@ -3,6 +3,7 @@ fresh venv (torch held to the pin) -- `disttrain --version` and a real 2-process
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -105,3 +106,37 @@ def _base_python() -> str:
     """The interpreter this venv was made from: a venv of a venv would not be fresh."""
     base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     return str(base) if base.exists() else sys.executable
+
+
+def _stand_in_torch(folder: Path, version: str) -> Path:
+    """A wheel that installs as torch ``version`` (its metadata only): what pip's resolver sees of a
+    user's CUDA torch, without its 5 GB."""
+    wheel = folder / f"torch-{version}-py3-none-any.whl"
+    info = f"torch-{version}.dist-info"
+    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: disttrain-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, text in {**files, f"{info}/RECORD": record}.items():
+            zf.writestr(name, text)
+    return wheel
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("torch_version", ["2.11.0", "2.6.0"])
+def test_installing_the_wheel_keeps_the_torch_the_environment_has(dist_dir: Path, tmp_path: Path, torch_version):
+    """A GPU user's torch comes with the CUDA image: pip must take it as it is, not swap it."""
+    venv = tmp_path / "venv"
+    assert _run([_base_python(), "-m", "venv", str(venv)], timeout=120).returncode == 0
+    py = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PIP_CONSTRAINT")}
+    env["PIP_CONSTRAINT"] = ""  # the user's machine: no pin of this repo's
+    pip = [py, "-m", "pip", "--disable-pip-version-check"]
+    r = _run([*pip, "install", "-q", "--no-deps", str(_stand_in_torch(tmp_path, torch_version))], env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    wheel = dist_dir / f"disttrain-{__version__}-py3-none-any.whl"
+    report = tmp_path / "report.json"
+    r = _run([*pip, "install", "--dry-run", "--report", str(report), str(wheel)], env=env, timeout=540)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    chosen = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in json.loads(report.read_text())["install"]}
+    assert "disttrain" in chosen and "torch" not in chosen, chosen  # the torch there is kept

@@ -161,16 +161,21 @@ def _serve(c10d) -> None:
         c10d.default_pg_timeout = timedelta(seconds=float(timeout))
         if getattr(c10d, "default_pg_nccl_timeout", None) is not None:
             c10d.default_pg_nccl_timeout = timedelta(seconds=float(timeout))
-    from torch._C._distributed_c10d import _register_handler, _WorkerServer
+    _stack_dump(os.path.join(folder, f"rank{rank}.stacks"))
+    from disttrain.torchcompat import worker_server
 
-    _register_handler("disttrain_groups", _groups)
+    served = worker_server()
+    if served is None:  # a torch without it: the verdict goes by the stacks alone
+        return
+    server_class, register = served
+    if register is not None:  # torch 2.6 serves the recorder without handlers of ours
+        register("disttrain_groups", _groups)
     sock = os.path.join(folder, f"rank{rank}.sock")
     try:
         os.unlink(sock)  # a previous attempt's
     except OSError:
         pass
-    _server = _quietly(lambda: _WorkerServer(sock))
-    _stack_dump(os.path.join(folder, f"rank{rank}.stacks"))
+    _server = _quietly(lambda: server_class(sock))
     # Never destroyed: at exit its destructor would log three lines on the user's terminal, and a
     # shutdown from an atexit handler can deadlock on the GIL. The process's end closes it.
     import ctypes

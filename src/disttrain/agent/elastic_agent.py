@@ -39,6 +39,7 @@ from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from .. import torchcompat
 from ..inplace import FALLBACK_EXIT, Plan, socket_path
 from ..wire import InPlace
 from ..workerenv import ROUND_COUNTER
@@ -217,11 +218,12 @@ class ElasticNodeAgent(LocalElasticAgent):
         self._on_attempt(in_place.attempt, worker_group, True, "")
         return True
 
-    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+    def _stop_workers(self, worker_group: WorkerGroup, *args, **kwargs) -> None:  # torch < 2.11: is_restart
         if self._peer_lost:
-            self._shutdown(death_sig=signal.SIGKILL, timeout=KILL_WAIT_S)
+            wait = {"timeout": KILL_WAIT_S} if torchcompat.takes(self._shutdown, "timeout") else {}
+            self._shutdown(death_sig=signal.SIGKILL, **wait)
         else:  # torch's stop (SIGTERM, then the grace): a round that grows lets disttrain.resume() save
-            super()._stop_workers(worker_group)
+            super()._stop_workers(worker_group, *args, **kwargs)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)

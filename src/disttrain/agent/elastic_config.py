@@ -6,9 +6,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 
-from torch.distributed.launcher.api import LaunchConfig
-
-from .. import net
+from .. import net, torchcompat
 from ..plan.launch import LaunchPlan, NodePlan
 from .logs import RankLogs
 
@@ -62,7 +60,8 @@ def numa_choice(mode: str | None, *, cuda_devices: int, numactl: str | None) -> 
 
 
 def launch_config(plan: LaunchPlan, node: NodePlan, *, cuda_devices: int, prefix: str,
-                  say: Callable[[str], None]) -> LaunchConfig:
+                  say: Callable[[str], None]):
+    """torch's ``LaunchConfig`` for this node, built for the installed torch (:mod:`disttrain.torchcompat`)."""
     agent = plan.agent
     numa, note = numa_choice(agent.numa_binding, cuda_devices=cuda_devices, numactl=shutil.which("numactl"))
     if note:
@@ -72,7 +71,7 @@ def launch_config(plan: LaunchPlan, node: NodePlan, *, cuda_devices: int, prefix
         from torch.numa.binding import AffinityMode, NumaOptions
 
         numa_options = NumaOptions(affinity_mode=AffinityMode(numa))
-    return LaunchConfig(
+    return torchcompat.launch_config(
         min_nodes=plan.min_nnodes or plan.nnodes,
         max_nodes=plan.nnodes,
         nproc_per_node=node.nproc,

@@ -49,37 +49,43 @@ def worker_env(folder: str, inherited: dict[str, str]) -> dict[str, str]:
     return {"PYTHONPATH": path, EXIT_MARKS: folder}
 
 
-def finished_then_aborted(failure, folder: str | os.PathLike) -> bool:
-    """Whether torch's ``ProcessFailure`` is a SIGABRT after the script returned (its mark is there)."""
-    return failure.exitcode in ABORTED and mark_path(folder, failure.local_rank, failure.pid).exists()
+def finished_then_aborted(exitcode: int | None, local_rank: int, pid: int, folder: str | os.PathLike) -> bool:
+    """Whether a worker that exited with ``exitcode`` is a SIGABRT after its script returned (its mark is there)."""
+    return exitcode in ABORTED and mark_path(folder, local_rank, pid).exists()
 
 
 @contextlib.contextmanager
 def aborts_after_return(env: dict[str, str], say) -> Iterator[str]:
     """For the life of the block (this process runs one node's workers): the marks' folder in
     ``env`` (the workers' environment), and torch's worker group counting a rank that aborted after
-    its script returned as finished, ``say``-ing so in one line."""
+    its script returned as finished, ``say``-ing so in one line.
+
+    The hook is ``SubprocessContext._poll``, which every torch of the supported range has: before torch
+    looks at its running workers, such a rank leaves them as done (not failed), so the others run to
+    their own end."""
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
     folder = tempfile.mkdtemp(prefix="disttrain-exit-")
     env.update(worker_env(folder, {**os.environ, **env}))
-    original = SubprocessContext._capture_process_failures
+    original = SubprocessContext._poll
 
-    def capture(self, done_local_ranks: set[int]) -> None:
-        original(self, done_local_ranks)
-        for local_rank, failure in list(self._failures.items()):
-            if finished_then_aborted(failure, folder):
-                del self._failures[local_rank]  # done, and not failed: the others run to their own end
+    def poll(self):
+        for local_rank in list(self._running_local_ranks):
+            proc = self.subprocess_handlers[local_rank].proc
+            exitcode = proc.poll()
+            if finished_then_aborted(exitcode, local_rank, proc.pid, folder):
+                self._running_local_ranks.discard(local_rank)
                 rank = (self.envs.get(local_rank) or {}).get("RANK", f"local {local_rank}")
                 say(f"disttrain: rank {rank} finished its script, then died by SIGABRT in torch's teardown at "
-                    f"exit (exit code {failure.exitcode}: `terminate called without an active exception`); "
+                    f"exit (exit code {exitcode}: `terminate called without an active exception`); "
                     "counted as finished")
+        return original(self)
 
-    SubprocessContext._capture_process_failures = capture
+    SubprocessContext._poll = poll
     try:
         yield folder
     finally:
-        SubprocessContext._capture_process_failures = original
+        SubprocessContext._poll = original
         shutil.rmtree(folder, ignore_errors=True)
 
 

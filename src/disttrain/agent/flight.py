@@ -44,6 +44,7 @@ GROUPS_TIMEOUT_S = 1.0
 # NCCL's own in builds with CUDA.
 FR_HANDLERS = {"nccl": "dump_nccl_trace_json"}
 CPU_FR_HANDLER = "fr_trace_json"
+FR_SINCE = "2.11"  # the first torch of the compat matrix whose worker server answers fr_trace_json (gloo)
 
 
 def fr_handler(dist_backend: str) -> str:

@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
+from .. import torchcompat
 from ..errors import DisttrainError, UsageError
 from ..net import busy_rendezvous
 from ..plan.launch import LaunchPlan, NodePlan
@@ -88,7 +89,10 @@ def _quiet_torch_elastic() -> None:
 
 
 def line_prefix(plan: LaunchPlan, node: NodePlan) -> str:
-    """``[rank3] `` on one node, ``[node1 rank3] `` when several nodes share the terminal."""
+    """``[rank3] `` on one node, ``[node1 rank3] `` when several nodes share the terminal; the user's
+    ``--log-line-prefix-template`` where given."""
+    if plan.agent.log_line_prefix_template:
+        return plan.agent.log_line_prefix_template
     if plan.nnodes > 1:
         return f"[{node.name} rank${{rank}}] "
     return "[rank${rank}] "
@@ -187,6 +191,10 @@ def _watchdog(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt,
         return
     recorders = flight.Recorders(sockets, plan.dist_backend, hang_timeout_s=plan.hang_timeout_s, say=link.say) \
         if sockets else None
+    if recorders is not None and flight.fr_handler(plan.dist_backend) not in torchcompat.worker_handlers():
+        link.say(f"disttrain: note: torch {torchcompat.torch_version()} on {node.name} does not serve a record of "
+                 f"{plan.dist_backend}'s collectives (torch {flight.FR_SINCE} does): --hang-timeout sees the progress "
+                 "of a script on disttrain's runtime (its batches), not of a plain script's collectives")
     # SIGTERM to ourselves: torch's agent then stops the workers as on any stop request.
     with Watchdog(node.env[HEARTBEAT_DIR], plan.hang_timeout_s, node.name,
                   on_hang=lambda: os.kill(os.getpid(), signal.SIGTERM), attempt=attempt, recorders=recorders,

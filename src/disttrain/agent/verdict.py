@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from .. import torchcompat
 from ..wire import Call, RankState
 
 DEFAULT_GROUP = "0"
@@ -92,18 +93,16 @@ def warm() -> None:
     """Import torch's matching rule ahead of a verdict. The launcher does not import torch to run a
     job; imported only once the hang is judged, it cost the verdict across hosts 6 to 8 s (a loaded
     2-core machine) -- the launcher calls this in a thread of its own when --hang-timeout is set."""
-    try:
-        import torch.distributed.flight_recorder.components.types  # noqa: F401
-    except ImportError:
-        pass  # the fallback rule of _agree
+    torchcompat.flight_recorder_matcher()  # None on a torch without it: the fallback rule of _agree
 
 
 def _agree(a: Call, b: Call, group_size: int) -> str | None:
     """None when two ranks' calls of the same collective agree; else what differs (torch's rule)."""
     if a.op != b.op:
         return "op"
-    try:
-        from torch.distributed.flight_recorder.components.types import MatchState, Op
+    matcher = torchcompat.flight_recorder_matcher()
+    if matcher is not None:
+        MatchState, Op = matcher  # noqa: N806
 
         def event(c: Call) -> dict:
             return {"profiling_name": f"{c.backend}:{c.op}", "state": "scheduled", "process_group": (c.group, c.desc),
@@ -112,15 +111,18 @@ def _agree(a: Call, b: Call, group_size: int) -> str | None:
                     "collective_seq_id": c.seq, "p2p_seq_id": 0, "time_created_ns": 0}
 
         members = {a.group: set(range(group_size))}
-        match = Op(event(a), members, a.group).match(Op(event(b), members, b.group))
-        if match.state == MatchState.FULLY_MATCHED:
-            return None
-        return "dtypes" if match.state == MatchState.COLLECTIVE_DTYPE_MISMATCH else "sizes"
-    except (ImportError, AssertionError, KeyError, ValueError, IndexError, TypeError):
-        # An op torch's analyser does not know: the same sizes and dtypes, or not.
-        if (a.input_sizes, a.output_sizes) != (b.input_sizes, b.output_sizes):
-            return "sizes"
-        return None if (a.input_dtypes, a.output_dtypes) == (b.input_dtypes, b.output_dtypes) else "dtypes"
+        try:
+            match = Op(event(a), members, a.group).match(Op(event(b), members, b.group))
+        except (AssertionError, KeyError, ValueError, IndexError, TypeError):
+            match = None  # an op torch's analyser does not know
+        if match is not None:
+            if match.state == MatchState.FULLY_MATCHED:
+                return None
+            return "dtypes" if match.state == MatchState.COLLECTIVE_DTYPE_MISMATCH else "sizes"
+    # No matcher in this torch, or an op it does not know: the same sizes and dtypes, or not.
+    if (a.input_sizes, a.output_sizes) != (b.input_sizes, b.output_sizes):
+        return "sizes"
+    return None if (a.input_dtypes, a.output_dtypes) == (b.input_dtypes, b.output_dtypes) else "dtypes"
 
 
 def _inside(state: RankState) -> Call | None:

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     for module in SUBCOMMANDS:
         module.add_parser(sub)
+    for command in sub.choices.values():
+        command.root = parser  # --print-completion completes every command, from the root
     return parser
 
 

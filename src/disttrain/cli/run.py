@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from .. import torchcompat
 from ..checkpoint_url import check_url, is_url
 from ..config import torchrun
 from ..config.launch import (
@@ -114,7 +115,10 @@ def _add_torchrun_args(p: argparse.ArgumentParser) -> None:
     for option in torchrun.OPTIONS:
         flags = ("-n", *option.flags) if option.dest == "nproc_per_node" else option.flags
         text = option.meaning + (f"; {option.here}" if option.here else "")
-        if option.flag:
+        if option.dest == "print_completion":  # acts while parsing, as torchrun's does: no script needed
+            g.add_argument(*flags, dest=option.dest, action=_PrintCompletion, default=None, help=text,
+                           metavar="|".join(option.choices))
+        elif option.flag:
             g.add_argument(*flags, dest=option.dest, action="store_const", const=True, default=None, help=text)
         else:
             # choices are checked by the spec (cli/main.py's one-line errors read argparse's "invalid
@@ -135,6 +139,21 @@ def _add_where_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the launch plan as JSON and exit")
 
 
+class _PrintCompletion(argparse.Action):
+    """``--print-completion SHELL``: disttrain's completion script for SHELL (shtab), then exit 0."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        torchcompat.refuse_missing_options({self.dest: values})
+        if values not in torchrun.COMPLETION_SHELLS:
+            raise UsageError(f"{option_string} takes one of {', '.join(torchrun.COMPLETION_SHELLS)}, got {values!r}")
+        try:
+            import shtab
+        except ImportError:
+            raise UsageError(f"{option_string} needs the shtab package: pip install shtab") from None
+        print(shtab.complete(getattr(parser, "root", parser), shell=values))
+        parser.exit(0)
+
+
 # What each torchrun option is when neither the command line nor PET_<NAME> gives it.
 _DEFAULTS = {"nnodes": "1", "nproc_per_node": "auto", "standalone": False, "max_restarts": 0, "module": False,
              "no_python": False, "run_path": False, "node_rank": 0, "virtual_local_rank": False,
@@ -144,14 +163,14 @@ _DEFAULTS = {"nnodes": "1", "nproc_per_node": "auto", "standalone": False, "max_
 
 
 def torchrun_values(args: argparse.Namespace, environ: Mapping[str, str]) -> dict:
-    """Every torchrun option's value: the command line, else its PET_ variable, else the default."""
-    values = {}
+    """Every torchrun option's value: the command line, else its PET_ variable, else the default.
+    An option the installed torch does not have yet, given either way, is one line (exit 2)."""
+    given = {}
     for option in torchrun.OPTIONS:
         value = getattr(args, option.dest)
-        if value is None:
-            value = torchrun.from_environ(option.dest, environ)
-        values[option.dest] = _DEFAULTS.get(option.dest) if value is None else value
-    return values
+        given[option.dest] = torchrun.from_environ(option.dest, environ) if value is None else value
+    torchcompat.refuse_missing_options(given)
+    return {dest: _DEFAULTS.get(dest) if value is None else value for dest, value in given.items()}
 
 
 def _stop_grace(args: argparse.Namespace, values: dict, environ: Mapping[str, str]) -> int:
@@ -239,6 +258,7 @@ def agent_options(values: dict, log_dir: str | None) -> AgentOptions:
         numa_binding=values["numa_binding"],
         signals_to_handle=torchrun.check_signals(values["signals_to_handle"]),
         virtual_local_rank=bool(values["virtual_local_rank"]),
+        log_line_prefix_template=values["log_line_prefix_template"] or None,
         torchrun_log_dir=os.path.abspath(log_dir) if log_dir else None,
     )
 

@@ -125,6 +125,7 @@ class AgentOptions:
     numa_binding: str | None = None
     signals_to_handle: str = DEFAULT_SIGNALS
     virtual_local_rank: bool = False
+    log_line_prefix_template: str | None = None  # None: disttrain's [rank${rank}] / [HOST rank${rank}]
     # --log-dir given: torchrun's own file layout is written under it as well (absolute).
     torchrun_log_dir: str | None = None
 

@@ -1,9 +1,10 @@
 """torchrun's options, as ``disttrain run`` takes them: the table, and torchrun's value formats.
 
 The table mirrors ``torch.distributed.run.get_args_parser()`` option for option (spellings,
-flag or value, choices, value type); ``tests/test_torchrun_options.py`` walks torch's parser
-and fails on any difference, so a torch release that adds an option is caught there, not by a
-user. It is a copy rather than a call because importing ``torch.distributed.run`` costs
+flag or value, choices, value type) for the newest supported torch; ``tests/test_torchrun_options.py``
+walks the installed torch's parser and fails on any difference, so a torch release that adds an
+option is caught there, not by a user. An option an older torch of the range lacks is refused on
+that torch in one line naming the release that brought it (:mod:`disttrain.torchcompat`). It is a copy rather than a call because importing ``torch.distributed.run`` costs
 seconds, and every ``disttrain`` command (``jobs ls`` too) builds this parser.
 
 Each option is also read from ``PET_<DEST>`` in the launching shell, the command line
@@ -24,6 +25,7 @@ STATIC_DEFAULT_PORT = 29500  # torchrun's --master-port default
 C10D_DEFAULT_PORT = 29400  # torch's c10d rendezvous port when the endpoint names none
 START_METHODS = ("spawn", "fork", "forkserver")
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode
+COMPLETION_SHELLS = ("bash", "zsh", "tcsh")  # shtab's shells, as torchrun offers them
 EVENT_LOG_HANDLERS = ("console", "dynamic_rendezvous", "null")  # torch.distributed.elastic.events.handlers
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 RDZV_CONF_DISTTRAIN = ("is_host", "join_timeout", "last_call_timeout", "close_timeout", "read_timeout",
@@ -297,7 +299,14 @@ OPTIONS: tuple[TorchrunOption, ...] = (
          convert=int, metavar="S"),
     _opt("virtual_local_rank", _both("virtual-local-rank"),
          "LOCAL_RANK=0 in every worker, each seeing only its own GPU as device 0", flag=True),
+    _opt("log_line_prefix_template", _both("log-line-prefix-template"),
+         "the prefix of each worker line on the terminal; ${role_name}, ${local_rank}, ${rank}, ${hostname}",
+         "default [rank${rank}] (one node) or [HOST rank${rank}]", metavar="TEMPLATE"),
+    _opt("print_completion", _both("print-completion"), "print a shell completion script and exit",
+         "completes disttrain's own commands; needs the shtab package", choices=COMPLETION_SHELLS),
 )
+# Options of a newer torch than some of the supported range: disttrain run refuses each in one line where the
+# installed torch lacks it (disttrain.torchcompat.OPTION_SINCE says which torch brought it).
 
 BY_DEST = {option.dest: option for option in OPTIONS}
 

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import torchcompat
 from ..inplace import FALLBACK_EXIT, Plan, socket_path
 from ..process_end import exit_after_atexit
 from ..workerenv import REGROUP_SOCKET, WorkerEnv
@@ -197,9 +198,7 @@ def _drop_old_world(training: Any) -> None:
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
-    with contextlib.suppress(Exception):
-        if dist.is_initialized():
-            dist.distributed_c10d._abort_process_group()
+    torchcompat.abandon_process_groups()
     context.forget()
     heartbeat.forget()
     preemption.uninstall()

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ... import torchcompat
 from ...errors import UsageError
 from .. import precision as precision_mod
 from ..context import Context
@@ -54,6 +55,7 @@ class FSDPStrategy(Strategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        torchcompat.require_fsdp(self.ctx.device.type)
         names = {id(p): name for name, p in model.named_parameters()}
         _check_fresh(optimizer)
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))

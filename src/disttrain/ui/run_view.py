@@ -1,0 +1,386 @@
+"""What ``disttrain ui`` shows of a run, read from the files its run folder already holds.
+
+A view, never a second record: everything here is read from what the launcher and the workers write
+(``plan.json``, ``track.jsonl``, ``membership.json``, ``goodput.json``, ``hang_verdict.txt`` /
+``failure.txt``, ``attempt_<k>/rank<R>.stdout|stderr``, ``heartbeat/node<n>/rank<R>``) and from the
+checkpoint folder the plan names. Other versions add fields to these files: every read here is
+defensive (a field missing or of another type is shown as unknown, never an error).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import goodput
+from ..checkpoint_layout import CheckpointLayout, read_marker
+from ..launch.elastic import load_record
+from ..tracking.follower import FAILURE_FILE, HANG_FILE
+from ..workerenv import CHECKPOINT_DIR
+
+QUIET_S = 120.0  # a run without its end record whose files all stayed still this long: its launcher is gone
+TAIL_LINES = 20
+_RANK_LOG = re.compile(r"attempt_(\d+)/rank(\d+)\.(stdout|stderr)$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRow:
+    """One line of the runs list."""
+
+    id: str
+    name: str  # the script (or module) it ran
+    status: str  # Running | Completed | Failed | Hung | Stopped | Unknown (no end record, all quiet)
+    started: float | None
+    ended: float | None
+    hosts: tuple[str, ...]
+    world_size: int | None
+    exit_code: int | None
+    cause: str | None  # the first line that says why (the hang verdict's cause, the failure's first line)
+
+    @property
+    def duration(self) -> float | None:
+        if self.started is None:
+            return None
+        return (self.ended if self.ended is not None else time.time()) - self.started
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _text(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def _ends(path: Path) -> tuple[dict | None, dict | None]:
+    """The first and the last record of ``track.jsonl``, read from its two ends (a long run's file is long)."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline()
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - 4096))
+            last = fh.read().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    except OSError:
+        return None, None
+
+    def parse(line: bytes) -> dict | None:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return None
+        return record if isinstance(record, dict) else None
+
+    return parse(first), parse(last)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _hosts(plan: Any) -> tuple[str, ...]:
+    nodes = plan.get("nodes") if isinstance(plan, dict) else None
+    if not isinstance(nodes, list):
+        return ()
+    return tuple(str(n.get("address") or n.get("name")) for n in nodes if isinstance(n, dict))
+
+
+def _script(plan: Any, run_id: str) -> str:
+    argv = plan.get("argv") if isinstance(plan, dict) else None
+    if isinstance(argv, list):
+        for i, word in enumerate(argv):
+            if word == "-m" and i + 1 < len(argv):
+                return str(argv[i + 1])
+            if isinstance(word, str) and word.endswith(".py"):
+                return Path(word).name
+    return run_id
+
+
+def cause_line(text: str | None) -> str | None:
+    """The line of a verdict or a failure report that says why: the verdict's ``cause:``, else the first line."""
+    if not text:
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("cause:"):
+            return line
+    return lines[0] if lines else None
+
+
+def _newest_mtime(run_dir: Path) -> float:
+    newest = 0.0
+    for pattern in (goodput.RECORD, "attempt_*/rank*.std*", "heartbeat/*/rank*"):
+        for path in run_dir.glob(pattern):
+            try:
+                newest = max(newest, path.stat().st_mtime)
+            except OSError:
+                pass
+    return newest
+
+
+def status_of(end: dict | None, verdict: str | None, *, quiet: bool) -> str:
+    if end is None or end.get("kind") != "end":
+        return "Unknown" if quiet else "Running"
+    code = end.get("exit_code")
+    if end.get("hung") or verdict:
+        return "Hung"
+    if code == 0:
+        return "Completed"
+    if isinstance(code, int) and code > 128:  # the launcher was stopped by a signal (Ctrl-C, SIGTERM)
+        return "Stopped"
+    return "Failed"
+
+
+def read_row(run_dir: Path, *, now: float | None = None) -> RunRow:
+    """The runs list's line for one run folder: ``plan.json`` and the two ends of ``track.jsonl``."""
+    plan = _json(run_dir / "plan.json")
+    start, end = _ends(run_dir / goodput.RECORD)
+    if end is not None and end.get("kind") != "end":
+        end = None
+    verdict = _text(run_dir / HANG_FILE)
+    failure = None if verdict else _text(run_dir / FAILURE_FILE)
+    quiet = end is None and (now or time.time()) - _newest_mtime(run_dir) > QUIET_S
+    world = plan.get("world_size") if isinstance(plan, dict) else None
+    code = end.get("exit_code") if end else None
+    return RunRow(
+        id=run_dir.name, name=_script(plan, run_dir.name), status=status_of(end, verdict, quiet=quiet),
+        started=_number((start or {}).get("t")), ended=_number((end or {}).get("t")), hosts=_hosts(plan),
+        world_size=world if isinstance(world, int) else None, exit_code=code if isinstance(code, int) else None,
+        cause=cause_line(verdict or failure),
+    )
+
+
+def list_runs(runs_dir: Path) -> list[RunRow]:
+    """Every run folder under ``runs_dir``, newest first (run ids begin with their time)."""
+    try:
+        folders = [p for p in runs_dir.iterdir() if p.is_dir()]
+    except OSError:
+        return []
+    now = time.time()
+    rows = [read_row(p, now=now) for p in folders]
+    rows.sort(key=lambda r: (r.started or 0.0, r.id), reverse=True)
+    return rows
+
+
+def matches(row_name: str, row_status: str, *, name: str | None, status: str | None) -> bool:
+    """The lists' filter: ``name`` a part of the name (any case), ``status`` the status itself."""
+    if status and row_status.lower() != status.lower():
+        return False
+    return not name or name.lower() in row_name.lower()
+
+
+# --- one run's page --------------------------------------------------------------------------
+
+class Rates:
+    """Each rank's steps/s while the page is open, sampled from its heartbeat file (its step count
+    and its time): the heartbeat holds only the latest count, so the series is this server's memory
+    of what it saw, and starts when the page is first opened. A view's cache, not a record."""
+
+    KEEP = 240
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int], deque[tuple[float, int]]] = {}
+
+    def sample(self, run_dir: Path) -> dict[int, list[tuple[float, float]]]:
+        for path in run_dir.glob("heartbeat/*/rank*"):
+            if not path.name[4:].isdigit():
+                continue
+            beat = _json(path)
+            try:
+                when = path.stat().st_mtime
+            except OSError:
+                continue
+            steps = beat.get("steps") if isinstance(beat, dict) else None
+            if not isinstance(steps, int):
+                continue
+            seen = self._seen.setdefault((str(run_dir), int(path.name[4:])), deque(maxlen=self.KEEP))
+            if not seen or when > seen[-1][0]:
+                seen.append((when, steps))
+        out: dict[int, list[tuple[float, float]]] = {}
+        for (folder, rank), seen in self._seen.items():
+            if folder == str(run_dir):
+                out[rank] = _rates(list(seen))
+        return out
+
+
+def _rates(points: list[tuple[float, int]]) -> list[tuple[float, float]]:
+    """``(time, steps/s)`` between consecutive ``(time, step)`` points (a step that went back: a new round)."""
+    out = []
+    for (t0, s0), (t1, s1) in zip(points, points[1:]):
+        if t1 > t0 and s1 >= s0:
+            out.append((t1, (s1 - s0) / (t1 - t0)))
+    return out
+
+
+def recorded_rates(records: list[dict]) -> dict[int, list[tuple[float, float]]]:
+    """Each rank's steps/s from ``track.jsonl``: its own metrics lines (``--track-ranks``), else rank 0's
+    reduced ones (the mean over ranks, drawn as rank 0)."""
+    per_rank: dict[int, list[tuple[float, int]]] = {}
+    reduced: list[tuple[float, int]] = []
+    for r in records:
+        if r.get("kind") != "metrics" or not isinstance(r.get("step"), int) or _number(r.get("t")) is None:
+            continue
+        if r.get("reduced") is False and isinstance(r.get("rank"), int):
+            per_rank.setdefault(r["rank"], []).append((float(r["t"]), r["step"]))
+        else:
+            reduced.append((float(r["t"]), r["step"]))
+    if not per_rank and reduced:
+        per_rank[0] = reduced
+    return {rank: _rates(points) for rank, points in sorted(per_rank.items())}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    step: int
+    url: str
+    size: int | None  # bytes, as its marker lists them
+    digests: str  # what was checked: "n files, sizes as the marker says" / what differs / "not read (remote)"
+    ok: bool | None
+
+
+def checkpoint_dir(plan: Any) -> str | None:
+    """The ``--checkpoint-dir`` the plan gave the workers (``DISTTRAIN_CHECKPOINT_DIR``)."""
+    for node in (plan.get("nodes") or []) if isinstance(plan, dict) else []:
+        if isinstance(node, dict) and isinstance(node.get("env"), dict) and node["env"].get(CHECKPOINT_DIR):
+            return str(node["env"][CHECKPOINT_DIR])
+    return None
+
+
+def checkpoints(location: str | None) -> list[Checkpoint]:
+    """The complete checkpoints of a folder, newest first: each file's size checked against its marker
+    (a cheap check; the SHA-256 digests are verified where a checkpoint is loaded). A URL is listed by
+    name only: the view does not open remote storage."""
+    if not location:
+        return []
+    if "://" in location:
+        return [Checkpoint(step=-1, url=location, size=None, digests="not read (remote storage)", ok=None)]
+    out = []
+    for step, path in reversed(CheckpointLayout(Path(location)).complete()):
+        try:
+            digests = read_marker(path).get("digests") or {}
+        except (OSError, ValueError) as err:
+            out.append(Checkpoint(step=step, url=str(path), size=None, digests=f"marker unreadable: {err}", ok=False))
+            continue
+        total, wrong = 0, []
+        for name, digest in digests.items():
+            want = digest.get("size") if isinstance(digest, dict) else None
+            try:
+                have = (path / name).stat().st_size
+            except OSError:
+                wrong.append(f"{name} missing")
+                continue
+            total += have
+            if isinstance(want, int) and want != have:
+                wrong.append(f"{name} {have} bytes, marker says {want}")
+        said = "; ".join(wrong) if wrong else f"{len(digests)} files, sizes as the marker lists them"
+        out.append(Checkpoint(step=step, url=path.as_uri(), size=total, digests=said, ok=not wrong))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogTail:
+    attempt: int
+    rank: int
+    stream: str
+    path: str  # relative to the run folder
+    lines: list[str]
+    size: int
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> tuple[list[str], int]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - 16384))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return [], 0
+    return text.splitlines()[-lines:], size
+
+
+def log_tails(run_dir: Path) -> list[LogTail]:
+    """Each rank's stdout and stderr of the latest attempt that has them, by rank."""
+    found = []
+    for path in run_dir.glob("attempt_*/rank*.std*"):
+        m = _RANK_LOG.search(path.relative_to(run_dir).as_posix())
+        if m:
+            found.append((int(m[1]), int(m[2]), m[3], path))
+    if not found:
+        return []
+    latest = max(a for a, *_ in found)
+    out = []
+    for attempt, rank, stream, path in sorted(f for f in found if f[0] == latest):
+        lines, size = tail(path)
+        out.append(LogTail(attempt=attempt, rank=rank, stream=stream, path=path.relative_to(run_dir).as_posix(),
+                           lines=lines, size=size))
+    return out
+
+
+def log_path(run_dir: Path, rel: str) -> Path | None:
+    """A rank's log file by its path in the run folder; None for anything else (no path leaves the folder)."""
+    m = _RANK_LOG.fullmatch(rel)
+    if not m:
+        return None
+    path = run_dir / f"attempt_{int(m[1])}" / f"rank{int(m[2])}.{m[3]}"
+    return path if path.is_file() else None
+
+
+@dataclass(kw_only=True)
+class RunView:
+    row: RunRow
+    verdict: str | None
+    failure: str | None
+    membership: list[dict]
+    goodput: dict | None
+    goodput_final: bool
+    rates: dict[int, list[tuple[float, float]]]
+    checkpoints: list[Checkpoint]
+    checkpoint_dir: str | None
+    logs: list[LogTail]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def live(self) -> bool:
+        return self.row.status == "Running"
+
+
+def read_view(run_dir: Path, rates: Rates | None = None) -> RunView:
+    """Everything one run's page shows."""
+    row = read_row(run_dir)
+    plan = _json(run_dir / "plan.json")
+    changes = [c for c in load_record(run_dir) if isinstance(c, dict)] if (run_dir / "membership.json").exists() \
+        else []
+    records = goodput.load_records(run_dir)
+    final = _json(run_dir / goodput.FILE)
+    if not isinstance(final, dict) or not isinstance(final.get("seconds"), dict):
+        final = None
+    so_far = None
+    if final is None and records and row.status == "Running":  # the breakdown until now, as if it ended now
+        try:
+            so_far = goodput.compute([*records, {"kind": "end", "t": time.time()}], changes)
+        except (ValueError, TypeError, KeyError):
+            so_far = None
+    drawn = recorded_rates(records)
+    if rates is not None:
+        for rank, series in rates.sample(run_dir).items():
+            if series and not drawn.get(rank):
+                drawn[rank] = series
+    where = checkpoint_dir(plan)
+    verdict = _text(run_dir / HANG_FILE)
+    return RunView(
+        row=row, verdict=verdict, failure=None if verdict else _text(run_dir / FAILURE_FILE), membership=changes,
+        goodput=final or so_far, goodput_final=final is not None, rates=drawn, checkpoints=checkpoints(where),
+        checkpoint_dir=where, logs=log_tails(run_dir),
+    )

@@ -71,8 +71,8 @@ def handle(args: argparse.Namespace) -> int:
     from ..home import disttrain_home, plain_path
     from ..store.db import default_store_path
 
-    if not args.refresh > 0:
-        raise UsageError(f"--refresh {args.refresh} must be a number of seconds above 0, e.g. 2")
+    if not 0 < args.refresh < 86400:
+        raise UsageError(f"--refresh {args.refresh:g} must be a number of seconds above 0, e.g. 2")
     try:
         import uvicorn
 

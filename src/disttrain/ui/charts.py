@@ -20,9 +20,13 @@ def _num(x: float) -> str:
     return f"{x:.1f}"
 
 
-def rates_plot(rates: Mapping[int, Sequence[tuple[float, float]]], *, width: int = 560, height: int = 160) -> Markup:
-    """One line per rank: steps/s over time (seconds since the first point)."""
+def rates_plot(rates: Mapping[int, Sequence[tuple[float, float]]], means: Mapping[int, float] | None = None, *,
+               width: int = 560, height: int = 160) -> Markup:
+    """One line per rank: steps/s over time (seconds since the first point); where no series is known
+    (a finished run, not tracked), each rank's mean as a bar."""
     series = {rank: list(points) for rank, points in rates.items() if points}
+    if not series and means:
+        return mean_bars(means, width=width)
     if not series:
         return Markup('<p class="none">no steps/s yet: the ranks report steps through disttrain\'s heartbeat '
                       '(a prepared loader, <code>disttrain.log</code>) or <code>--track-ranks</code></p>')
@@ -55,6 +59,22 @@ def rates_plot(rates: Mapping[int, Sequence[tuple[float, float]]], *, width: int
             parts.append(f'<circle cx="{_num(x(points[0][0]))}" cy="{_num(y(last))}" r="3" fill="{colour}"/>')
         parts.append(f'<text x="{left + 6 + 90 * (i % 6)}" y="{up + 12 + 12 * (i // 6)}" fill="{colour}" '
                      f'class="legend" data-rank="{rank}">rank {rank}: {last:.2f}/s</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def mean_bars(means: Mapping[int, float], *, width: int = 560) -> Markup:
+    top = max(means.values()) or 1.0
+    left, row = 64, 18
+    parts = [f'<svg class="chart" role="img" aria-label="mean steps per second per rank" width="{width}" '
+             f'height="{row * len(means) + 4}" viewBox="0 0 {width} {row * len(means) + 4}">']
+    for i, (rank, value) in enumerate(sorted(means.items())):
+        w = (width - left - 150) * value / top
+        parts.append(f'<text x="{left - 6}" y="{i * row + 14}" text-anchor="end" class="host">rank {rank}</text>'
+                     f'<rect x="{left}" y="{i * row + 3}" width="{_num(max(1.0, w))}" height="13" '
+                     f'fill="{PALETTE[i % len(PALETTE)]}"/>'
+                     f'<text x="{_num(left + w + 6)}" y="{i * row + 14}" class="legend" data-rank="{rank}">'
+                     f'{value:.2f} steps/s (mean)</text>')
     parts.append("</svg>")
     return Markup("".join(parts))
 

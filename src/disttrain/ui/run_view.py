@@ -25,7 +25,8 @@ from ..workerenv import CHECKPOINT_DIR
 
 QUIET_S = 120.0  # a run without its end record whose files all stayed still this long: its launcher is gone
 TAIL_LINES = 20
-_RANK_LOG = re.compile(r"attempt_(\d+)/rank(\d+)\.(stdout|stderr)$")
+# a rank's own files (attempt_<k>/rank<R>.stdout|stderr), or what the launcher relayed from another host
+_RANK_LOG = re.compile(r"attempt_(\d+)/rank(\d+)\.(stdout|stderr)|rank(\d+)\.log|node(\d+)\.log")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,6 +224,23 @@ def _rates(points: list[tuple[float, int]]) -> list[tuple[float, float]]:
     return out
 
 
+def mean_rates(run_dir: Path, started: float | None) -> dict[int, float]:
+    """Each rank's mean steps/s over the run, from its heartbeat's last count and time (what the
+    launcher's closing "steps/s per host" line says): known after the run as well."""
+    out = {}
+    for path in run_dir.glob("heartbeat/*/rank*"):
+        beat = _json(path)
+        if not (path.name[4:].isdigit() and isinstance(beat, dict) and isinstance(beat.get("steps"), int)):
+            continue
+        try:
+            span = path.stat().st_mtime - started if started else 0.0
+        except OSError:
+            continue
+        if span > 0:
+            out[int(path.name[4:])] = beat["steps"] / span
+    return dict(sorted(out.items()))
+
+
 def recorded_rates(records: list[dict]) -> dict[int, list[tuple[float, float]]]:
     """Each rank's steps/s from ``track.jsonl``: its own metrics lines (``--track-ranks``), else rank 0's
     reduced ones (the mean over ranks, drawn as rank 0)."""
@@ -274,7 +292,7 @@ def checkpoints(location: str | None) -> list[Checkpoint]:
             continue
         total, wrong = 0, []
         for name, digest in digests.items():
-            want = digest.get("size") if isinstance(digest, dict) else None
+            want = digest.get("bytes") if isinstance(digest, dict) else None
             try:
                 have = (path / name).stat().st_size
             except OSError:
@@ -290,9 +308,8 @@ def checkpoints(location: str | None) -> list[Checkpoint]:
 
 @dataclass(frozen=True, kw_only=True)
 class LogTail:
-    attempt: int
-    rank: int
-    stream: str
+    label: str  # "rank 1 stderr (attempt 0)", "rank 1 (relayed from its host)"
+    rank: int | None
     path: str  # relative to the run folder
     lines: list[str]
     size: int
@@ -311,29 +328,39 @@ def tail(path: Path, lines: int = TAIL_LINES) -> tuple[list[str], int]:
 
 
 def log_tails(run_dir: Path) -> list[LogTail]:
-    """Each rank's stdout and stderr of the latest attempt that has them, by rank."""
-    found = []
+    """Each rank's stdout and stderr of the latest attempt that has them; on several hosts, what the launcher
+    relayed of each rank and each host's agent (``rank<R>.log``, ``node<N>.log``)."""
+    found: list[tuple[int, int, str, Path]] = []
+    relayed: list[tuple[str, int, Path]] = []
     for path in run_dir.glob("attempt_*/rank*.std*"):
-        m = _RANK_LOG.search(path.relative_to(run_dir).as_posix())
-        if m:
+        m = _RANK_LOG.fullmatch(path.relative_to(run_dir).as_posix())
+        if m and m[1] is not None:
             found.append((int(m[1]), int(m[2]), m[3], path))
-    if not found:
-        return []
-    latest = max(a for a, *_ in found)
+    for path in run_dir.glob("*.log"):
+        m = _RANK_LOG.fullmatch(path.name)
+        if m and m[1] is None:
+            relayed.append(("rank" if m[4] is not None else "node", int(m[4] or m[5]), path))
     out = []
+    latest = max((a for a, *_ in found), default=None)
     for attempt, rank, stream, path in sorted(f for f in found if f[0] == latest):
         lines, size = tail(path)
-        out.append(LogTail(attempt=attempt, rank=rank, stream=stream, path=path.relative_to(run_dir).as_posix(),
-                           lines=lines, size=size))
+        out.append(LogTail(label=f"rank {rank} {stream} (attempt {attempt})", rank=rank,
+                           path=path.relative_to(run_dir).as_posix(), lines=lines, size=size))
+    for kind, number, path in sorted(relayed):
+        lines, size = tail(path)
+        label = f"rank {number}, relayed" if kind == "rank" else f"agent of node {number}, relayed"
+        out.append(LogTail(label=label, rank=number if kind == "rank" else None, path=path.name, lines=lines,
+                           size=size))
     return out
 
 
 def log_path(run_dir: Path, rel: str) -> Path | None:
-    """A rank's log file by its path in the run folder; None for anything else (no path leaves the folder)."""
+    """A log file by its path in the run folder; None for anything else (no path leaves the folder)."""
     m = _RANK_LOG.fullmatch(rel)
     if not m:
         return None
-    path = run_dir / f"attempt_{int(m[1])}" / f"rank{int(m[2])}.{m[3]}"
+    path = run_dir / (f"attempt_{int(m[1])}/rank{int(m[2])}.{m[3]}" if m[1] is not None
+                      else f"rank{int(m[4])}.log" if m[4] is not None else f"node{int(m[5])}.log")
     return path if path.is_file() else None
 
 
@@ -346,6 +373,7 @@ class RunView:
     goodput: dict | None
     goodput_final: bool
     rates: dict[int, list[tuple[float, float]]]
+    means: dict[int, float]
     checkpoints: list[Checkpoint]
     checkpoint_dir: str | None
     logs: list[LogTail]
@@ -381,6 +409,7 @@ def read_view(run_dir: Path, rates: Rates | None = None) -> RunView:
     verdict = _text(run_dir / HANG_FILE)
     return RunView(
         row=row, verdict=verdict, failure=None if verdict else _text(run_dir / FAILURE_FILE), membership=changes,
-        goodput=final or so_far, goodput_final=final is not None, rates=drawn, checkpoints=checkpoints(where),
+        goodput=final or so_far, goodput_final=final is not None, rates=drawn,
+        means=mean_rates(run_dir, row.started), checkpoints=checkpoints(where),
         checkpoint_dir=where, logs=log_tails(run_dir),
     )

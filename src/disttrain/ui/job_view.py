@@ -10,7 +10,7 @@ from typing import Any
 
 from ..store import JobStore
 from ..store.db import JobRecord
-from .run_view import cause_line
+from .run_view import cause_line, planned_world_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,10 +61,21 @@ def world_size(record: JobRecord) -> int | None:
     return None
 
 
+def host_name(host: Any) -> str:
+    """A job's host as the store keeps it: a name, or ``{"instance": "algo-1", "host": "vm"}``."""
+    if isinstance(host, dict):
+        instance, machine = host.get("instance"), host.get("host")
+        return f"{instance} ({machine})" if instance and machine else str(instance or machine or "?")
+    return str(host)
+
+
 def job_row(record: JobRecord) -> JobRow:
+    size = world_size(record)
+    if size is None and record.log_dir:  # its run's plan says it, once the job started
+        size = planned_world_size(Path(record.log_dir))
     return JobRow(name=record.name, status=str(record.state), started=record.started or record.created,
-                  ended=record.ended, hosts=tuple(str(h) for h in record.hosts or ()),
-                  world_size=world_size(record), exit_code=record.exit_code, cause=cause_line(record.failure))
+                  ended=record.ended, hosts=tuple(host_name(h) for h in record.hosts or ()),
+                  world_size=size, exit_code=record.exit_code, cause=cause_line(record.failure))
 
 
 def read_jobs(store: Path) -> list[JobRecord]:

@@ -143,6 +143,12 @@ def status_of(end: dict | None, verdict: str | None, *, quiet: bool) -> str:
     return "Failed"
 
 
+def planned_world_size(run_dir: Path) -> int | None:
+    plan = _json(run_dir / "plan.json")
+    world = plan.get("world_size") if isinstance(plan, dict) else None
+    return world if isinstance(world, int) else None
+
+
 def read_row(run_dir: Path, *, now: float | None = None) -> RunRow:
     """The runs list's line for one run folder: ``plan.json`` and the two ends of ``track.jsonl``."""
     plan = _json(run_dir / "plan.json")

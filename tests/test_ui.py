@@ -133,6 +133,16 @@ def test_the_runs_list_says_each_runs_status_hosts_world_size_exit_and_root_caus
     assert " Hung " in hung and " 124 cause: a mismatch in collective #6 of the default group" in hung
 
 
+def test_an_ended_runs_row_is_read_again_when_its_folder_changes(runs_home):
+    ui = client(runs_home)
+    run = "20261128-100000-train-aaaa"
+    assert rows(ui.get("/runs").text, "runs")[run].endswith(" 0")
+    with open(runs_home / "runs" / run / goodput.RECORD, "a") as fh:  # a later end (a rewritten record)
+        fh.write(json.dumps({"kind": "end", "t": time.time(), "exit_code": 3, "hung": False}) + "\n")
+    (runs_home / "runs" / run / "failure.txt").write_text("disttrain: rank 0 (on vm) failed first: exit code 3\n")
+    assert rows(ui.get("/runs").text, "runs")[run].endswith(" 3 disttrain: rank 0 (on vm) failed first: exit code 3")
+
+
 def test_the_runs_list_filters_by_status_and_by_name(runs_home):
     ui = client(runs_home)
     assert list(rows(ui.get("/runs?status=Failed").text, "runs")) == ["20261128-100100-train-bbbb"]

@@ -10,6 +10,7 @@ defensive (a field missing or of another type is shown as unknown, never an erro
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections import deque
@@ -168,14 +169,37 @@ def read_row(run_dir: Path, *, now: float | None = None) -> RunRow:
     )
 
 
-def list_runs(runs_dir: Path) -> list[RunRow]:
-    """Every run folder under ``runs_dir``, newest first (run ids begin with their time)."""
+class RowCache:
+    """The rows of ended runs, kept while their folder and ``track.jsonl`` stay as they were (one ``stat``
+    each instead of four reads): an ended run's files no longer change, and a list of a thousand runs is
+    mostly ended runs. A running run's row is read each time (its duration and quiet time move)."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[tuple, RunRow]] = {}
+
+    def row(self, run_dir: Path, now: float) -> RunRow:
+        try:
+            folder, record = run_dir.stat(), (run_dir / goodput.RECORD).stat()
+            key: tuple = (folder.st_mtime_ns, record.st_mtime_ns, record.st_size)
+        except OSError:
+            key = ()
+        held = self._rows.get(str(run_dir))
+        if key and held is not None and held[0] == key:
+            return held[1]
+        row = read_row(run_dir, now=now)
+        if key and row.ended is not None:
+            self._rows[str(run_dir)] = (key, row)
+        return row
+
+
+def list_runs(runs_dir: Path, cache: RowCache | None = None) -> list[RunRow]:
+    """Every run folder under ``runs_dir``, newest first."""
     try:
-        folders = [p for p in runs_dir.iterdir() if p.is_dir()]
+        folders = [Path(e.path) for e in os.scandir(runs_dir) if e.is_dir()]
     except OSError:
         return []
     now = time.time()
-    rows = [read_row(p, now=now) for p in folders]
+    rows = [cache.row(p, now) if cache is not None else read_row(p, now=now) for p in folders]
     rows.sort(key=lambda r: (r.started or 0.0, r.id), reverse=True)
     return rows
 

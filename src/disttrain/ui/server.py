@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import charts
 from .job_view import JobRow, job_row, read_job, read_jobs, spec_items, tuning_groups
-from .run_view import Rates, list_runs, log_path, matches, read_view
+from .run_view import Rates, RowCache, list_runs, log_path, matches, read_view
 
 COOKIE = "disttrain_ui_token"
 RUN_STATUSES = ("Running", "Completed", "Failed", "Hung", "Stopped", "Unknown")
@@ -100,7 +100,7 @@ class TokenGate:
 
 def create_app(settings: Settings) -> ASGIApp:
     env = templates()
-    rates = Rates()
+    rates, rows_seen = Rates(), RowCache()
 
     def page(template: str, /, **context) -> HTMLResponse:
         return HTMLResponse(env.get_template(template).render(refresh_s=settings.refresh_s, now=time.time(), **context))
@@ -116,7 +116,7 @@ def create_app(settings: Settings) -> ASGIApp:
 
     async def runs(request: Request) -> Response:
         name, status = request.query_params.get("name") or None, request.query_params.get("status") or None
-        rows = [r for r in list_runs(settings.runs_dir) if matches(f"{r.id} {r.name}", r.status, name=name,
+        rows = [r for r in list_runs(settings.runs_dir, rows_seen) if matches(f"{r.id} {r.name}", r.status, name=name,
                                                                      status=status)]
         return page("runs.html", rows=rows, name=name or "", status=status or "", statuses=RUN_STATUSES,
                     runs_dir=settings.runs_dir)

@@ -280,7 +280,8 @@ def test_the_jobs_list_reads_the_store_and_filters(runs_home):
     assert listed["mnist-b"].endswith("rank 0 (on algo-1) failed first: exit code 2")
     assert list(rows(ui.get("/jobs?status=Completed").text, "jobs")) == ["mnist-a"]
     page = ui.get("/jobs/mnist-b").text
-    assert 'id="job-status">Failed<' in page and "Staging" in page and "failed first: exit code 2" in page
+    assert 'id="job-status">Failed<' in page and "Staging" in page
+    assert page.index('id="failure"') < page.index('id="job-facts"') and "failed first: exit code 2" in page
     assert ui.get("/jobs/no-such-job").status_code == 404
 
 

@@ -171,6 +171,7 @@ def create_app(settings: Settings) -> ASGIApp:
         folder = Path(record.log_dir) if record.log_dir and Path(record.log_dir).is_dir() else None
         view = read_view(folder, rates) if folder is not None else None
         return dict(record=record, row=job_row(record), metrics=metrics, spec=spec_items(record), view=view,
+                    lead_shown=True,
                     live_src=f"/jobs/{record.name}/live", log_base=f"/jobs/{record.name}/log")
 
     async def job(request: Request) -> Response:

@@ -387,3 +387,18 @@ def test_the_list_of_a_thousand_runs_renders_every_one(tmp_path):
     took = time.perf_counter() - began  # reported, never asserted: docs/measured.md holds the figure
     assert page.status_code == 200 and len(rows(page.text, "runs")) == 1000
     print(f"\nthe list of 1,000 runs: {took:.3f} s, {len(page.content) / 1e6:.1f} MB", file=sys.stderr)
+
+
+def test_fields_of_another_version_or_kind_are_shown_as_unknown_never_an_error(runs_home):
+    run_dir = runs_home / "runs" / "20261128-100300-elastic_train-dddd"
+    changes = json.loads((run_dir / "membership.json").read_text())
+    changes.append({"time": "later", "change": "joined", "host": 7, "hosts": "a,b", "seconds": "soon", "new": {}})
+    changes.append({"time": changes[0]["time"] + 30, "change": "joined", "host": None, "hosts": 3})
+    (run_dir / "membership.json").write_text(json.dumps(changes))
+    (run_dir / "plan.json").write_text('{"world_size": "two", "nodes": {"a": 1}, "argv": 5}')
+    (run_dir / "heartbeat" / "node0" / "rank0").write_text('{"steps": "many"}')
+    with open(run_dir / goodput.RECORD, "a") as fh:
+        fh.write('{"kind": "metrics", "t": "now", "step": "x"}\n[1, 2]\nnot json\n')
+    ui = client(runs_home)
+    for path in ("/runs", f"/runs/{run_dir.name}", f"/runs/{run_dir.name}/live"):
+        assert ui.get(path).status_code == 200, path

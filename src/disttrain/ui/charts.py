@@ -81,7 +81,8 @@ def mean_bars(means: Mapping[int, float], *, width: int = 560) -> Markup:
 
 def timeline(changes: Sequence[Mapping[str, Any]], *, end: float | None, width: int = 760) -> Markup:
     """Membership: one row per host, a bar while it was a member, a mark at each change (red: lost)."""
-    points = [c for c in changes if isinstance(c.get("time"), (int, float))]
+    points = [{**c, "hosts": [str(h) for h in c["hosts"]] if isinstance(c.get("hosts"), list) else []}
+              for c in changes if isinstance(c.get("time"), (int, float))]
     if not points:
         return Markup('<p class="none">not an elastic run: its hosts stayed the same</p>')
     t0 = min(float(c["time"]) for c in points)

@@ -14,7 +14,7 @@ import os
 import re
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -407,19 +407,35 @@ class RunView:
     checkpoints: list[Checkpoint]
     checkpoint_dir: str | None
     logs: list[LogTail]
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def live(self) -> bool:
         return self.row.status == "Running"
 
 
+_CHANGE_TYPES = {"time": float, "change": str, "host": str, "why": str, "world_size": int, "resumed_from": int,
+                 "seconds": float, "path": str, "path_why": str, "attempt": int}
+
+
+def change_of(entry: dict) -> dict[str, Any]:
+    """A ``membership.json`` entry with each field the page shows of its type, else None (another version's)."""
+    out: dict[str, Any] = {}
+    for name, kind in _CHANGE_TYPES.items():
+        value = entry.get(name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else \
+            isinstance(value, kind) and not isinstance(value, bool)
+        out[name] = value if ok else None
+    hosts = entry.get("hosts")
+    out["hosts"] = [str(h) for h in hosts] if isinstance(hosts, list) else []
+    return out
+
+
 def read_view(run_dir: Path, rates: Rates | None = None) -> RunView:
     """Everything one run's page shows."""
     row = read_row(run_dir)
     plan = _json(run_dir / "plan.json")
-    changes = [c for c in load_record(run_dir) if isinstance(c, dict)] if (run_dir / "membership.json").exists() \
-        else []
+    record = load_record(run_dir) if (run_dir / "membership.json").exists() else []
+    raw = [c for c in record if isinstance(c, dict)] if isinstance(record, list) else []
     records = goodput.load_records(run_dir)
     final = _json(run_dir / goodput.FILE)
     if not isinstance(final, dict) or not isinstance(final.get("seconds"), dict):
@@ -427,7 +443,7 @@ def read_view(run_dir: Path, rates: Rates | None = None) -> RunView:
     so_far = None
     if final is None and records and row.status == "Running":  # the breakdown until now, as if it ended now
         try:
-            so_far = goodput.compute([*records, {"kind": "end", "t": time.time()}], changes)
+            so_far = goodput.compute([*records, {"kind": "end", "t": time.time()}], raw)
         except (ValueError, TypeError, KeyError):
             so_far = None
     drawn = recorded_rates(records)
@@ -438,7 +454,8 @@ def read_view(run_dir: Path, rates: Rates | None = None) -> RunView:
     where = checkpoint_dir(plan)
     verdict = _text(run_dir / HANG_FILE)
     return RunView(
-        row=row, verdict=verdict, failure=None if verdict else _text(run_dir / FAILURE_FILE), membership=changes,
+        row=row, verdict=verdict, failure=None if verdict else _text(run_dir / FAILURE_FILE),
+        membership=[change_of(c) for c in raw],
         goodput=final or so_far, goodput_final=final is not None, rates=drawn,
         means=mean_rates(run_dir, row.started), checkpoints=checkpoints(where),
         checkpoint_dir=where, logs=log_tails(run_dir),

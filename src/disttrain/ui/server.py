@@ -37,12 +37,17 @@ class Settings:
     token: str | None = None  # required on every request when set
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def when(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+    """A time as the page shows it; "-" for none, or for what another version wrote that is not a time."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if _is_number(t) and t > 0 else "-"
 
 
 def duration(s: float | None) -> str:
-    if s is None:
+    if not _is_number(s):
         return "-"
     s = max(0.0, s)
     if s < 60:
@@ -53,7 +58,7 @@ def duration(s: float | None) -> str:
 
 
 def size(n: int | None) -> str:
-    if n is None:
+    if not _is_number(n):
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

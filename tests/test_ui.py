@@ -244,7 +244,8 @@ def test_checkpoints_show_step_size_digest_state_and_url(runs_home, tmp_path, ct
     state = ckpt / "step_00000004" / "state.pt"
     state.write_bytes(state.read_bytes()[:-10])  # cut short after it was written
     table = client(runs_home).get(f"/runs/{run_dir.name}").text.split('id="checkpoints"', 1)[1].split("<tbody>")[1]
-    found = [re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", r)).strip() for r in re.findall(r"<tr>(.*?)</tr>", table, re.S)]
+    found = [re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", r)).strip()
+             for r in re.findall(r"<tr>(.*?)</tr>", table, re.S)]
     assert found[0].startswith("8 ") and "ok: " in found[0] and (ckpt / "step_00000008").as_uri() in found[0]
     assert found[1].startswith("4 ") and "BAD: state.pt " in found[1] and "marker says" in found[1]
 

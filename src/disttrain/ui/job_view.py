@@ -10,7 +10,7 @@ from typing import Any
 
 from ..store import JobStore
 from ..store.db import JobRecord
-from .run_view import cause_line, planned_world_size
+from .runs_list import cause_line, planned_world_size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,8 @@
 """The web app of ``disttrain ui``: Starlette routes rendering Jinja2 templates, served by uvicorn.
 
-Pages are rendered on the server from :mod:`.run_view` and :mod:`.job_view`; a live run's page asks
-for its ``/live`` part every few seconds and puts it in place (a small script, no library, nothing
-from the network). Beyond loopback every request must carry the token the command printed (in the
+Pages are rendered on the server from :mod:`.runs_list`, :mod:`.run_page` and :mod:`.job_view`; a live
+run's page asks for its ``/live`` part every few seconds and puts it in place (a small script, no
+library, nothing from the network). Beyond loopback every request must carry the token the command printed (in the
 URL once; a cookie then keeps it for the pages it links to).
 """
 
@@ -22,7 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import charts
 from .job_view import JobRow, job_row, read_job, read_jobs, spec_items, tuning_groups
-from .run_view import Rates, RowCache, list_runs, log_path, matches, read_view
+from .run_page import Rates, log_path, read_view
+from .runs_list import RowCache, list_runs, matches
 
 COOKIE = "disttrain_ui_token"
 RUN_STATUSES = ("Running", "Completed", "Failed", "Hung", "Stopped", "Unknown")
@@ -108,7 +109,8 @@ def create_app(settings: Settings) -> ASGIApp:
     rates, rows_seen = Rates(), RowCache()
 
     def page(template: str, /, **context) -> HTMLResponse:
-        return HTMLResponse(env.get_template(template).render(refresh_s=settings.refresh_s, now=time.time(), **context))
+        html = env.get_template(template).render(refresh_s=settings.refresh_s, now=time.time(), **context)
+        return HTMLResponse(html)
 
     def run_dir(run_id: str) -> Path | None:
         if not run_id or run_id.startswith(".") or "/" in run_id or "\\" in run_id:
@@ -121,8 +123,8 @@ def create_app(settings: Settings) -> ASGIApp:
 
     async def runs(request: Request) -> Response:
         name, status = request.query_params.get("name") or None, request.query_params.get("status") or None
-        rows = [r for r in list_runs(settings.runs_dir, rows_seen) if matches(f"{r.id} {r.name}", r.status, name=name,
-                                                                     status=status)]
+        rows = [r for r in list_runs(settings.runs_dir, rows_seen)
+                if matches(f"{r.id} {r.name}", r.status, name=name, status=status)]
         return page("runs.html", rows=rows, name=name or "", status=status or "", statuses=RUN_STATUSES,
                     runs_dir=settings.runs_dir)
 

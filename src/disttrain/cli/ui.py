@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import secrets
 import socket
 import sys
@@ -69,7 +70,7 @@ def handle(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..home import disttrain_home, plain_path
-    from ..store.db import default_store_path
+    from ..store.db import STORE_ENV
 
     if not 0 < args.refresh < 86400:
         raise UsageError(f"--refresh {args.refresh:g} must be a number of seconds above 0, e.g. 2")
@@ -81,7 +82,8 @@ def handle(args: argparse.Namespace) -> int:
         raise UsageError(f"disttrain ui needs its web stack ({err.name} is missing): "
                          "pip install 'disttrain[ui]'") from None
     home = Path(plain_path(args.home, "--home", fix="give a plain folder path")) if args.home else disttrain_home()
-    store = Path(args.store) if args.store else (home / "jobs.db" if args.home else default_store_path())
+    # --store, else $DISTTRAIN_STORE, else the home's jobs.db (the home given with --home, or the default's)
+    store = Path(args.store or os.environ.get(STORE_ENV) or home / "jobs.db")
     token = None if is_loopback(args.host) else secrets.token_urlsafe(18)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]

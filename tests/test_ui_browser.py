@@ -1,8 +1,8 @@
 """``disttrain ui`` in headless Chromium: what a person checks on each page, after its scripts ran.
 
-Real runs made by the real command (a finished run with checkpoints, a hung run with its verdict), a real
-tuning job (``disttrain tune run``, three trials), and the rig's elastic run as it was while live (its folder
-recorded on the namespace rig: tests/data/ui_elastic/). The server is uvicorn in this process, the app
+Real runs made by the real command (a finished run with checkpoints, a failed run, a hung run with its
+verdict), a real tuning job (``disttrain tune run``, three trials), and the rig's elastic run as it was
+while live (its folder recorded on the namespace rig: tests/data/ui_elastic/). The server is uvicorn in this process, the app
 wrapped so that the test can see each request and act when the page asks for its update (the run ends
 meanwhile); Chromium's ``--dump-dom`` gives the DOM after the page's scripts ran, ``--screenshot`` a
 picture of it, kept as a test artifact (the folder is printed).
@@ -95,6 +95,8 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
                      "--out", str(work / "out"), "--samples", "48", "--epochs", "1", "--every", "4", "--pause", "0.1",
                      timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    done = disttrain("run", "-n", "2", str(SCRIPTS / "fail_rank1.py"), timeout=240, env=env)
+    assert done.returncode == 3, done.stderr[-3000:]
     done = disttrain("run", "-n", "2", "--hang-timeout", "5", str(SCRIPTS / "plain_hang.py"), "op", timeout=240,
                      env=env)
     assert done.returncode == 124, done.stderr[-3000:]
@@ -191,6 +193,18 @@ def test_a_finished_runs_page_shows_its_checkpoints_steps_and_logs(home, server,
     assert "ok: " in table and "sizes as the marker lists them" in table and "step_000000" in table
     assert "goodput" in text_of(page, "goodput") and 'href="/runs/' + run + '/log/attempt_0/rank0.stdout"' in page
     screenshot(app, f"{base}/runs/{run}", tmp_path, shots / "run-finished.png", height=1500)
+
+
+def test_a_failed_runs_page_leads_with_the_rank_that_failed_first_and_its_traceback(home, server, tmp_path):
+    app, base = server
+    run = run_named(home, "fail_rank1")
+    listed = rows(dom(f"{base}/runs?status=Failed", tmp_path), "runs")
+    assert list(listed) == [run] and " 3 disttrain: rank 1 on vm exited with code 3 (pid " in listed[run]
+    page = dom(f"{base}/runs/{run}", tmp_path)
+    failure = text_of(page, "failure")
+    assert page.index('id="failure"') < page.index('id="facts"') and 'id="status">Failed<' in page
+    assert failure.startswith("Root cause disttrain: rank 1 on vm exited with code 3")
+    assert "ValueError: rank one cannot go on: bad shard 17" in failure
 
 
 def test_a_hung_runs_page_leads_with_the_verdicts_ranks_and_collectives(home, server, shots, tmp_path):

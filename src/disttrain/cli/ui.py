@@ -89,7 +89,7 @@ def handle(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
-    app = create_app(Settings(runs_dir=home / "runs", store=store, refresh_s=args.refresh, token=token))
+    app = create_app(Settings(runs_dir=home / "runs", store=store, refresh_s=args.refresh, token=token, warm=True))
     print(f"disttrain ui: {url} (runs in {home / 'runs'}, jobs in {store}; Ctrl-C to stop)", flush=True)
     if token:
         print("disttrain ui: listening beyond loopback: every request needs the token in that URL", file=sys.stderr,

@@ -147,8 +147,9 @@ def read_row(run_dir: Path, *, now: float | None = None) -> RunRow:
     start, end = _ends(run_dir / goodput.RECORD)
     if end is not None and end.get("kind") != "end":
         end = None
-    verdict = text_of(run_dir / HANG_FILE)
-    failure = None if verdict else text_of(run_dir / FAILURE_FILE)
+    succeeded = end is not None and end.get("exit_code") == 0 and not end.get("hung")
+    verdict = None if succeeded else text_of(run_dir / HANG_FILE)  # a run that succeeded has no report
+    failure = None if verdict or succeeded else text_of(run_dir / FAILURE_FILE)
     quiet = end is None and (now or time.time()) - _newest_mtime(run_dir) > QUIET_S
     world = plan.get("world_size") if isinstance(plan, dict) else None
     code = end.get("exit_code") if end else None

@@ -9,6 +9,7 @@ URL once; a cookie then keeps it for the pages it links to).
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ class Settings:
     store: Path  # the job store (jobs.db); the tuning jobs' study beside it
     refresh_s: float = 2.0  # how often a live page asks for its update
     token: str | None = None  # required on every request when set
+    warm: bool = False  # read the run folders once at the start, in a thread (the command does)
 
 
 def _is_number(x) -> bool:
@@ -107,6 +109,9 @@ class TokenGate:
 def create_app(settings: Settings) -> ASGIApp:
     env = templates()
     rates, rows_seen = Rates(), RowCache()
+    if settings.warm:  # the list's first open then finds the ended runs read already
+        threading.Thread(target=list_runs, args=(settings.runs_dir, rows_seen), name="disttrain-ui-warm",
+                         daemon=True).start()
 
     def page(template: str, /, **context) -> HTMLResponse:
         html = env.get_template(template).render(refresh_s=settings.refresh_s, now=time.time(), **context)

@@ -248,6 +248,19 @@ def test_checkpoints_show_step_size_digest_state_and_url(runs_home, tmp_path, ct
              for r in re.findall(r"<tr>(.*?)</tr>", table, re.S)]
     assert found[0].startswith("8 ") and "ok: " in found[0] and (ckpt / "step_00000008").as_uri() in found[0]
     assert found[1].startswith("4 ") and "BAD: state.pt " in found[1] and "marker says" in found[1]
+    ui = client(runs_home)
+    verified = ui.get(f"/runs/{run_dir.name}/verify/8")
+    assert verified.status_code == 200 and verified.text == "ok: step 8: all 1 files match their SHA-256 digests\n"
+    assert ui.get(f"/runs/{run_dir.name}/verify/4").text.startswith("BAD: step 4: state.pt has ")
+    changed = ckpt / "step_00000008" / "state.pt"
+    data = bytearray(changed.read_bytes())
+    data[-1] ^= 0xFF  # the same size, another byte: only the digest tells
+    changed.write_bytes(bytes(data))
+    page = ui.get(f"/runs/{run_dir.name}").text
+    assert "ok: 1 files, sizes as the marker lists them" in page and f'href="/runs/{run_dir.name}/verify/8"' in page
+    assert ui.get(f"/runs/{run_dir.name}/verify/8").text == (
+        "BAD: step 8: state.pt does not match its sha256 digest (changed after it was written)\n")
+    assert ui.get(f"/runs/{run_dir.name}/verify/12").status_code == 404
 
 
 def test_the_full_log_is_a_click_away_and_no_other_file_is(runs_home):

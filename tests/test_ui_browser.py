@@ -191,6 +191,8 @@ def test_a_finished_runs_page_shows_its_checkpoints_steps_and_logs(home, server,
     assert re.findall(r'data-rank="(\d)">[\d.]+ steps/s \(mean\)', page) == ["0", "1"]
     table = page.split('id="checkpoints"', 1)[1].split("</table>", 1)[0]
     assert "ok: " in table and "sizes as the marker lists them" in table and "step_000000" in table
+    link = re.search(r'href="(/runs/[^"]+/verify/\d+)"', table)[1]
+    assert dom(base + link, tmp_path).count("ok: step ") == 1  # every file hashed against its marker
     assert "goodput" in text_of(page, "goodput") and 'href="/runs/' + run + '/log/attempt_0/rank0.stdout"' in page
     screenshot(app, f"{base}/runs/{run}", tmp_path, shots / "run-finished.png", height=1500)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import goodput
-from ..checkpoint_layout import CheckpointLayout, read_marker
+from ..checkpoint_layout import CheckpointLayout, check_file, read_marker
 from ..launch.elastic import load_record
 from ..tracking.follower import FAILURE_FILE, HANG_FILE
 from ..workerenv import CHECKPOINT_DIR
@@ -146,6 +146,25 @@ def checkpoints(location: str | None) -> list[Checkpoint]:
         said = "; ".join(wrong) if wrong else f"{len(digests)} files, sizes as the marker lists them"
         out.append(Checkpoint(step=step, url=path.as_uri(), size=total, digests=said, ok=not wrong))
     return out
+
+
+def verify(location: str | None, step: int) -> tuple[bool, str] | None:
+    """Every file of checkpoint ``step`` hashed against its marker's SHA-256 (what a load checks): whether all
+    match, and what was found; None when the run has no such local checkpoint. Asked for, never done on
+    every update (a checkpoint may be gigabytes)."""
+    if not location or "://" in location:
+        return None
+    path = dict(CheckpointLayout(Path(location)).complete()).get(step)
+    if path is None:
+        return None
+    try:
+        digests = read_marker(path).get("digests") or {}
+    except (OSError, ValueError) as err:
+        return False, f"step {step}: its marker is unreadable: {err}"
+    wrong = [why for name, digest in digests.items() if (why := check_file(path, name, digest))]
+    if wrong:
+        return False, f"step {step}: " + "; ".join(wrong)
+    return True, f"step {step}: all {len(digests)} files match their SHA-256 digests"
 
 
 @dataclass(frozen=True, kw_only=True)

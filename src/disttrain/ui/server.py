@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import charts
 from .job_view import JobRow, job_row, read_job, read_jobs, spec_items, tuning_groups
-from .run_page import Rates, log_path, read_view
+from .run_page import Rates, checkpoint_dir, log_path, read_view, verify
 from .runs_list import RowCache, list_runs, matches
 
 COOKIE = "disttrain_ui_token"
@@ -141,13 +141,13 @@ def create_app(settings: Settings) -> ASGIApp:
         if folder is None:
             return missing(f"no run {request.path_params['run']!r} in {settings.runs_dir}")
         return page("run.html", view=read_view(folder, rates), live_src=f"/runs/{folder.name}/live",
-                    log_base=f"/runs/{folder.name}/log")
+                    base=f"/runs/{folder.name}")
 
     async def run_live(request: Request) -> Response:
         folder = run_dir(request.path_params["run"])
         if folder is None:
             return missing(f"no run {request.path_params['run']!r}")
-        return page("run_live.html", view=read_view(folder, rates), log_base=f"/runs/{folder.name}/log")
+        return page("run_live.html", view=read_view(folder, rates), base=f"/runs/{folder.name}")
 
     def log_response(folder: Path | None, rel: str) -> Response:
         path = log_path(folder, rel) if folder is not None else None
@@ -157,6 +157,18 @@ def create_app(settings: Settings) -> ASGIApp:
 
     async def run_log(request: Request) -> Response:
         return log_response(run_dir(request.path_params["run"]), request.path_params["path"])
+
+    def verify_response(folder: Path | None, step: int) -> Response:
+        from .runs_list import json_of
+
+        found = verify(checkpoint_dir(json_of(folder / "plan.json")), step) if folder is not None else None
+        if found is None:
+            return PlainTextResponse(f"no complete checkpoint at step {step} in this run's folder\n", status_code=404)
+        ok, said = found
+        return PlainTextResponse(("ok: " if ok else "BAD: ") + said + "\n")
+
+    async def run_verify(request: Request) -> Response:
+        return verify_response(run_dir(request.path_params["run"]), request.path_params["step"])
 
     def job_rows(status: str | None, name: str | None) -> tuple[list, list[JobRow]]:
         rows = {r.name: job_row(r) for r in read_jobs(settings.store)}
@@ -184,7 +196,7 @@ def create_app(settings: Settings) -> ASGIApp:
         view = read_view(folder, rates) if folder is not None else None
         return dict(record=record, row=job_row(record), metrics=metrics, spec=spec_items(record), view=view,
                     lead_shown=True,
-                    live_src=f"/jobs/{record.name}/live", log_base=f"/jobs/{record.name}/log")
+                    live_src=f"/jobs/{record.name}/live", base=f"/jobs/{record.name}")
 
     async def job(request: Request) -> Response:
         context = job_context(request.path_params["job"])
@@ -198,10 +210,15 @@ def create_app(settings: Settings) -> ASGIApp:
             return missing(f"no run folder for job {request.path_params['job']!r}")
         return page("run_live.html", **context)
 
+    def job_folder(name: str) -> Path | None:
+        context = job_context(name)
+        return Path(context["record"].log_dir) if context and context["view"] is not None else None
+
     async def job_log(request: Request) -> Response:
-        context = job_context(request.path_params["job"])
-        folder = Path(context["record"].log_dir) if context and context["view"] is not None else None
-        return log_response(folder, request.path_params["path"])
+        return log_response(job_folder(request.path_params["job"]), request.path_params["path"])
+
+    async def job_verify(request: Request) -> Response:
+        return verify_response(job_folder(request.path_params["job"]), request.path_params["step"])
 
     app: ASGIApp = Starlette(routes=[
         Route("/", home),
@@ -209,10 +226,12 @@ def create_app(settings: Settings) -> ASGIApp:
         Route("/runs/{run}", run),
         Route("/runs/{run}/live", run_live),
         Route("/runs/{run}/log/{path:path}", run_log),
+        Route("/runs/{run}/verify/{step:int}", run_verify),
         Route("/jobs", jobs),
         Route("/jobs/{job}", job),
         Route("/jobs/{job}/live", job_live),
         Route("/jobs/{job}/log/{path:path}", job_log),
+        Route("/jobs/{job}/verify/{step:int}", job_verify),
     ])
     if settings.token:
         app = TokenGate(app, settings.token)

@@ -29,7 +29,7 @@ $(VENV)/.demo: pyproject.toml constraints.txt
 $(VENV)/.test: $(VENV)/.demo
 	@echo "== installing the test extras: pytest, hypothesis, moto + s3fs, matplotlib, tensorflow + tf-keras, MkDocs (~2 GB, 1-3 min)"
 	-$(PY) -m pip uninstall -y -q tensorflow-cpu 2>/dev/null
-	$(PIP) -q -e '.[test,plot,tensorflow]'
+	$(PIP) -q -e '.[test,plot,tensorflow,ui]'
 	$(PY) tests/install_check.py
 	touch $@
 

@@ -19,8 +19,9 @@ from . import quick_exit
 from . import run as run_cmd
 from . import sagemaker as sagemaker_cmd
 from . import tune as tune_cmd
+from . import ui as ui_cmd
 
-SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd, job_cmd, jobs_cmd, sagemaker_cmd, tune_cmd)
+SUBCOMMANDS = (run_cmd, doctor_cmd, agent_cmd, bench_cmd, job_cmd, jobs_cmd, sagemaker_cmd, tune_cmd, ui_cmd)
 # What launchers run on the hosts; never offered to a user in help or errors.
 HIDDEN = frozenset({"agent", "receive", "batch-step", "run-spec", "launch-step"})  # launch-step: batch-step's old name
 _INVALID_CHOICE = re.compile(r"argument \S+: invalid choice: '(.*)' \(choose from")

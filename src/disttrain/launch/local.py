@@ -16,6 +16,7 @@ import importlib.util
 import os
 import shutil
 import sys
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 from .. import net
 from ..config.launch import LaunchSpec
 from ..errors import UsageError
+from ..linetap import Tapped
 from ..net import free_port, port_in_use
 from ..placement import oversubscription_hint
 from ..plan.launch import LaunchPlan, NodeFacts, make_plan
@@ -30,6 +32,8 @@ from ..preflight.facts import local_facts
 from ..wire import HostFacts, Outcome
 from .base import AgentLauncher, Events, Facts, LaunchContext
 from .probe import LocalTransport, SessionLauncher, Transport
+
+REPORT_LINES = 200  # the node's last lines kept for the run's report (failure.txt, hang_verdict.txt)
 
 
 def check_entry(spec: LaunchSpec, cwd: str) -> None:
@@ -124,10 +128,14 @@ class LocalLauncher(AgentLauncher):
 
         here = os.getcwd()
         os.chdir(ctx.cwd)  # the workers' folder (the launcher's own, for `disttrain run`)
+        said: deque[str] = deque(maxlen=REPORT_LINES)  # the node's own lines, as the relay keeps a host's
         try:
-            return Outcome(exit_code=run_node(plan, plan.nodes[0]))
+            code = run_node(plan, plan.nodes[0], report_to=Tapped(sys.stderr, lambda _, line: said.append(line)))
         finally:
             os.chdir(here)
+        # The run's report (a failure's block, the hang verdict), as relay.report takes it from a host's agent.
+        start = next((i for i, line in enumerate(said) if line.startswith("disttrain:")), len(said))
+        return Outcome(exit_code=code, report="\n".join(list(said)[start:]) if code else "")
 
 
 def instance_nodes(instances: Sequence[str], *, cpus: int, gpus: int) -> tuple[NodeFacts, ...]:

@@ -32,6 +32,8 @@ from .sink import Sink, open_sink
 _RESUMED = re.compile(re.escape(RESUMED_MARKER) + r"(\d+)")
 FOLLOW_POLL_S = 0.25
 STOP_WAIT_S = 60.0  # at the end, for the tracker to take what is queued
+HANG_FILE = "hang_verdict.txt"  # in the run folder: the hang verdict of a run it stopped
+FAILURE_FILE = "failure.txt"  # in the run folder: the root-cause report of a run that failed
 
 
 class RunTracker:
@@ -132,6 +134,12 @@ class RunTracker:
                 self._record({"kind": "end", "t": self.clock(), "exit_code": exit_code, "hung": hung})
                 self._file.close()
                 self._file = None
+        if report and (hung or exit_code):  # the run's own root cause, kept for the user and `disttrain ui`
+            try:
+                write_atomic(self.run_dir / (HANG_FILE if hung else FAILURE_FILE), report.rstrip("\n") + "\n",
+                             mode=0o600)
+            except OSError:  # the run folder went away: the terminal said it
+                pass
         self.goodput = goodput.from_run_dir(self.run_dir)
         if self.goodput is not None:
             write_atomic(self.run_dir / goodput.FILE, json.dumps(self.goodput, indent=1) + "\n", mode=0o600)
@@ -150,9 +158,9 @@ class RunTracker:
             if changes:
                 self._put("text", "membership.json", json.dumps(changes, indent=1))
             if hung and report:
-                self._put("text", "hang_verdict.txt", report)
+                self._put("text", HANG_FILE, report)
             elif exit_code:
-                self._put("text", "failure.txt", report or f"the run ended with exit code {exit_code}; "
+                self._put("text", FAILURE_FILE, report or f"the run ended with exit code {exit_code}; "
                           f"its logs: {self.run_dir}")
             for path in artifacts:
                 if Path(path).is_file():

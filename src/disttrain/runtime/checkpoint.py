@@ -23,8 +23,9 @@ import torch.distributed as dist
 from ..checkpoint_layout import CheckpointLayout, write_durably
 from ..checkpoint_url import RemoteLayout, is_url, open_url
 from ..errors import DisttrainError, UsageError
+from ..workerenv import WorkerEnv
 from . import checkpoint_read, checkpoint_write, checkpoint_write_remote, strategies
-from .context import Context, context
+from .context import Context, context, current
 
 __all__ = ["save", "load_latest", "latest", "export", "wait", "CheckpointLayout"]
 
@@ -135,8 +136,13 @@ def latest(directory: str | PathLike[str]) -> Path | str | None:
 
 
 def _layout(directory: str | PathLike[str]) -> CheckpointLayout | RemoteLayout:
-    """A local folder keeps its own layout (rename-committed); a URL, the store's."""
-    return RemoteLayout.at(str(directory)) if is_url(directory) else CheckpointLayout(Path(directory))
+    """A local folder keeps its own layout (rename-committed); a URL, the store's, retried through
+    an outage for ``--checkpoint-retry-s`` (the launcher's ``DISTTRAIN_CHECKPOINT_RETRY_S``)."""
+    if not is_url(directory):
+        return CheckpointLayout(Path(directory))
+    ctx = current()
+    env = ctx.env if ctx is not None else WorkerEnv.from_environ()
+    return RemoteLayout.at(str(directory), retry_s=env.checkpoint_retry_s)
 
 
 def wait() -> None:

@@ -210,6 +210,7 @@ class KeptStager:
 
     def __init__(self, stager: Any) -> None:
         self._stager = stager
+        self.closes_ignored = 0  # how often torch asked to close it (bench/gpu_probe.py reports it)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stager, name)
@@ -222,6 +223,7 @@ class KeptStager:
 
     def close(self) -> None:
         """Kept: the staging storages serve the next save."""
+        self.closes_ignored += 1
 
     def dispose(self) -> None:
         self._stager.close()

@@ -267,3 +267,18 @@ def test_a_10s_outage_at_an_upload_is_ridden_out_and_every_reported_checkpoint_i
     import disttrain.runtime.checkpoint as checkpoint
 
     assert checkpoint.latest(url) == reported[-1]
+
+
+def test_the_retry_bound_reaches_the_workers_and_a_negative_one_is_refused(tmp_path):
+    from conftest import disttrain
+
+    script = Path(__file__).parent / "scripts" / "sleeper.py"
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path))
+    plan = disttrain("run", "-n", "1", "--dry-run", "--checkpoint-dir", "s3://bucket/run", "--checkpoint-retry-s",
+                     "120", str(script), env=env)
+    assert plan.returncode == 0, plan.stderr
+    assert '"DISTTRAIN_CHECKPOINT_RETRY_S": "120"' in plan.stdout
+    refused = disttrain("run", "-n", "1", "--dry-run", "--checkpoint-retry-s", "-1", str(script), env=env)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == ("disttrain: error: --checkpoint-retry-s must be between 0 (no retry) and "
+                                      "86400 seconds, got -1")

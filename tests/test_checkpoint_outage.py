@@ -282,3 +282,38 @@ def test_the_retry_bound_reaches_the_workers_and_a_negative_one_is_refused(tmp_p
     assert refused.returncode == 2
     assert refused.stderr.strip() == ("disttrain: error: --checkpoint-retry-s must be between 0 (no retry) and "
                                       "86400 seconds, got -1")
+
+
+@pytest.mark.timeout(300)
+def test_an_outage_past_the_bound_fails_the_job_and_leaves_nothing_to_resume_from(s3, s3_endpoint, tmp_path):
+    fs, bucket = s3
+    host, port = s3_endpoint.rsplit("//", 1)[1].split(":")
+    relay = Relay((host, int(port)))
+    relay.start()
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    (tmp_path / "saver.py").write_text(SAVER)
+    url = f"s3://{bucket}/run"
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), AWS_ENDPOINT_URL=f"http://127.0.0.1:{relay.port}")
+    proc = subprocess.Popen([sys.executable, "-m", "disttrain", "run", "-n", "2", "--checkpoint-dir", url,
+                             "--checkpoint-retry-s", "2", str(tmp_path / "saver.py"), url, str(flags)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for(flags / "saving", proc, 150)
+        relay.stop()  # and never back
+        (flags / "down").write_text("")
+        out, err = proc.communicate(timeout=200)
+    finally:
+        relay.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err[-4000:]
+    assert err.count("unreachable") == 1 and "back after" not in err
+    assert "the asynchronous checkpoint was not written: cannot write a checkpoint to " + url in err, err[-4000:]
+    fs.invalidate_cache()
+    assert fs.exists(f"{bucket}/run/step_00000005/{MARKER}")
+    assert not fs.exists(f"{bucket}/run/step_00000010/{MARKER}")  # nothing resume could take
+    import disttrain.runtime.checkpoint as checkpoint
+
+    assert checkpoint.latest(url).endswith("step_00000005")

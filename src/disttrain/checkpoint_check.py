@@ -149,7 +149,8 @@ def _store_refused(url: str, what: str, err: BaseException) -> UsageError:
     names = {type(e).__name__ for e in _chain(err)}
     if names & CREDENTIAL_ERRORS or isinstance(err, PermissionError):
         return UsageError(f"{what} {url}: the store refused the credentials ({_say(err)}); for S3 set "
-                          "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (AWS_ENDPOINT_URL for another server)")
+                          "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE "
+                          "(AWS_ENDPOINT_URL for another server)")
     if isinstance(err, (FileNotFoundError, NotADirectoryError)):
         return UsageError(f"{what} {url} cannot be written: {_say(err)}; give a folder that exists")
     return UsageError(f"{what} {url} cannot be written: {_say(err)}")

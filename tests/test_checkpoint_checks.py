@@ -153,3 +153,19 @@ def test_a_run_that_never_saves_is_told_at_its_end(tmp_path):
                      "never calls disttrain.resume() or the Trainer, which are what save there (or pass the "
                      "folder to disttrain.checkpoint.save)"]
     assert "trained without checkpoints" in result.stdout
+
+
+MEMORY_SAVE = """
+import torch, disttrain
+disttrain.init()
+disttrain.checkpoint.save("memory://shared", step=1, model=torch.nn.Linear(2, 2))
+"""
+
+
+def test_memory_store_is_refused_by_ranks_of_a_launched_job(tmp_path):
+    script = tmp_path / "memory_save.py"
+    script.write_text(MEMORY_SAVE)
+    result = disttrain("run", "-n", "2", str(script), env=cli_env(DISTTRAIN_HOME=str(tmp_path / "home")))
+    assert result.returncode == 1, result.stderr  # a worker's mistake fails the job, its line in the report
+    assert "checkpoint folder memory://shared: a memory:// store lives in one process's memory" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -81,10 +81,7 @@ def _probe_folder(folder: Path, what: str) -> None:
 
 def _check_url(url: str, what: str, create_bucket: bool, options: dict[str, Any]) -> None:
     scheme = urlsplit(url).scheme.lower()
-    if scheme in PROCESS_STORES:
-        raise UsageError(f"{what} {url}: a {scheme}:// store lives in one process's memory, so every worker "
-                         "would write its own and all of it is lost when the job ends; give a folder or an "
-                         "object store (s3://, gs://...)")
+    refuse_process_store(url, what)
     if scheme in ("file", "local"):  # a folder on this machine, whatever the spelling
         _check_folder(Path(urlsplit(url).path), what, here=True)
         return
@@ -108,6 +105,16 @@ def _check_url(url: str, what: str, create_bucket: bool, options: dict[str, Any]
     elif create_bucket:
         raise UsageError(f"--create-bucket makes an object store's bucket; {scheme}:// has none: drop it")
     _probe_url(fs, url, path, what, create_bucket=create_bucket)
+
+
+def refuse_process_store(url: str, what: str) -> None:
+    """A store in one process's memory (``memory://``) refused where several processes, or a later
+    run, must read what is written: each worker would write its own, lost when the job ends."""
+    scheme = urlsplit(url).scheme.lower()
+    if scheme in PROCESS_STORES:
+        raise UsageError(f"{what} {url}: a {scheme}:// store lives in one process's memory, so every worker "
+                         "would write its own and all of it is lost when the job ends; give a folder or an "
+                         "object store (s3://, gs://...)")
 
 
 def _check_bucket(fs: Any, url: str, bucket: str, what: str, create_bucket: bool) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint_check import refuse_process_store
 from ..checkpoint_layout import CheckpointLayout, write_durably
 from ..checkpoint_url import RemoteLayout, is_url, open_url
 from ..errors import DisttrainError, UsageError
@@ -141,6 +142,8 @@ def _layout(directory: str | PathLike[str]) -> CheckpointLayout | RemoteLayout:
     if not is_url(directory):
         return CheckpointLayout(Path(directory))
     ctx = current()
+    if ctx is not None and ctx.world_size > 1:  # one process's memory holds nothing the others can read
+        refuse_process_store(str(directory), "checkpoint folder")
     env = ctx.env if ctx is not None else WorkerEnv.from_environ()
     return RemoteLayout.at(str(directory), retry_s=env.checkpoint_retry_s)
 

@@ -203,3 +203,21 @@ def test_dcp_async_save_twice_with_one_kept_stager(tmp_path):
     restored = {"model": torch.nn.Linear(4, 4).state_dict()}
     dcp.load(restored, checkpoint_id=tmp_path / "s2", no_dist=True)
     assert torch.equal(restored["model"]["weight"], model.weight.detach())
+
+
+def test_staged_views_serialise_to_the_state_itself():
+    """torch.save of leaves that are views of byte buffers (of every dtype, a buffer larger than its
+    leaf after the state shrank) loads back as the state itself."""
+    import io
+
+    from disttrain.runtime.checkpoint_write_remote import serialise_staged
+
+    buffers = HostBuffers(Allocator())
+    stage(state(8), buffers, Copier(), on_device=lambda t: True).release()
+    small = {**state(4), "mask": torch.tensor([True, False]), "half": torch.randn(3, dtype=torch.bfloat16)}
+    loaded = torch.load(io.BytesIO(serialise_staged(stage(small, buffers, Copier(), on_device=lambda t: True))),
+                        weights_only=True)
+    for key in ("w", "b"):
+        assert torch.equal(loaded["model"][key], small["model"][key])
+    assert torch.equal(loaded["mask"], small["mask"]) and torch.equal(loaded["half"], small["half"])
+    assert loaded["opt"][0]["exp_avg"].dtype == torch.float64 and loaded["name"] == "x"

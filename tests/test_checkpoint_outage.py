@@ -20,6 +20,21 @@ from disttrain.checkpoint_layout import MARKER
 from disttrain.checkpoint_retry import StoreRetry, is_transient
 
 
+@pytest.fixture(autouse=True)
+def fresh_s3_clients():
+    """fsspec keeps one S3 filesystem per set of arguments for the process; the endpoint is read
+    from the environment when it is made, so one made for another module's moto server (stopped
+    since) would be reused here. Each test starts and ends without them."""
+    try:
+        import s3fs
+    except ImportError:
+        yield
+        return
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 # -- in process: the rules ------------------------------------------------------------------------
 
 def botocore_errors():

@@ -171,10 +171,15 @@ def judge_json(*required: str) -> Callable[[int, str], tuple[bool, dict]]:
     return judge
 
 
+CHECKPOINT_SIDES = ("disttrain", "disttrain_sync", "dcp_async_save_pinned", "dcp_save_sync", "disttrain_url_async")
+
+
 def judge_dcp(rc: int, out: str) -> tuple[bool, dict]:
+    """Every side of the checkpoint comparison saved and loaded back bit for bit (a side's error fails
+    the step, with the others' figures kept)."""
     found = last_json(out)
-    exact = [found.get(k, {}).get("resume_bit_exact") for k in ("disttrain", "dcp_async_save_pinned")]
-    return rc == 0 and exact == [True, True], found
+    exact = [found.get(k, {}).get("resume_bit_exact") for k in CHECKPOINT_SIDES]
+    return rc == 0 and exact == [True] * len(CHECKPOINT_SIDES), found
 
 
 def judge_comm(rc: int, out: str) -> tuple[bool, dict]:
@@ -207,7 +212,7 @@ def gpu_steps(facts: dict, python: str) -> list[Step]:
         Step(f"hang: a skipped collective, 2 ranks on one GPU over {shared}",
              [*run, "-n", "2", *shared_args, "--hang-timeout", str(HANG_S), PROBE, "skip"], HANG_S + 60,
              judge_verdict("rank 1 never entered", "all_reduce"), env=shared_env),
-        Step("dcp async save of CUDA state", [python, PROBE, "dcp"], 120, judge_dcp),
+        Step("dcp async save of CUDA state", [python, PROBE, "dcp"], 150, judge_dcp),
         Step("host-to-device copy", [python, PROBE, "h2d"], 60, judge_json("pinned_gb_s", "pageable_gb_s")),
         Step("bench/gpu.py resnet18 bf16",
              [python, "bench/gpu.py", "--mixed-precision", "bf16", "--repeats", "2", "--steps", "30"], 180,

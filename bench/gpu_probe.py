@@ -174,13 +174,18 @@ def _same(model, snapshot) -> bool:
 
 
 def dcp() -> None:
-    """The async save of CUDA state (model + AdamW, 1.6 GB): how long the step blocks, the steps
-    while the files are written, and a bit-exact load -- disttrain's checkpoint.save(asynchronous=
-    True) against torch's dcp.async_save with pinned staging. A world of one. ``dcp small`` runs a
-    small model on whatever device there is (a try-out without a GPU)."""
+    """Checkpoint saves of CUDA state (model + AdamW, 1.6 GB), side by side in one run: how long each
+    save blocks the step (ms, and ms per GB, every save after the first being what a run sees), the
+    step time while the files are written, the wait until the save is durable, and a bit-exact load.
+    disttrain's asynchronous save (FSDP: DCP shards through the kept pinned stager; a plain model at a
+    file:// URL: host buffers kept between saves, copies on a side stream), torch's ``dcp.async_save``
+    with its pinned ``DefaultStager`` kept between saves, and the synchronous saves of both. A world of
+    one. ``dcp small`` runs a small model on whatever device there is (a try-out without a GPU)."""
     import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # torch >= 2.9
 
     import disttrain
+    from disttrain.runtime.checkpoint_stage import KeptStager, this_process
 
     ctx = disttrain.init()
     width = 64 if sys.argv[2:] == ["small"] else 4096
@@ -190,27 +195,33 @@ def dcp() -> None:
     model, opt = disttrain.prepare(model, opt, strategy="fsdp")
     x = torch.randn(256, width, device=ctx.device)
     quiet = statistics.median(_step_ms(model, opt, x, 10)[2:])
-    figures = {"state_gb": round(sum(p.numel() for p in model.parameters()) * 12 / 1e9, 2),
-               "step_ms": round(quiet, 2)}
+    state_gb = sum(p.numel() for p in model.parameters()) * 12 / 1e9
+    figures = {"state_gb": round(state_gb, 2), "step_ms": round(quiet, 2), "staging": vars(this_process())}
 
-    def measure(name, save, wait, load):
-        """Two saves (the first one also allocates what the second reuses), then a load of the second."""
+    def measure(name, save, wait, load, on=(model, opt), saves=3):
+        """``saves`` saves (the first also allocates what the next reuse), then a load of the last."""
+        net, optim = on
         try:
             blocked, during, waited = [], [], []
-            for step in (1, 2):
-                snapshot = _snapshot(model)
+            for step in range(1, saves + 1):
+                snapshot = _snapshot(net)
+                if x.is_cuda:
+                    torch.cuda.synchronize()
                 start = time.perf_counter()
                 pending = save(step)  # returns once the state may change again
                 blocked.append(round((time.perf_counter() - start) * 1000, 1))
-                during.append(round(statistics.median(_step_ms(model, opt, x, 10)), 2))
+                during.append(round(statistics.median(_step_ms(net, optim, x, 10)), 2))
                 start = time.perf_counter()
                 wait(pending)
                 waited.append(round((time.perf_counter() - start) * 1000, 1))
             fresh = _model(1, width).to(ctx.device)
             fresh = load(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-4))
-            figures[name] = {"blocked_ms": blocked, "step_ms_during": during, "wait_after_ms": waited,
+            later = blocked[1:] or blocked
+            figures[name] = {"blocked_ms": blocked, "blocked_ms_per_gb_after_first":
+                             round(statistics.median(later) / state_gb, 1),
+                             "step_ms_during": during, "wait_after_ms": waited,
                              "resume_bit_exact": _same(fresh, snapshot)}
-        except Exception as err:  # one side failing must not hide the other's figures
+        except Exception as err:  # one side failing must not hide the others' figures
             figures[name] = {"error": f"{type(err).__name__}: {err}"[:500]}
 
     ours = folder / "disttrain"
@@ -218,17 +229,21 @@ def dcp() -> None:
             lambda step: disttrain.checkpoint.save(ours, step=step, asynchronous=True, model=model, optimizer=opt),
             lambda _: disttrain.checkpoint.wait(),
             lambda m, o: _disttrain_load(disttrain, m, o, ours))
+    sync = folder / "disttrain-sync"
+    measure("disttrain_sync",
+            lambda step: disttrain.checkpoint.save(sync, step=step, model=model, optimizer=opt),
+            lambda _: None, lambda m, o: _disttrain_load(disttrain, m, o, sync), saves=2)
+    shutil.rmtree(sync, ignore_errors=True)
+
     theirs = folder / "dcp"
-    stager = None
+    pinned = x.is_cuda
+    # torch's own stager, kept between saves as a training loop keeps it. Some torch versions close
+    # a caller's stager after each save, and the next save then fails with KeyError: <class 'type'>
+    # (its copy table emptied): KeptStager ignores that close, and the figures say how often it came.
+    stager = KeptStager(DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                     use_async_staging=pinned, use_non_blocking_copy=pinned)))
 
     def save(step):
-        nonlocal stager
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # torch >= 2.9
-
-        if stager is None:  # one stager for the run, as a training loop keeps it
-            pinned = x.is_cuda
-            stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                  use_non_blocking_copy=pinned))
         response = tdcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
                                    checkpoint_id=theirs / f"step{step}", async_stager=stager)
         staged = getattr(response, "staging_completion", None)
@@ -237,11 +252,31 @@ def dcp() -> None:
         return response
 
     measure("dcp_async_save_pinned", save, lambda response: getattr(response, "upload_completion", response).result(),
-            lambda m, o: _dcp_load(tdcp, m, o, theirs / "step2"))
-    if stager is not None:
-        stager.close()
+            lambda m, o: _dcp_load(tdcp, m, o, theirs / "step3"))
+    figures["dcp_async_save_pinned"]["torch_closed_the_callers_stager"] = stager.closes_ignored
+    stager.dispose()
+    measure("dcp_save_sync",
+            lambda step: tdcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                                   checkpoint_id=theirs / f"sync{step}"),
+            lambda _: None, lambda m, o: _dcp_load(tdcp, m, o, theirs / "sync2"), saves=2)
+    shutil.rmtree(theirs, ignore_errors=True)
+
+    # A plain (unsharded) model at a URL: rank 0's file staged in the kept host buffers.
+    plain = _model(0, width).to(ctx.device)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    _step_ms(plain, plain_opt, x, 2)
+    url = f"file://{folder}/url"
+    measure("disttrain_url_async",
+            lambda step: disttrain.checkpoint.save(url, step=step, asynchronous=True, model=plain, optimizer=plain_opt),
+            lambda _: disttrain.checkpoint.wait(),
+            lambda m, o: _url_load(disttrain, m, url), on=(plain, plain_opt))
     shutil.rmtree(folder, ignore_errors=True)
     say(**figures)
+
+
+def _url_load(disttrain, model, url):
+    disttrain.checkpoint.load_latest(url, model=model)
+    return model
 
 
 def _disttrain_load(disttrain, model, opt, folder):

@@ -187,4 +187,8 @@ def test_the_checkpoint_probe_resumes_bit_exact_on_cpu_too(gpu_check):
     rc, out, _ = gpu_check.run_bounded([sys.executable, gpu_check.PROBE, "dcp", "small"], 100, env={"OMP_NUM_THREADS": "1"})
     ok, figures = gpu_check.judge_dcp(rc, out)
     assert ok, out[-3000:]
-    assert len(figures["disttrain"]["blocked_ms"]) == len(figures["dcp_async_save_pinned"]["blocked_ms"]) == 2
+    assert len(figures["disttrain"]["blocked_ms"]) == len(figures["dcp_async_save_pinned"]["blocked_ms"]) == 3
+    assert len(figures["disttrain_sync"]["blocked_ms"]) == len(figures["dcp_save_sync"]["blocked_ms"]) == 2
+    assert figures["disttrain_url_async"]["resume_bit_exact"] is True
+    assert figures["staging"] == {"host": "as-is", "dcp": "writer"}  # CPU: the plain path, chosen by itself
+    assert all(figures[side]["blocked_ms_per_gb_after_first"] >= 0 for side in gpu_check.CHECKPOINT_SIDES)

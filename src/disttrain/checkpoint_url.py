@@ -35,11 +35,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .checkpoint_layout import DIGEST, FORMAT, MARKER, SHARDED_DIR, CheckpointLayout, FileDigest
+from .checkpoint_retry import DEFAULT_RETRY_S, StoreRetry, retrying
 from .errors import UsageError
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _STEP_DIR = re.compile(r"step_(\d+)")
 _CHUNK = 8 << 20
+# Stores whose first path component is a bucket (or container).
+BUCKET_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
 
 
 def is_url(location: Any) -> bool:
@@ -109,15 +112,23 @@ def open_url(url: str) -> RemotePath:
     return RemotePath(fs, path.rstrip("/") or path)
 
 
+def has_buckets(fs: Any) -> bool:
+    """Whether ``fs`` keeps objects in buckets, which only the user creates (``--create-bucket``):
+    a missing one is a typo, and a save must not make it."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool(set(protocols) & BUCKET_STORES)
+
+
 def _store_op(method: Callable) -> Callable:
     """The store's client raises its own errors (botocore's ``EndpointConnectionError``,
     ``NoCredentialsError``...): told as an ``OSError`` of one line, which the checkpoint's
-    reader and writer already turn into one line on every rank."""
+    reader and writer already turn into one line on every rank -- once the layout's retry
+    (:mod:`disttrain.checkpoint_retry`) has given up on an outage."""
 
     @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return method(*args, **kwargs)
+            return retrying(getattr(self, "retry", None), method, self, *args, **kwargs)
         except OSError:
             raise
         except Exception as err:
@@ -149,9 +160,15 @@ class RemoteLayout:
     # the store on the path that blocks the training step. Only one job writes a folder at a time.
     _seen: dict[str, set[int]] = {}
 
-    def __init__(self, root: RemotePath) -> None:
+    # One retry per store and bound in a process, so that an outage is told once whatever reaches it.
+    _retries: dict[tuple[str, float], StoreRetry] = {}
+
+    def __init__(self, root: RemotePath, *, retry_s: float | None = None) -> None:
         self.root = root
         self.fs = root.fs
+        bound = DEFAULT_RETRY_S if retry_s is None else retry_s
+        key = (str(root), bound)
+        self.retry = self._retries.get(key) or self._retries.setdefault(key, StoreRetry(str(root), bound))
         # What load reads whole (rank 0's file, a rank file): fetched once, for its digest check
         # and for torch.load both, which run on two threads at once.
         self._fetched: dict[str, bytes] = {}
@@ -159,8 +176,8 @@ class RemoteLayout:
         self._lock = threading.Lock()
 
     @classmethod
-    def at(cls, url: str) -> RemoteLayout:
-        return cls(open_url(url))
+    def at(cls, url: str, *, retry_s: float | None = None) -> RemoteLayout:
+        return cls(open_url(url), retry_s=retry_s)
 
     def step_dir(self, step: int) -> RemotePath:
         return self.root / f"step_{step:08d}"
@@ -257,7 +274,8 @@ class RemoteLayout:
         exactly these bytes, else an ``OSError`` naming the object."""
         expected = digest_bytes(data)
         target = folder / name
-        self.fs.makedirs(folder.path, exist_ok=True)  # a local or memory store needs the folder
+        if not has_buckets(self.fs):  # a local or memory store needs the folder; s3fs would make a bucket
+            self.fs.makedirs(folder.path, exist_ok=True)
         self.fs.pipe_file(target.path, data)
         self.fs.invalidate_cache(target.path)
         problem = _mismatch(name, self.digest(target), expected)  # read back from the store

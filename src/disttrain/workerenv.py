@@ -17,6 +17,7 @@ DIST_BACKEND = "DISTTRAIN_BACKEND"
 RUN_DIR = "DISTTRAIN_RUN_DIR"
 CHECKPOINT_DIR = "DISTTRAIN_CHECKPOINT_DIR"
 CHECKPOINT_EVERY = "DISTTRAIN_CHECKPOINT_EVERY"
+CHECKPOINT_RETRY_S = "DISTTRAIN_CHECKPOINT_RETRY_S"
 PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
 CONNECT_TIMEOUT = "DISTTRAIN_CONNECT_TIMEOUT"
 HEARTBEAT_DIR = "DISTTRAIN_HEARTBEAT_DIR"
@@ -184,6 +185,7 @@ def launcher_env(
     socket_ifname: str | None = None,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
+    checkpoint_retry_s: float | None = None,
     heartbeat_dir: str | None = None,
     hang_timeout_s: int = 0,
     tf_workers: Sequence[str] = (),
@@ -206,6 +208,8 @@ def launcher_env(
         env[CHECKPOINT_DIR] = checkpoint_dir
     if checkpoint_every is not None:
         env[CHECKPOINT_EVERY] = str(checkpoint_every)
+    if checkpoint_retry_s is not None:
+        env[CHECKPOINT_RETRY_S] = f"{checkpoint_retry_s:g}"
     if heartbeat_dir:
         env[HEARTBEAT_DIR] = heartbeat_dir
     if track:
@@ -227,6 +231,13 @@ def launcher_env(
     if cuda_devices <= 0:
         env.update(cpu_library_env(local_world_size=local_world_size, nnodes=nnodes, inherited=inherited))
     return env
+
+
+def _seconds(environ: Mapping[str, str], name: str) -> float | None:
+    try:
+        return max(0.0, float(environ.get(name) or "x"))
+    except ValueError:  # unset, or not a number: the default
+        return None
 
 
 def _int(environ: Mapping[str, str], name: str, default: int | None) -> int | None:
@@ -264,6 +275,8 @@ class WorkerEnv:
     checkpoint_dir: str | None = None
     # Steps between checkpoints for disttrain.resume(); 0: at the end of each epoch.
     checkpoint_every: int | None = None
+    # How long a checkpoint store may stay unreachable before a save fails (None: the runtime's default).
+    checkpoint_retry_s: float | None = None
     heartbeat_dir: str | None = None
     pg_timeout_s: float = float(DEFAULT_PG_TIMEOUT_S)
     connect_timeout_s: float = 120.0
@@ -300,6 +313,7 @@ class WorkerEnv:
             run_dir=environ.get(RUN_DIR) or None,
             checkpoint_dir=environ.get(CHECKPOINT_DIR) or None,
             checkpoint_every=_int(environ, CHECKPOINT_EVERY, None),
+            checkpoint_retry_s=_seconds(environ, CHECKPOINT_RETRY_S),
             heartbeat_dir=environ.get(HEARTBEAT_DIR) or None,
             pg_timeout_s=float(environ.get(PG_TIMEOUT) or DEFAULT_PG_TIMEOUT_S),
             connect_timeout_s=float(environ.get(CONNECT_TIMEOUT) or 120.0),

@@ -167,3 +167,23 @@ def test_remote_checkpoint_staging_copies_cuda_state_to_pinned_memory():
     assert staged["w"].device.type == "cpu" and staged["w"].is_pinned()
     assert torch.equal(staged["w"], state["w"].cpu()) and staged["step"] == 3
     assert torch.equal(torch.load(io.BytesIO(to_bytes(state)), weights_only=True)["w"], state["w"].cpu())
+
+
+def test_kept_host_buffers_stage_cuda_state_on_a_side_stream_and_are_reused():
+    """Rank 0's file at a URL, staged the GPU way: pinned buffers allocated at the first save only, the
+    copies on the side stream, the training's stream made to wait for them on the GPU; the bytes are the
+    state's as it was when staged, though the training writes it in place right after."""
+    from disttrain.runtime.checkpoint_stage import HostBuffers, stage, this_process
+    from disttrain.runtime.checkpoint_write_remote import serialise_staged, side_stream
+
+    assert this_process().host == "pinned-kept"
+    buffers = HostBuffers()
+    w = torch.randn(1024, 1024, device="cuda")
+    for round_ in range(3):
+        before = w.clone()
+        staged = stage({"w": w, "step": torch.tensor(round_)}, buffers, side_stream(), copy_host=True)
+        assert staged.value["w"].is_pinned()
+        w.mul_(2)  # the next step, queued on the training's stream after the copy
+        loaded = torch.load(io.BytesIO(serialise_staged(staged)), weights_only=True)
+        assert torch.equal(loaded["w"], before.cpu()) and int(loaded["step"]) == round_
+    assert buffers.allocations == 1

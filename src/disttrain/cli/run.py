@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .. import torchcompat
-from ..checkpoint_url import check_url, is_url
+from ..checkpoint_check import check_location
+from ..checkpoint_layout import CheckpointLayout
+from ..checkpoint_url import RemoteLayout, check_url, is_url
 from ..config import torchrun
 from ..config.launch import (
     DEFAULT_RDZV_TIMEOUT_S,
@@ -74,6 +76,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "folder, or an fsspec URL such as s3://bucket/run (credentials from the AWS chain)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="steps between checkpoints for disttrain.resume() (0: at each epoch's end)")
+    p.add_argument("--checkpoint-retry-s", dest="checkpoint_retry_s", type=float, default=None, metavar="S",
+                   help="seconds a checkpoint store may stay unreachable (refused or reset connections, "
+                   "throttling, 5xx) while saves retry before one fails (default 60; 0: no retry)")
+    p.add_argument("--create-bucket", action="store_true",
+                   help="create --checkpoint-dir's bucket when it does not exist (never done otherwise: a "
+                   "typo would make a new bucket)")
     p.add_argument("--grad-compression", default=None,
                    metavar="none|fp16|bf16|powersgd[:R]|localsgd[:H]|diloco[:H]",
                    help="how DDP communicates, for scripts using disttrain.prepare: a gradient compression, "
@@ -295,6 +303,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         hang_timeout_s=args.hang_timeout,
         checkpoint_dir=_checkpoint_dir(args.checkpoint_dir),
         checkpoint_every=args.checkpoint_every,
+        checkpoint_retry_s=args.checkpoint_retry_s,
         framework=args.framework,
         forward_env=args.forward_env,
         agent=agent_options(values, values["log_dir"]),
@@ -381,9 +390,58 @@ def handle(args: argparse.Namespace) -> int:
     notes = resolve_args(args, os.environ)
     spec = spec_from_args(args)
     launcher = launchers.launcher_from_args(args)
+    if spec.checkpoint_dir and not args.dry_run:  # a mistake told now, not at the first checkpoint
+        check_location(spec.checkpoint_dir, create_bucket=args.create_bucket,
+                       here=isinstance(launcher, LocalLauncher))
+    elif args.create_bucket and not spec.checkpoint_dir:
+        raise UsageError("--create-bucket makes --checkpoint-dir's bucket: give --checkpoint-dir s3://BUCKET/...")
     for note in notes:
         print(f"disttrain: note: {note}", file=sys.stderr, flush=True)
-    return launch(spec, launcher, args)
+    before = checkpoints_in(spec.checkpoint_dir)
+    code = launch(spec, launcher, args)
+    if code == 0 and not args.dry_run and not isinstance(launcher, BatchLauncher):
+        note = unwritten_note(spec, before, checkpoints_in(spec.checkpoint_dir), script_text(spec))
+        if note:
+            print(f"disttrain: note: {note}", file=sys.stderr, flush=True)
+    return code
+
+
+def checkpoints_in(location: str | None) -> set[int] | None:
+    """The complete checkpoints' steps at ``location`` (None: no location, or it cannot be read now)."""
+    if not location:
+        return None
+    try:
+        layout = RemoteLayout.at(location, retry_s=0) if is_url(location) else CheckpointLayout(Path(location))
+        return {step for step, _ in layout.complete()}
+    except (OSError, UsageError):
+        return None
+
+
+def script_text(spec: LaunchSpec) -> str | None:
+    if spec.is_module or spec.no_python:
+        return None
+    try:
+        return Path(spec.entry).read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def unwritten_note(spec: LaunchSpec, before: set[int] | None, after: set[int] | None, script: str | None) -> str | None:
+    """The note for a run given --checkpoint-dir that ended without writing a checkpoint there, with the
+    likeliest reason; None when one was written (or the folder cannot be read to tell)."""
+    if after is None or (after - (before or set())):
+        return None
+    return _none_written(spec, script)
+
+
+def _none_written(spec: LaunchSpec, script: str | None) -> str:
+    where = f"--checkpoint-dir {spec.checkpoint_dir}: no checkpoint was written"
+    if script is not None and not any(call in script for call in ("resume(", "Trainer", "checkpoint.save(")):
+        return (f"{where}; the script never calls disttrain.resume() or the Trainer, which are what save "
+                "there (or pass the folder to disttrain.checkpoint.save)")
+    every = spec.checkpoint_every
+    when = f"every {every} steps" if every else "at each epoch's end"
+    return f"{where}; the run ended before its first checkpoint ({when}: see --checkpoint-every)"
 
 
 def handle_spec(args: argparse.Namespace) -> int:

@@ -186,6 +186,9 @@ class LaunchSpec:
     hang_timeout_s: int = 0  # 0: no watchdog; the process group's timeout still bounds collectives
     checkpoint_dir: str | None = None  # absolute: workers on other hosts start elsewhere
     checkpoint_every: int | None = None
+    # --checkpoint-retry-s: how long a checkpoint store may be unreachable before a save fails (None: the
+    # runtime's default, 60 s).
+    checkpoint_retry_s: float | None = None
     framework: str = "pytorch"
     # --grad-compression / --bucket-mb: prepare()'s defaults in every worker (runtime.comm checks them).
     grad_compression: str | None = None
@@ -287,6 +290,9 @@ class LaunchSpec:
         if self.checkpoint_every is not None and self.checkpoint_every < 0:
             raise UsageError(
                 f"--checkpoint-every cannot be negative (0: at the end of each epoch), got {self.checkpoint_every}")
+        if self.checkpoint_retry_s is not None and not 0 <= self.checkpoint_retry_s <= 86400:
+            raise UsageError(f"--checkpoint-retry-s must be between 0 (no retry) and 86400 seconds, "
+                             f"got {self.checkpoint_retry_s:g}")
         if self.stop_grace_s < 0:
             raise UsageError(f"--stop-grace cannot be negative, got {self.stop_grace_s}")
         if self.framework not in FRAMEWORKS:

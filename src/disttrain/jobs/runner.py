@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+from ..checkpoint_check import check_location
 from ..errors import DisttrainError
 from ..home import disttrain_home
 from ..launch import Events, Facts, Launcher, Outcome
@@ -100,6 +101,9 @@ def check_job(spec: JobSpec, job_name: str | None = None) -> tuple[str, Launcher
         check_name(job_name, "job_name")
     name = job_name or new_job_name(spec.name)
     check_inputs(spec)
+    if spec.container.checkpoint_s3_uri:  # the same check as --checkpoint-dir's: now, not at the first sync
+        check_location(spec.container.checkpoint_s3_uri, what="checkpoint_s3_uri",
+                       storage_options=dict(spec.container.storage_options))
     launcher = launcher_for(spec, job_name=name)
     if spec.container.track:  # its client is there: said now, not once the job ran
         sink_class(spec.container.track, where="track:")

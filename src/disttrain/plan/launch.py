@@ -252,6 +252,7 @@ def make_plan(
                 socket_ifname=node_facts.socket_ifname,
                 checkpoint_dir=spec.checkpoint_dir,
                 checkpoint_every=spec.checkpoint_every,
+                checkpoint_retry_s=spec.checkpoint_retry_s,
                 # Always: the launcher's straggler warning and steps/s summary read the heartbeats too.
                 heartbeat_dir=f"{run_dir}/heartbeat/node{node_rank}",
                 hang_timeout_s=spec.hang_timeout_s,

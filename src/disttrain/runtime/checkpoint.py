@@ -20,11 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint_check import refuse_process_store
 from ..checkpoint_layout import CheckpointLayout, write_durably
 from ..checkpoint_url import RemoteLayout, is_url, open_url
 from ..errors import DisttrainError, UsageError
+from ..workerenv import WorkerEnv
 from . import checkpoint_read, checkpoint_write, checkpoint_write_remote, strategies
-from .context import Context, context
+from .context import Context, context, current
 
 __all__ = ["save", "load_latest", "latest", "export", "wait", "CheckpointLayout"]
 
@@ -135,8 +137,15 @@ def latest(directory: str | PathLike[str]) -> Path | str | None:
 
 
 def _layout(directory: str | PathLike[str]) -> CheckpointLayout | RemoteLayout:
-    """A local folder keeps its own layout (rename-committed); a URL, the store's."""
-    return RemoteLayout.at(str(directory)) if is_url(directory) else CheckpointLayout(Path(directory))
+    """A local folder keeps its own layout (rename-committed); a URL, the store's, retried through
+    an outage for ``--checkpoint-retry-s`` (the launcher's ``DISTTRAIN_CHECKPOINT_RETRY_S``)."""
+    if not is_url(directory):
+        return CheckpointLayout(Path(directory))
+    ctx = current()
+    if ctx is not None and ctx.world_size > 1:  # one process's memory holds nothing the others can read
+        refuse_process_store(str(directory), "checkpoint folder")
+    env = ctx.env if ctx is not None else WorkerEnv.from_environ()
+    return RemoteLayout.at(str(directory), retry_s=env.checkpoint_retry_s)
 
 
 def wait() -> None:

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map
 from ..checkpoint_layout import SHARDED_DIR, STATE_FILE, FileDigest
 from ..checkpoint_url import RemoteLayout, RemotePath
 from ..errors import DisttrainError
+from .checkpoint_stage import CudaSideStream, HostBuffers, Staged, stage, this_process
 from .checkpoint_write import PendingSave, async_group, fail, from_main, gather_shard_digests
 from .context import Context
 from .strategies import Strategy
@@ -36,13 +37,21 @@ def save(layout: RemoteLayout, step: int, keep_last: int | None, plain: dict[str
     meta = {"world_size": ctx.world_size, "time": time.time(), "torch": torch.__version__,
             "strategy": strategy.checkpoint_format, "sharded": sorted(shards)}
     blobs: dict[str, bytes] = {}
+    deferred: Staged | None = None  # rank 0's state, staged on the GPU's side stream: serialised on the thread
     failure = None
     if ctx.is_main:
         try:
             payload = {"step": step, **{name: strategy.state_dict(v) for name, v in plain.items()}}
-            blobs = _serialise(layout, payload, rank_states)
+            buffers = kept_buffers(ctx)
+            if asynchronous and buffers is not None:
+                deferred = stage(payload, buffers, side_stream(), copy_host=True)
+                blobs = _serialise(layout, None, rank_states, ctx)
+            else:
+                blobs = _serialise(layout, payload, rank_states, ctx)
             layout.begin(step)  # a step saved again, or an upload cut short: marker first
         except Exception as err:
+            if deferred is not None:
+                deferred.release()
             failure = err
     error = from_main(ctx, describe(layout, failure))  # also the barrier before the shards
     if error is not None:
@@ -59,6 +68,8 @@ def save(layout: RemoteLayout, step: int, keep_last: int | None, plain: dict[str
     def finish(shard_digests: dict[str, FileDigest]) -> str | None:
         if not ctx.is_main:
             return None
+        if deferred is not None:
+            blobs[STATE_FILE] = serialise_staged(deferred)
         digests = {name: layout.put(folder, name, data) for name, data in blobs.items()}
         layout.publish(step, {**digests, **shard_digests}, meta)
         layout.prune(keep_last)
@@ -69,7 +80,7 @@ def save(layout: RemoteLayout, step: int, keep_last: int | None, plain: dict[str
         future = strategy.write_shards_async(shards, target, group) if shards else None
         ctx.runtime.pending_save = PendingSave(
             ctx, future, lambda written: gather(written, group), finish,
-            abandon=lambda: layout.discard(folder), describe=lambda err: describe(layout, err))
+            abandon=lambda: abandon(deferred, layout, folder), describe=lambda err: describe(layout, err))
         return str(folder) if ctx.is_main else None
     written = None
     if shards:
@@ -97,18 +108,64 @@ def save(layout: RemoteLayout, step: int, keep_last: int | None, plain: dict[str
     return path
 
 
-def _serialise(layout: RemoteLayout, payload: dict, rank_states: list[dict] | None) -> dict[str, bytes]:
-    """Rank 0's objects as the bytes to upload: ``torch.save`` into memory is the staging copy."""
-    blobs = {STATE_FILE: to_bytes(payload)}
+def abandon(deferred: Staged | None, layout: RemoteLayout, folder: RemotePath) -> None:
+    """A failed asynchronous save: its buffers back (the next save leases them), its objects gone."""
+    if deferred is not None:
+        deferred.release()
+    layout.discard(folder)
+
+
+def serialise_staged(staged: Staged) -> bytes:
+    """A staged state's bytes, once its copies ran; its buffers go back either way."""
+    out = io.BytesIO()
+    try:
+        torch.save(staged.wait(), out)
+    finally:
+        staged.release()
+    return out.getvalue()
+
+
+def _serialise(layout: RemoteLayout, payload: dict | None, rank_states: list[dict] | None,
+               ctx: Context) -> dict[str, bytes]:
+    """Rank 0's objects as the bytes to upload: ``torch.save`` into memory is the staging copy; CUDA
+    state goes through host buffers kept between saves when this process stages that way. ``payload``
+    None: staged already, serialised later."""
+    blobs = {} if payload is None else {STATE_FILE: to_bytes(payload, kept_buffers(ctx))}
     for rank, values in enumerate(rank_states or ()):
         blobs[layout.rank_file(rank)] = to_bytes(values)
     return blobs
 
 
-def to_bytes(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(on_host(value), buffer)
-    return buffer.getvalue()
+def to_bytes(value: Any, buffers: HostBuffers | None = None) -> bytes:
+    """``value`` as ``torch.save`` writes it; CUDA tensors staged in ``buffers`` (kept between saves,
+    copied on a side stream) when given, else each copied into fresh pinned memory."""
+    if buffers is None:
+        out = io.BytesIO()
+        torch.save(on_host(value), out)
+        return out.getvalue()
+    return serialise_staged(stage(value, buffers, side_stream()))
+
+
+def kept_buffers(ctx: Context) -> HostBuffers | None:
+    """The host buffers rank 0's file is staged in, kept for the process (None: CPU state, staged as it is)."""
+    runtime = ctx.runtime
+    if getattr(runtime, "staging", None) is None:
+        runtime.staging = this_process()
+    if runtime.staging.host != "pinned-kept":
+        return None
+    if getattr(runtime, "host_buffers", None) is None:
+        runtime.host_buffers = HostBuffers()
+    return runtime.host_buffers
+
+
+_SIDE: list[CudaSideStream] = []
+
+
+def side_stream() -> CudaSideStream:
+    """One side stream for the process's checkpoint copies (made on first use, on the current device)."""
+    if not _SIDE:
+        _SIDE.append(CudaSideStream())
+    return _SIDE[0]
 
 
 def on_host(value: Any) -> Any:

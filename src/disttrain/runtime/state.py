@@ -32,6 +32,8 @@ class Runtime:
         self.owns_group = False  # only a group init() created is destroyed by shutdown()
         self.pending_save: Any = None  # an asynchronous checkpoint still being written
         self.async_group: Any = None  # the CPU group asynchronous checkpoints talk over
+        self.staging: Any = None  # how checkpoints are staged here (checkpoint_stage.Staging), chosen once
+        self.host_buffers: Any = None  # the host buffers CUDA state is staged in, kept between saves
         self.pg_timeout_s = 300.0  # the process group's timeout: how long a collective may wait
 
     def prepared(self, model: Any) -> Any:

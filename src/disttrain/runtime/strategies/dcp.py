@@ -58,7 +58,23 @@ def write_async(objects: dict[str, Any], directory: Path, group: Any) -> Any:
     """Like :func:`write`, but the files are written in the background: the state is
     copied (staged) first, so training may change it right away. Returns the future; its
     result means every rank's files and the metadata are written."""
-    return dcp.async_save(state_dicts(objects), storage_writer=_writer(directory), process_group=group)
+    from ..checkpoint_stage import kept_dcp_stager
+
+    stager = kept_dcp_stager()
+    if stager is None:  # CPU state (or an older torch): the storage writer stages, as DCP does by default
+        return dcp.async_save(state_dicts(objects), storage_writer=_writer(directory), process_group=group)
+    states = state_dicts(objects)
+    # torch's stager copies on a stream of its own, which does not wait for the training's: the
+    # step's kernels must have run before its copies start.
+    torch.cuda.current_stream().synchronize()
+    response = dcp.async_save(states, storage_writer=_writer(directory), process_group=group, async_stager=stager)
+    staged = getattr(response, "staging_completion", None)
+    if staged is None:
+        return response
+    # The pinned copies are queued on the stager's own stream; the state may change once they ran
+    # (the optimizer step writes in place).
+    staged.result()
+    return response.upload_completion
 
 
 def _writer(directory: Path | RemotePath) -> FileSystemWriter:

@@ -20,13 +20,16 @@ from collections.abc import Callable, Iterator
 from threading import Event
 from typing import TextIO
 
+from ..wire import for_people
+
 # What torch's TailLog passes to its tail function; another signature keeps torch's own.
 _PARAMETERS = ("header", "file", "dst", "finished", "interval_sec", "log_line_filter")
 
 
 def tail_until_finished(header: str, file: str, dst: TextIO, finished: Event, interval_sec: float,
                         log_line_filter: Callable[[str], bool] | None = None) -> None:
-    """Copy ``file``'s lines to ``dst``, each after ``header`` (those ``log_line_filter`` keeps),
+    """Copy ``file``'s lines to ``dst``, each after ``header`` (those ``log_line_filter`` keeps; never a
+    wire message -- a track line is for the launcher's tracker, which reads the file itself),
     until ``finished`` is set and the file is read to its end; the file may not exist yet."""
     while not os.path.exists(file):
         if finished.is_set():  # the producer never wrote it
@@ -36,7 +39,7 @@ def tail_until_finished(header: str, file: str, dst: TextIO, finished: Event, in
         while True:
             line = fh.readline()
             if line:
-                if log_line_filter is None or log_line_filter(line):
+                if for_people(line) and (log_line_filter is None or log_line_filter(line)):
                     dst.write(header + line)
             elif finished.is_set():  # at the end of a file no one writes any more
                 return

@@ -323,7 +323,7 @@ def _failed(err: ChildFailedError, plan: LaunchPlan, node: NodePlan, link: Role,
     finished = tuple((rank, node.name) for rank in attempt.ranks if rank not in failed)
     if plan.nnodes > 1:  # a rank of another node may have left first
         finished += link.done_elsewhere(wait=not finished and lost_a_peer(failure_lines(first, plan.run_dir)))
-    print(failed_line(first, plan.run_dir), file=report_to, flush=True)
+    link.send(failed_line(first, plan.run_dir))  # for a launcher above (none: not shown)
     print(format_failure(first, failures, plan.run_dir, finished=finished, oom=oom), file=report_to, flush=True)
     return first.exit_code
 
@@ -339,7 +339,7 @@ def _stopped(err: SignalException, plan: LaunchPlan, node: NodePlan, link: Role,
                                 attempt=plan.max_restarts) for rank, code, pid in early.failed]
         first = root_cause(failures, plan.run_dir)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop's second signal: said and decided
-        print(failed_line(first, plan.run_dir), file=report_to, flush=True)
+        link.send(failed_line(first, plan.run_dir))
         print(format_failure(first, failures, plan.run_dir), file=report_to, flush=True)
         return first.exit_code
     if dog is not None and dog.fired is not None:

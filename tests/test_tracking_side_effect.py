@@ -215,5 +215,5 @@ def test_no_secret_reaches_the_tracker(server, tmp_path):
     assert run.data.params["hp.db-password"] == "***" and run.data.params["hp.api-key"] == "***"
     assert run.data.params["hp.lr"] == "0.1"
     assert "Hunter2x" not in run.data.params["argv"] and "Hunter3x" not in run.data.params["argv"]
-    assert "--db-password ***" in run.data.params["argv"]
+    assert "--db-password '***'" in run.data.params["argv"]
     assert "Pw0rd" not in result.stdout + result.stderr  # MLflow's own "View run at" line included

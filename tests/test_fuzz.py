@@ -271,7 +271,8 @@ def _numeric_options(verb: tuple[str, ...]) -> list[str]:
     for action in parser._actions:
         if not action.option_strings or action.nargs == 0 or set(action.option_strings) & _STARTS_SOMETHING:
             continue
-        flag = next((f for f in action.option_strings if f.startswith("--") and "_" not in f), action.option_strings[-1])
+        flag = next((f for f in action.option_strings if f.startswith("--") and "_" not in f),
+                    action.option_strings[-1])
         if action.type in (int, float) or flag in _NUMERIC_WORDS:
             found.append(flag)
     return found

@@ -103,7 +103,8 @@ def test_a_user_sitecustomize_acts_under_disttrain_as_under_torchrun(tmp_path, u
     assert _facts(outs["run"]) == expected
     job_facts = _facts(outs["job"])
     # a job runs from a copy of its source folder, which the toolkit puts on PYTHONPATH: the rest is the same
-    job_facts["user_path"] = [p for p in job_facts["user_path"] if "imports" not in p and str(tmp_path / "home") not in p]
+    job_facts["user_path"] = [p for p in job_facts["user_path"]
+                              if "imports" not in p and str(tmp_path / "home") not in p]
     expected["user_path"] = [p for p in expected["user_path"] if p != str(work)]
     job_facts["user_path"] = [p for p in job_facts["user_path"] if p != str(work)]
     assert job_facts == expected

@@ -308,7 +308,8 @@ class JobStore:
     def get(self, ref: int | str) -> JobRecord:
         """A job by id (``12``) or by name."""
         with self._read() as db:
-            if isinstance(ref, int) or (str(ref).isascii() and str(ref).isdigit()):  # an id past SQLite's 64 bits is no job's
+            # an id past SQLite's 64 bits is no job's (not an OverflowError)
+            if isinstance(ref, int) or (str(ref).isascii() and str(ref).isdigit()):
                 row = db.execute("SELECT * FROM jobs WHERE id = ?", (int(ref),)).fetchone() \
                     if int(ref) <= MAX_ID else None
             else:

@@ -217,3 +217,66 @@ def test_no_secret_reaches_the_tracker(server, tmp_path):
     assert "Hunter2x" not in run.data.params["argv"] and "Hunter3x" not in run.data.params["argv"]
     assert "--db-password '***'" in run.data.params["argv"]
     assert "Pw0rd" not in result.stdout + result.stderr  # MLflow's own "View run at" line included
+
+
+def test_the_masking_rule_is_the_job_records_one():
+    from disttrain.private import MASK, mask_argv, redact_urls
+    from disttrain.tracking import script_params
+
+    argv = ["disttrain", "run", "t.py", "--db-password", "X1", "--api-key=X2", "DB_PASS=X3", "--lr", "0.1",
+            "--bypass", "ok", "--uri", "http://u:X4@h:5000/p"]
+    assert mask_argv(argv) == ["disttrain", "run", "t.py", "--db-password", MASK, f"--api-key={MASK}",
+                               f"DB_PASS={MASK}", "--lr", "0.1", "--bypass", "ok", "--uri", f"http://u:{MASK}@h:5000/p"]
+    params = script_params(argv, argv[3:])
+    assert params["hp.db-password"] == MASK and params["hp.api-key"] == MASK and params["hp.lr"] == "0.1"
+    assert not any(secret in params["argv"] for secret in ("X1", "X2", "X3", "X4"))
+    assert redact_urls("View run at http://me:Pw@127.0.0.1:5000/#/x and s3://k:s@b") == \
+        f"View run at http://me:{MASK}@127.0.0.1:5000/#/x and s3://k:{MASK}@b"
+
+
+def test_a_tracker_that_answers_again_gets_what_was_kept(tmp_path, monkeypatch):
+    """In-process, a fake tracker down for its first two calls: one line when it stops answering, one
+    when it answers again, every point delivered in order, and the end's record last."""
+    from disttrain import trackline
+    from disttrain.tracking import follower
+    from disttrain.tracking.follower import RunTracker
+    from disttrain.tracking.sink import Sink
+
+    class Flaky(Sink):
+        tracker = client = "flaky"
+        run_id = "r1"
+
+        def __init__(self, name, *, params, parent=None):
+            self.down, self.got = 2, []
+
+        def metrics(self, values, step, wall_time):
+            if self.down:
+                self.down -= 1
+                raise ConnectionRefusedError("no server")
+            self.got.append(("metrics", step))
+
+        def text(self, name, text):
+            self.got.append(("text", name))
+
+        def artifact(self, path):
+            self.got.append(("artifact", path))
+
+        def finish(self, exit_code):
+            self.got.append(("finish", exit_code))
+
+    monkeypatch.setattr(follower, "open_sink", lambda tracker, name, **kw: Flaky(name, **kw))
+    said: list[str] = []
+    tracker = RunTracker(tmp_path / "run", tracker="flaky", name="run-1", params={}, say=said.append)
+    tracker.starting(1)
+    for step in range(4):
+        tracker.line("[h rank0] " + trackline.encode("metrics", rank=0, step=step, values={"loss": 1.0},
+                                                     reduced=True))
+    tracker.finish(0)
+    assert [line for line in said if "flaky" in line] == [
+        "disttrain: warning: the flaky tracker stopped answering (ConnectionRefusedError: no server); the run goes "
+        "on, its records are kept and sent when it answers again",
+        "disttrain: the flaky tracker answers again; the records kept meanwhile are sent",
+        "disttrain: tracked in flaky as run r1 (run-1)"]
+    sent = tracker.sink.got
+    assert [step for kind, step in sent if kind == "metrics" and step is not None] == [0, 1, 2, 3]
+    assert sent[-1] == ("finish", 0)

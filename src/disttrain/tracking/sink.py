@@ -101,9 +101,27 @@ def sink_class(tracker: str, *, where: str = "--track") -> type[Sink]:
 def open_sink(tracker: str, name: str, *, params: Mapping[str, str], parent: str | None = None) -> Sink:
     """A new run of ``tracker`` (see :func:`sink_class`), its parameters masked by the job records'
     rule: a secret-looking name's value, an option's value on a command line, a URL's password."""
-    masked = {k: MASK if is_secret_key(k.rpartition(".")[2]) else
-              redact_urls(v) if isinstance(v, str) else v for k, v in params.items()}
-    return sink_class(tracker)(name, params=masked, parent=parent)
+    return sink_class(tracker)(name, params=mask_params(params), parent=parent)
+
+
+def open_or_say(tracker: str, name: str, *, params: Mapping[str, str], say,
+                parent: str | None = None) -> Sink | None:
+    """:func:`open_sink`, or None after one line when the tracker cannot be opened (unreachable, refused):
+    a tracker never stops what it tracks. A missing client or an impossible setting is still a UsageError."""
+    cls = sink_class(tracker)
+    try:
+        return cls(name, params=mask_params(params), parent=parent)
+    except Exception as err:
+        text = str(err).splitlines()[0][:200] if str(err) else ""
+        say(redact_urls(f"disttrain: warning: the {tracker} tracker could not be opened "
+                        f"({type(err).__name__}: {text}); going on untracked"))
+        return None
+
+
+def mask_params(params: Mapping[str, str]) -> dict:
+    """``params`` masked by the job records' rule: a secret-looking name's value, a URL's password."""
+    return {k: MASK if is_secret_key(k.rpartition(".")[2]) else redact_urls(v) if isinstance(v, str) else v
+            for k, v in params.items()}
 
 
 def status(exit_code: int) -> str:

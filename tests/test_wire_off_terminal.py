@@ -56,6 +56,20 @@ def test_no_wire_line_on_the_terminal_for_any_failure(case, tmp_path):
     assert wire_lines(proc.stdout) == [] and wire_lines(proc.stderr) == [], proc.stdout + proc.stderr
 
 
+def test_a_tracked_failing_job_shows_no_wire_line(tmp_path):
+    """A job's instances are agents under the job's launcher: their lines travel through the relay."""
+    import yaml
+
+    env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), DISTTRAIN_STORE=str(tmp_path / "jobs.db"),
+                  TRACKIO_DIR=str(tmp_path / "trackio"), TRACKIO_PROJECT="wire")
+    spec = write(tmp_path / "job.yaml", yaml.safe_dump({
+        "name": "wire", "entry_point": "tracked.py", "source_dir": str(SCRIPTS), "processes_per_instance": 2,
+        "track": "trackio", "track_ranks": True, "env": {"EXIT_CODE": "3"}}))
+    proc = disttrain("job", "run", str(spec), env=env, timeout=200)
+    assert proc.returncode != 0 and "disttrain:" in proc.stderr, proc.stderr
+    assert wire_lines(proc.stdout) == [] and wire_lines(proc.stderr) == [], proc.stdout + proc.stderr
+
+
 def test_a_tracked_run_shows_its_output_and_none_of_its_track_lines(tmp_path):
     env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), TRACKIO_DIR=str(tmp_path / "trackio"),
                   TRACKIO_PROJECT="wire")

@@ -240,3 +240,82 @@ def test_tarball_never_writes_outside_its_folder(members, leading_slash, mtime, 
         assert not outside, (members, outside)
         for path in dest.rglob("*") if dest.exists() else ():
             assert Path(os.path.realpath(path)).is_relative_to(dest.resolve()) or not path.exists(), (members, path)
+
+
+# --- every verb, every numeric option: huge, negative, empty (issue 46 point 4) ----------------------
+
+# Numbers at and past every edge: 10^30 as an integer and as a float, negatives, empties, non-numbers.
+_EDGES = ("1" + "0" * 30, "1e30", "-1", "-" + "9" * 30, "", "nan", "inf", "0", "4097", "65536")
+# Options whose value is a number written in a string of its own form (parsed after argparse).
+_NUMERIC_WORDS = {"--nnodes": ("{}", "1:{}"), "--nproc-per-node": ("{}",), "--nproc_per_node": ("{}",),
+                  "--grad-compression": ("diloco:{}", "powersgd:{}", "localsgd:{}"), "--bucket-mb": ("{}",),
+                  "--ranks": ("{}", "0-{}"), "--local-ranks-filter": ("{}",), "--nproc": ("{}", "1,{}"),
+                  "--rdzv-endpoint": ("127.0.0.1:{}",)}
+# Positionals and flags each verb needs to get as far as its options, never so far that it starts something.
+_VERBS = {("run",): ["--dry-run", GOOD], ("bench",): ["--dry-run", GOOD], ("doctor",): ["--hosts", ""],
+          ("job", "run"): ["missing.yaml"], ("jobs", "ls"): [], ("jobs", "show"): ["1"], ("jobs", "logs"): ["1"],
+          ("jobs", "stop"): ["1"], ("jobs", "metrics"): ["1"], ("tune", "run"): [], ("tune", "ls"): [],
+          ("tune", "show"): ["1"], ("tune", "stop"): ["1"], ("tune", "resume"): ["1"]}
+# Verbs that take an id: every id, huge ones included, is the job or exit 2.
+_IDS = (("jobs", "show"), ("jobs", "logs"), ("jobs", "stop"), ("jobs", "metrics"), ("tune", "show"), ("tune", "stop"))
+
+
+def _numeric_options(verb: tuple[str, ...]) -> list[str]:
+    import argparse
+
+    parser = build_parser()
+    for word in verb:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    found = []
+    for action in parser._actions:
+        if not action.option_strings or action.nargs == 0 or set(action.option_strings) & _STARTS_SOMETHING:
+            continue
+        flag = next((f for f in action.option_strings if f.startswith("--") and "_" not in f),
+                    action.option_strings[-1])
+        if action.type in (int, float) or flag in _NUMERIC_WORDS:
+            found.append(flag)
+    return found
+
+
+def test_every_verb_is_covered_by_the_numeric_sweep():
+    import argparse
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    public = {name for name in sub.choices if name not in ("agent", "receive", "batch-step", "run-spec",
+                                                           "launch-step", "sagemaker")}
+    assert public <= {verb[0] for verb in _VERBS}, public - {verb[0] for verb in _VERBS}
+    assert "--hang-timeout" in _numeric_options(("run",)) and "--limit" in _numeric_options(("jobs", "ls"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("verb", list(_VERBS), ids=" ".join)
+def test_every_numeric_option_huge_negative_or_empty_is_0_or_one_line_exit_2(monkeypatch, verb):
+    cases = []
+    for flag in _numeric_options(verb):
+        for form in _NUMERIC_WORDS.get(flag, ("{}",)):
+            cases += [[flag, form.format(edge)] for edge in _EDGES]
+    if verb in _IDS:
+        cases += [[edge] for edge in (*_EDGES, "99999999999999999999", str(2**63), str(2**63 - 1), "\u0663")]
+    cases = cases or [[]]  # a verb with no number of its own: its plain call keeps the contract too
+    with _sandbox(monkeypatch):
+        for extra in cases:
+            argv = [*verb, *extra, *(_VERBS[verb] if verb not in _IDS or extra[0].startswith("-") else [])]
+            code, out, err = _call(argv)
+            _assert_contract(argv, code, out, err)
+
+
+def test_huge_numbers_name_their_range(monkeypatch):
+    """The cases of the issue: each answered in one line that names the range."""
+    huge = "100000000000000000000"
+    with _sandbox(monkeypatch):
+        for argv, said in (
+                (["run", "--dry-run", "-n", huge, GOOD], "-n/--nproc-per-node must be in 1..4096"),
+                (["run", "--dry-run", "--hang-timeout", huge, GOOD], "--hang-timeout must be in 0..1000000 seconds"),
+                (["run", "--dry-run", "--grad-compression", f"diloco:{huge}", GOOD], "must be in 1..1000000000"),
+                (["run", "--dry-run", "--nnodes", f"1:{huge}", "--rdzv-backend", "c10d", GOOD], "must be in 1..65536"),
+                (["jobs", "ls", "--limit", "-1"], "--limit must be in 0..2147483647, got -1"),
+                (["jobs", "show", "99999999999999999999"], "no job '99999999999999999999'")):
+            code, _out, err = _call(argv)
+            assert code == 2 and said in err and err.count("\n") == 1, (argv, err)

@@ -49,6 +49,33 @@ def mask_secrets(value: Any) -> Any:
     return value
 
 
+# A URL's password (scheme://user:PASSWORD@host), wherever it is written: a tracking URI in a client's message.
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:)(?P<password>[^/@\s]+)@")
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with the password of every URL in it shown as ``***``."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}{MASK}@", text)
+
+
+def mask_argv(argv: list[str] | tuple[str, ...]) -> list[str]:
+    """A command line with the values of secret-looking options masked, by :func:`is_secret_key`'s
+    rule (the rule the job records use): ``--db-password X``, ``--api-key=X``, ``DB_PASS=X``, and
+    every URL's password."""
+    out: list[str] = []
+    secret_next = False
+    for arg in argv:
+        name, eq, _value = arg.lstrip("-").partition("=")
+        if secret_next and not arg.startswith("--"):
+            out.append(MASK)
+        elif eq and is_secret_key(name):
+            out.append(arg[:len(arg) - len(_value)] + MASK)
+        else:
+            out.append(redact_urls(arg))
+        secret_next = arg.startswith("-") and not eq and is_secret_key(name)
+    return out
+
+
 def private_opener(path: str | os.PathLike, flags: int) -> int:
     """``open(path, mode, opener=private_opener)``: a file this creates is 0600 from its first byte."""
     return os.open(path, flags, 0o600)

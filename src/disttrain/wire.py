@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -60,6 +61,7 @@ from typing import Any, ClassVar, TypeVar
 from .config.launch import LaunchSpec
 from .errors import DisttrainError
 from .plan.launch import LaunchPlan, plan_from_json
+from .trackline import MARKER as TRACK_MARKER
 
 VERSION = 1
 
@@ -592,3 +594,17 @@ MESSAGES: dict[str, type[Message]] = {m.kind: m for m in (
     ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Alive, Beats, HangReport, NodeDone,
     Regroup, StopRequest, AttemptStarted, Outcome, BatchStep, BatchStepEnded,
     RunClient, JobClient, RunSpec, FitRequest, SyncOffer, SyncWanted, InstanceEnv)}
+
+
+# Every marker a message for a process, not a person, starts with (the workers' track lines included).
+WIRE_MARKERS: tuple[str, ...] = (*(m.marker.strip() for m in (Beats, HangReport, RankFailed, NodeDone, AttemptStarted)),
+                                 TRACK_MARKER)
+_RANK_PREFIX = re.compile(r"^\[[^\]]*\] ")  # "[rank0] " (torch's tail) or "[host rank0] " (the relay)
+
+
+def for_people(line: str) -> bool:
+    """Whether ``line`` may reach a terminal: False for a wire message (with or without a rank's
+    prefix). Those are read by the launcher and the tracker, from the run folder's logs; a user's
+    terminal shows only what is meant for people."""
+    text = _RANK_PREFIX.sub("", line.lstrip("\r"), count=1).lstrip()
+    return not text.startswith(WIRE_MARKERS)

@@ -48,16 +48,26 @@ PG_TIMEOUT = "DISTTRAIN_PG_TIMEOUT"
 HOOKED = "torch.distributed.distributed_c10d"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _server = None  # kept for the life of the process (see _serve)
+_SELF = "_disttrain_sitecustomize"  # this module's name once the one it shadows is sitecustomize
 
 
 def _chain() -> None:
-    """Run the ``sitecustomize`` this one shadows (a distribution's, a virtualenv's), as Python would have."""
+    """Run the ``sitecustomize`` this one shadows (the user's, a distribution's, a virtualenv's), as
+    Python would have: it *becomes* ``sys.modules["sitecustomize"]``, kept for the life of the process
+    as under torchrun. Run as a throwaway module, it was freed once run, and with it what it holds --
+    a ``torch.library.Library`` that defines ops (a torchvision shim) unregisters them when freed."""
     path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         return
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[_SELF] = sys.modules[__name__]  # this bootstrap, under a name of its own
+    sys.modules["sitecustomize"] = module  # what `import sitecustomize` then returns, as without disttrain
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules["sitecustomize"] = sys.modules[_SELF]
+        raise
 
 
 class _AfterImport:
@@ -297,10 +307,13 @@ def _check_group(c10d) -> None:
 
 
 def _install() -> None:
-    if os.environ.get(SOCKETS) and HOOKED not in sys.modules:
-        sys.meta_path.insert(0, _AfterImport(HOOKED, _serve))
-    if os.environ.get("WORLD_SIZE") and HOOKED not in sys.modules:
-        sys.meta_path.insert(0, _AfterImport(HOOKED, _check_group))
+    # torch imported already (by the sitecustomize chained above): hooked now rather than never
+    c10d = sys.modules.get(HOOKED)
+    for wanted, then in ((os.environ.get(SOCKETS), _serve), (os.environ.get("WORLD_SIZE"), _check_group)):
+        if wanted and c10d is None:
+            sys.meta_path.insert(0, _AfterImport(HOOKED, then))
+        elif wanted:
+            then(c10d)
 
 
 try:

@@ -14,19 +14,24 @@ look interval while the workers run is torch's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 from collections.abc import Callable, Iterator
 from threading import Event
 from typing import TextIO
 
+from ..wire import for_people
+
 # What torch's TailLog passes to its tail function; another signature keeps torch's own.
 _PARAMETERS = ("header", "file", "dst", "finished", "interval_sec", "log_line_filter")
 
 
 def tail_until_finished(header: str, file: str, dst: TextIO, finished: Event, interval_sec: float,
-                        log_line_filter: Callable[[str], bool] | None = None) -> None:
-    """Copy ``file``'s lines to ``dst``, each after ``header`` (those ``log_line_filter`` keeps),
+                        log_line_filter: Callable[[str], bool] | None = None, *, terminal: bool = True) -> None:
+    """Copy ``file``'s lines to ``dst``, each after ``header`` (those ``log_line_filter`` keeps; never a
+    wire message when ``dst`` is a terminal -- a track line is for the tracker, which reads the file; an
+    agent under a launcher passes it on, its output being the launcher's channel),
     until ``finished`` is set and the file is read to its end; the file may not exist yet."""
     while not os.path.exists(file):
         if finished.is_set():  # the producer never wrote it
@@ -36,7 +41,7 @@ def tail_until_finished(header: str, file: str, dst: TextIO, finished: Event, in
         while True:
             line = fh.readline()
             if line:
-                if log_line_filter is None or log_line_filter(line):
+                if (not terminal or for_people(line)) and (log_line_filter is None or log_line_filter(line)):
                     dst.write(header + line)
             elif finished.is_set():  # at the end of a file no one writes any more
                 return
@@ -45,16 +50,17 @@ def tail_until_finished(header: str, file: str, dst: TextIO, finished: Event, in
 
 
 @contextlib.contextmanager
-def tails_end_at_once() -> Iterator[None]:
+def tails_end_at_once(*, terminal: bool = True) -> Iterator[None]:
     """torch's log tails use :func:`tail_until_finished` for the life of the block (this process
-    runs one node); a torch whose tail function takes other arguments is left as it is."""
+    runs one node); a torch whose tail function takes other arguments is left as it is. ``terminal``:
+    the tails write to the user's terminal (no launcher above reads them), so no wire line is shown."""
     from torch.distributed.elastic.multiprocessing import tail_log
 
     original = tail_log.tail_logfile
     if tuple(inspect.signature(original).parameters) != _PARAMETERS:
         yield
         return
-    tail_log.tail_logfile = tail_until_finished
+    tail_log.tail_logfile = tail_until_finished if terminal else functools.partial(tail_until_finished, terminal=False)
     try:
         yield
     finally:

@@ -229,14 +229,15 @@ def _recorder_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | N
         flight.remove_folder(folder)
 
 
-def _started(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, env: dict[str, str], say):
+def _started(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, env: dict[str, str], say,
+             terminal: bool = True):
     """Start: what the workers need before torch's agent starts them -- the program's signal handlers
     kept, their exits awaited, their process group, the recorders' sockets (``--hang-timeout``: this
     adds the bootstrap to ``env``), the abort at exit prevented, ``env`` exported, the output tails ended at
     the workers' end. Undone by ``stack``."""
     stack.enter_context(_handlers_kept())
     early = stack.enter_context(exits_awaited())
-    stack.enter_context(tails_end_at_once())
+    stack.enter_context(tails_end_at_once(terminal=terminal))  # under a launcher: its channel, wire lines kept
     group = stack.enter_context(_worker_group(plan, node))
     sockets = stack.enter_context(_recorder_sockets(plan, env))
     regroups = stack.enter_context(_regroup_sockets(plan, env))
@@ -290,7 +291,7 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
     stores = AttemptStores(plan, node)
     attempt = Attempt(plan.run_dir, plan.world_size)
     with contextlib.ExitStack() as stack:  # stop: all of it undone, in reverse order
-        early, group, sockets, regroups = _started(stack, plan, node, env, say)
+        early, group, sockets, regroups = _started(stack, plan, node, env, say, terminal=not link.linked)
         dog, agents, wait = _monitored(stack, plan, node, link, attempt, stores, sockets, regroups, report_to)
         config.logs_specs.on_start = wait.workers_started
         config.logs_specs.on_envs = _per_attempt(stores, attempt, group)
@@ -331,7 +332,7 @@ def _failed(err: ChildFailedError, plan: LaunchPlan, node: NodePlan, link: Role,
     finished = tuple((rank, node.name) for rank in attempt.ranks if rank not in failed)
     if plan.nnodes > 1:  # a rank of another node may have left first
         finished += link.done_elsewhere(wait=not finished and lost_a_peer(failure_lines(first, plan.run_dir)))
-    print(failed_line(first, plan.run_dir), file=report_to, flush=True)
+    link.send(failed_line(first, plan.run_dir))  # for a launcher above (none: not shown)
     print(format_failure(first, failures, plan.run_dir, finished=finished, oom=oom), file=report_to, flush=True)
     return first.exit_code
 
@@ -347,7 +348,7 @@ def _stopped(err: SignalException, plan: LaunchPlan, node: NodePlan, link: Role,
                                 attempt=plan.max_restarts) for rank, code, pid in early.failed]
         first = root_cause(failures, plan.run_dir)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop's second signal: said and decided
-        print(failed_line(first, plan.run_dir), file=report_to, flush=True)
+        link.send(failed_line(first, plan.run_dir))
         print(format_failure(first, failures, plan.run_dir), file=report_to, flush=True)
         return first.exit_code
     if dog is not None and dog.fired is not None:

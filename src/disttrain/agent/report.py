@@ -46,9 +46,12 @@ def shell_exit_code(raw: int) -> tuple[int, str | None]:
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
+    """The last ``lines`` lines a person would read (not the track lines meant for the tracker)."""
+    from ..wire import for_people
+
     try:
         with open(path, errors="replace") as fh:
-            return [line.rstrip("\n") for line in deque(fh, maxlen=lines)]
+            return [line.rstrip("\n") for line in deque(filter(for_people, fh), maxlen=lines)]
     except OSError:
         return []
 

@@ -33,7 +33,8 @@ from ..scaling.bench import (
     parse_counts,
     run_all,
 )
-from ..tracking import TRACKERS, Sink, check_tracker, open_sink, script_params
+from ..tracking import TRACKERS, Sink, check_tracker, script_params
+from ..tracking.sink import open_or_say
 from .common import add_host_args, hosts_from_args
 
 DEFAULT_COUNTS = "1,2,4"
@@ -180,9 +181,10 @@ def handle(args: argparse.Namespace) -> int:
         else:
             print("\n".join(f"{shlex.join(c['command'])} <<< {json.dumps(c['spec'])}" for c in counts))
         return 0
-    tracked = open_sink(args.track, f"bench-{Path(spec.script).stem}", params={
+    tracked = open_or_say(args.track, f"bench-{Path(spec.script).stem}", params={
         **script_params(sys.argv, spec.launch.script_args), "counts": args.nproc,
-        "global_batch": str(spec.global_batch), "steps": str(spec.steps)}) if check_tracker(args.track) else None
+        "global_batch": str(spec.global_batch), "steps": str(spec.steps)},
+        say=lambda line: print(line, file=sys.stderr, flush=True)) if check_tracker(args.track) else None
     try:
         code = _measure(args, spec, tracked)
     except BaseException:

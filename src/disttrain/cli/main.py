@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 
+from .. import bounds
 from ..errors import DisttrainError, UsageError, error_line
 from ..version import __version__
 from . import agent as agent_cmd
@@ -66,6 +67,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every number the command line gave, against its range (:mod:`disttrain.bounds`): at parse
+    time, one line naming the flag and the range -- for every subcommand, with no list to keep."""
+    for chosen in _chosen(parser, getattr(args, "handler", None)) or [parser]:
+        for action in chosen._actions:
+            if action.option_strings and action.dest != "help":
+                value = getattr(args, action.dest, None)
+                flag = next((f for f in action.option_strings if f.startswith("--") and "_" not in f),
+                            action.option_strings[-1])
+                for item in value if isinstance(value, list) else [value]:
+                    bounds.option(flag, action.dest, item)
+
+
+def _chosen(parser: argparse.ArgumentParser, handler) -> list[argparse.ArgumentParser]:
+    """The parsers from ``parser`` down to the subcommand whose handler runs (found by it: a
+    subcommand's own positional may be called ``command`` too, as ``bench``'s is)."""
+    if handler is not None and parser._defaults.get("handler") is handler:
+        return [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                below = _chosen(sub, handler)
+                if below:
+                    return [parser, *below]
+    return []
+
+
 # Commands whose process ends at once when they return (quick_exit.py): a launcher's job is over. By
 # handler: ``args.command`` is the subcommand's name only where the subcommand has no ``command`` of
 # its own (``disttrain bench``'s is the script to time).
@@ -74,7 +102,9 @@ QUICK_EXIT = (run_cmd.handle,)
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        check_numbers(parser, args)
         code = args.handler(args)  # a node's agent never returns: it ends its own process (agent/entry.py)
         if argv is None and args.handler in QUICK_EXIT:  # the process's own command line, not a caller's list
             code = quick_exit.exit_now(code)

@@ -36,7 +36,7 @@ from ..launch.local import LocalLauncher
 from ..launch.slurm_env import SlurmAllocation
 from ..private import private_dirs
 from ..runtime import comm
-from ..tracking import TRACKERS, check_tracker, script_params
+from ..tracking import TRACKERS, check_tracker, script_params, sink_class
 from ..tracking.follower import RunTracker
 from ..wire import RunSpec
 from ..workerenv import ACCELERATE_USE_CPU, cpu_library_warning
@@ -321,10 +321,12 @@ def _checkpoint_dir(value: str | None) -> str | None:
 
 def track_mode(args: argparse.Namespace) -> str | None:
     """--track/--track-ranks as the workers' DISTTRAIN_TRACK (the tracker checked now, before anything starts)."""
-    if check_tracker(getattr(args, "track", None)) is None:
+    tracker = check_tracker(getattr(args, "track", None))
+    if tracker is None:
         if getattr(args, "track_ranks", False):
             raise UsageError("--track-ranks needs --track mlflow|trackio|wandb")
         return None
+    sink_class(tracker)  # its client installed, its own settings possible: said now, in one line
     return "ranks" if args.track_ranks else "reduced"
 
 

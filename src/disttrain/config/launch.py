@@ -8,6 +8,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .. import bounds
 from ..errors import UsageError
 from ..placement import DIST_BACKENDS
 from .torchrun import (
@@ -46,7 +47,7 @@ def parse_nproc(raw: str) -> int | str:
         ) from None
     if value < 1:
         raise UsageError(f"-n/--nproc-per-node must be at least 1, got {value}")
-    return value
+    return bounds.within("-n/--nproc-per-node", value, 1, bounds.MAX_PROCS, unit="processes (or 'auto')")
 
 
 def parse_ranks(raw: str) -> tuple[int, ...] | None:
@@ -65,6 +66,7 @@ def parse_ranks(raw: str) -> tuple[int, ...] | None:
             ) from None
         if first < 0 or last < first:
             raise UsageError(f"--ranks: bad range {part!r} in {raw!r}")
+        bounds.within("--ranks", last, 0, bounds.MAX_RANK)
         ranks.update(range(first, last + 1))
     return tuple(sorted(ranks))
 
@@ -158,6 +160,8 @@ class AgentOptions:
         check_signals(self.signals_to_handle)
         if self.local_ranks_filter is not None and (not self.local_ranks_filter or min(self.local_ranks_filter) < 0):
             raise UsageError(f"--local-ranks-filter takes local ranks 0 or more, got {self.local_ranks_filter}")
+        if self.local_ranks_filter:
+            bounds.within("--local-ranks-filter", max(self.local_ranks_filter), 0, bounds.MAX_PROCS - 1)
 
 
 _OLD_KEYS = {"backend": "dist_backend"}  # what an older disttrain's spec JSON calls them
@@ -297,3 +301,18 @@ class LaunchSpec:
             raise UsageError(f"--stop-grace cannot be negative, got {self.stop_grace_s}")
         if self.framework not in FRAMEWORKS:
             raise UsageError(f"--framework must be one of {', '.join(FRAMEWORKS)}, got {self.framework!r}")
+        self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        """Each number in its range (a spec from a job file or ``PET_*`` too, not only the CLI's)."""
+        if isinstance(self.nproc_per_node, int):
+            bounds.within("-n/--nproc-per-node", self.nproc_per_node, 1, bounds.MAX_PROCS, unit="processes")
+        for flag, value in (("--nnodes", self.nnodes), ("--nnodes MIN", self.min_nnodes)):
+            if value is not None:
+                bounds.within(flag, value, 1, bounds.MAX_NODES, unit="nodes")
+        bounds.within("--max-restarts", self.max_restarts, *bounds.OPTIONS["max_restarts"][:2])
+        for flag, seconds, low in (("--rdzv-timeout", self.rdzv_timeout_s, 1),
+                                   ("--hang-timeout", self.hang_timeout_s, 0), ("--stop-grace", self.stop_grace_s, 0)):
+            bounds.within(flag, seconds, low, bounds.MAX_SECONDS, unit="seconds")
+        if self.checkpoint_every is not None:
+            bounds.within("--checkpoint-every", self.checkpoint_every, 0, bounds.MAX_STEPS, unit="steps")

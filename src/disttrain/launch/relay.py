@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..private import private_opener
-from ..trackline import MARKER as TRACK_MARKER
+from ..wire import for_people
 
 AGENT_LINES_KEPT = 200
 _PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) rank(?P<rank>\d+)\] ")
@@ -54,7 +54,7 @@ class Relay:
                 in_dump = False
             with self._lock:
                 if not in_dump:
-                    if not (match and text.startswith(TRACK_MARKER)):  # for the tracker (the transcript) only
+                    if for_people(line):  # a wire message (a track line): for the launcher, the tracker only
                         out.write(line)
                         out.flush()
                     if self._transcript is not None:

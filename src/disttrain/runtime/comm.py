@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import bounds
 from ..errors import UsageError
 from ..workerenv import WorkerEnv
 
@@ -81,7 +82,9 @@ def parse_compression(raw: str | None) -> tuple[str, int]:
         what = "the PowerSGD rank" if name == "powersgd" else "the steps between synchronisations"
         raise UsageError(f"gradient compression {raw!r}: {what} after ':' must be a "
                          f"positive integer, e.g. {name}:{2 if name == 'powersgd' else DEFAULT_PERIOD}")
-    return name, int(number)
+    what = "the PowerSGD rank" if name == "powersgd" else "the steps between synchronisations"
+    return name, bounds.within(f"gradient compression {name}: {what} after ':'", int(number), 1,
+                               1024 if name == "powersgd" else bounds.MAX_STEPS)
 
 
 def check_launch_settings(grad_compression: str | None, bucket_mb: Any, *, dist_backend: str | None,
@@ -122,7 +125,7 @@ def parse_bucket_mb(raw: Any, *, flag: str = "bucket_mb") -> float | None:
     if isinstance(raw, bool) or not math.isfinite(value) or value <= 0:
         raise UsageError(f"{flag} {raw!r}: the gradient bucket size must be a positive number "
                          "of megabytes, e.g. 25 (DDP's default)")
-    return value
+    return bounds.within(flag, value, 0, bounds.MAX_MB, unit="MB")
 
 
 @dataclass(frozen=True, kw_only=True)

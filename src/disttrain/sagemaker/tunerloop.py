@@ -192,7 +192,7 @@ class TuningRun:
             value = points[-1][1]
             self.study.tell(run.trial, value)
             if self.tracked is not None:
-                self.tracked.metrics({metric: value}, number, time.time())
+                self._tell_tracker("metrics", {metric: value}, number, time.time())
             best = self.study.best_trial.number == number
             self.say(f"disttrain: tuning job {self.name}: trial {number + 1} ({run.job.name}) Completed: "
                      f"{metric}={value:.6g}{' (best so far)' if best else ''}")
@@ -212,14 +212,25 @@ class TuningRun:
             return
         import json
 
-        from ..tracking import open_sink
-        from ..tracking.sink import PARENT_ENV
+        from ..tracking.sink import PARENT_ENV, open_or_say
 
-        self.tracked = open_sink(tracker, self.name, params={
+        self.tracked = open_or_say(tracker, self.name, params={
             "objective": f"{self.config.objective_type} {self.config.objective_metric_name}",
             "max_jobs": str(self.config.max_jobs), "max_parallel_jobs": str(self.config.max_parallel_jobs),
-            "ranges": json.dumps(self.config.ranges, sort_keys=True)})
-        os.environ[PARENT_ENV] = self.tracked.child_key
+            "ranges": json.dumps(self.config.ranges, sort_keys=True)}, say=self.say)
+        if self.tracked is not None:
+            os.environ[PARENT_ENV] = self.tracked.child_key
+
+    def _tell_tracker(self, what: str, *args) -> None:
+        """A call to the tuning job's tracker run: one that fails is said once, then left (never the loop's end)."""
+        try:
+            getattr(self.tracked, what)(*args)
+        except Exception as err:
+            from ..private import redact_urls
+
+            self.say(redact_urls(f"disttrain: warning: the tuning job's tracker failed ({type(err).__name__}: "
+                                 f"{str(err).splitlines()[0][:200] if str(err) else ''}); going on untracked"))
+            self.tracked = None
 
     def run(self) -> str:
         self.claim()
@@ -236,7 +247,7 @@ class TuningRun:
             self.study.set_user_attr(STATE, "Failed")
             self.study.set_user_attr(ENDED, time.time())
             if self.tracked is not None:
-                self.tracked.finish(1)
+                self._tell_tracker("finish", 1)
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -277,7 +288,7 @@ class TuningRun:
                      f"({_shown(top.params)})")
         self.say(line)
         if self.tracked is not None:
-            self.tracked.finish(0 if state == "Completed" else 143)
+            self._tell_tracker("finish", 0 if state == "Completed" else 143)
         return state
 
 

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..bounds import MAX_ID
 from ..errors import DisttrainError, UsageError
 from ..private import make_private
 from .states import JobState, allowed
@@ -307,8 +308,10 @@ class JobStore:
     def get(self, ref: int | str) -> JobRecord:
         """A job by id (``12``) or by name."""
         with self._read() as db:
-            if isinstance(ref, int) or str(ref).isdigit():
-                row = db.execute("SELECT * FROM jobs WHERE id = ?", (int(ref),)).fetchone()
+            # an id past SQLite's 64 bits is no job's (not an OverflowError)
+            if isinstance(ref, int) or (str(ref).isascii() and str(ref).isdigit()):
+                row = db.execute("SELECT * FROM jobs WHERE id = ?", (int(ref),)).fetchone() \
+                    if int(ref) <= MAX_ID else None
             else:
                 row = db.execute("SELECT * FROM jobs WHERE name = ?", (ref,)).fetchone()
             if row is None:
@@ -320,7 +323,8 @@ class JobStore:
     def list(self, limit: int | None = None) -> list[JobRecord]:
         """Newest first."""
         with self._read() as db:
-            rows = db.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit or -1,)).fetchall()
+            rows = db.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT ?",
+                              (min(limit, MAX_ID) if limit else -1,)).fetchall()
         return [_record(row) for row in rows]
 
     def add_metrics(self, job_id: int, rows: list[tuple[str, float, float]]) -> None:

@@ -3,9 +3,11 @@
 
 It reads what every launcher already relays (each line written to the launch's transcript): the
 workers' track lines and rank 0's resume line; at the end, the membership record, the hang verdict
-and the exit. Tracker calls run in a thread of their own, so a slow tracking server never holds
-up the relay of the run's output; a tracker that fails is said once and dropped (the run goes on,
-its records in the run folder are whole).
+and the exit. The tracker is a side effect: it is opened, written and closed in a thread of its own,
+so neither a slow nor a dead tracking server ever holds up or fails the run. One that cannot be
+opened is said in one line and the run goes on untracked; one that stops answering mid-run is said
+once, its records are kept and sent when it answers again, and the run's end waits for them a
+bounded time (:data:`STOP_WAIT_S`). The records in the run folder are whole either way.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from ..agent.watchdog import HANG_EXIT
 from ..atomic import write_atomic
 from ..launch.elastic import load_record
 from ..linetap import Tapped
-from ..private import private_opener
+from ..private import private_opener, redact_urls
 from ..workerenv import RESUMED_MARKER
 from .sink import Sink, open_sink
 
 _RESUMED = re.compile(re.escape(RESUMED_MARKER) + r"(\d+)")
 FOLLOW_POLL_S = 0.25
-STOP_WAIT_S = 60.0  # at the end, for the tracker to take what is queued
+STOP_WAIT_S = 30.0  # at the end, for the tracker to take what is queued (a dead one: as long as this)
+RETRY_EVERY_S = 2.0  # a tracker that stopped answering is tried again this often
+MAX_KEPT = 100_000  # records kept for a tracker that stopped answering (the oldest points go first)
 HANG_FILE = "hang_verdict.txt"  # in the run folder: the hang verdict of a run it stopped
 FAILURE_FILE = "failure.txt"  # in the run folder: the root-cause report of a run that failed
 
@@ -41,21 +45,27 @@ class RunTracker:
 
     def __init__(self, run_dir: str | Path, *, tracker: str | None, name: str, params: Mapping[str, str],
                  parent: str | None = None, say: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, stop_wait_s: float = STOP_WAIT_S) -> None:
         self.run_dir = Path(run_dir)
         self.name = name
         self.clock = clock
-        self.say = say or (lambda message: print(message, file=sys.stderr, flush=True))
+        say = say or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.say = lambda message: say(redact_urls(message))  # a tracking URI's password never shown
         self.began = clock()
-        self.sink: Sink | None = open_sink(tracker, name, params=params, parent=parent) if tracker else None
+        self.tracker = tracker
+        self.sink: Sink | None = None  # once opened, in the tracker's thread
         self.goodput: dict[str, Any] | None = None
+        self.stop_wait_s = stop_wait_s
+        self._open_args = (name, params, parent)
         self._file: TextIO | None = None
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, tuple] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._send, name="disttrain-tracker", daemon=True)
-        self._failed = False
+        self._failed = False  # the tracker was dropped (it could not be opened)
+        self._down = False  # it stopped answering: its records are kept
+        self._closing = threading.Event()  # the run's end waited long enough: the thread gives up
         self._follower: threading.Thread | None = None
-        if self.sink is not None:
+        if tracker:
             self._thread.start()
 
     # -- the launch's side ------------------------------------------------------------------
@@ -143,9 +153,9 @@ class RunTracker:
         self.goodput = goodput.from_run_dir(self.run_dir)
         if self.goodput is not None:
             write_atomic(self.run_dir / goodput.FILE, json.dumps(self.goodput, indent=1) + "\n", mode=0o600)
-        if self.goodput is not None and self.sink is not None:  # without a tracker: the file only
+        if self.goodput is not None and self.tracker:  # without a tracker: the file only
             self.say(f"disttrain: {goodput.summary(self.goodput)} ({self.run_dir / goodput.FILE})")
-        if self.sink is not None:
+        if self.tracker:
             if self.goodput is not None:
                 self._put("metrics", {"goodput": self.goodput["goodput"] or 0.0,
                                       **{f"goodput/{k}_s": v for k, v in self.goodput["seconds"].items()}},
@@ -167,12 +177,13 @@ class RunTracker:
                     self._put("artifact", Path(path))
             self._put("finish", exit_code)
             self._queue.put(None)
-            self._thread.join(timeout=STOP_WAIT_S)
-            if self._thread.is_alive():
-                self.say(f"disttrain: warning: the {self.sink.tracker} tracker did not take the run's last "
-                         f"records within {STOP_WAIT_S:.0f} s")
-            elif not self._failed:
-                self.say(f"disttrain: tracked in {self.sink.tracker} as run {self.sink.run_id} ({self.name})")
+            self._thread.join(timeout=self.stop_wait_s)
+            self._closing.set()
+            if self._thread.is_alive() and not self._failed:
+                self.say(f"disttrain: warning: the {self.tracker} tracker did not take the run's last "
+                         f"records within {self.stop_wait_s:g} s; they stay in {self.run_dir}")
+            elif not self._failed and self.sink is not None:
+                self.say(f"disttrain: tracked in {self.tracker} as run {self.sink.run_id} ({self.name})")
         return self.goodput
 
     # -- the tracker's thread ---------------------------------------------------------------
@@ -185,50 +196,85 @@ class RunTracker:
             pass
 
     def _put(self, what: str, *args) -> None:
-        if self.sink is not None and not self._failed:
+        if self.tracker and not self._failed:
             self._queue.put((what, args))
 
     def flush(self) -> None:
-        """Wait until the tracker took every record queued so far."""
-        if self.sink is not None and self._thread.is_alive():
+        """Wait until the tracker took every record queued so far (or kept it: it stopped answering)."""
+        if self.tracker and self._thread.is_alive():
             self._queue.join()
 
     def _send(self) -> None:
+        kept: list[tuple[str, tuple]] = []
+        ending = False
+        if not self._open():
+            self._failed = True
         while True:
-            items = [self._queue.get()]
+            try:
+                items = [self._queue.get(timeout=RETRY_EVERY_S if kept else None)]
+            except queue.Empty:
+                items = []
             while True:  # what else came meanwhile: consecutive points go in one call
                 try:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            try:
-                self._do([item for item in items if item is not None])
-            finally:
-                for _ in items:
-                    self._queue.task_done()
-            if None in items:
+            ending = ending or None in items
+            if not self._failed:
+                kept.extend(item for item in items if item is not None)
+                if len(kept) > MAX_KEPT:
+                    del kept[:len(kept) - MAX_KEPT]
+                self._deliver(kept)
+            for _ in items:
+                self._queue.task_done()
+            # At the end: done once all is taken, else tried again until the run's end stops waiting.
+            if ending and (not kept or self._failed or self._closing.is_set()):
                 return
 
-    def _do(self, items: list[tuple[str, tuple]]) -> None:
-        points: list[tuple] = []
-        for what, args in items:
-            if what == "metrics":
-                points.append(args)
-                continue
-            if points:
-                self._call("points", points)
-                points = []
-            self._call(what, *args)
-        if points:
-            self._call("points", points)
-
-    def _call(self, what: str, *args) -> None:
-        if self._failed:
-            return
+    def _open(self) -> bool:
+        """The tracker's run, opened here: a tracker that cannot be reached or does not exist is one
+        line, and the run goes on untracked."""
+        name, params, parent = self._open_args
         try:
-            getattr(self.sink, what)(*args)
-        except Exception as err:  # a tracker must never fail the run: said once, then dropped
-            self._failed = True
-            first = str(err).splitlines()[0] if str(err) else ""
-            self.say(f"disttrain: warning: the {self.sink.tracker} tracker failed ({type(err).__name__}: {first}); "
-                     f"the run's records stay in {self.run_dir}")
+            self.sink = open_sink(self.tracker, name, params=params, parent=parent)
+            return True
+        except Exception as err:  # a tracker must never fail the run
+            self.say(f"disttrain: warning: the {self.tracker} tracker could not be opened ({_first_line(err)}); "
+                     f"the run goes on untracked, its records in {self.run_dir}")
+            return False
+
+    def _deliver(self, kept: list[tuple[str, tuple]]) -> None:
+        """Send ``kept`` from its front, each record removed once taken; at a failure, the rest is kept
+        for the next try (said once), and a record the tracker refuses for what it is, dropped."""
+        while kept:
+            what, args = kept[0]
+            count = 1
+            if what == "metrics":
+                while count < len(kept) and kept[count][0] == "metrics":
+                    count += 1
+            try:
+                if what == "metrics":
+                    self.sink.points([item[1] for item in kept[:count]])
+                else:
+                    getattr(self.sink, what)(*args)
+            except Exception as err:
+                if not self.sink.retryable(err):  # this record, not the server: never sent, the rest go on
+                    self.say(f"disttrain: warning: the {self.tracker} tracker refused a record "
+                             f"({_first_line(err)}); it stays in {self.run_dir}")
+                    del kept[:count]
+                    continue
+                if not self._down:
+                    self._down = True
+                    self.say(f"disttrain: warning: the {self.tracker} tracker stopped answering ({_first_line(err)}); "
+                             "the run goes on, its records are kept and sent when it answers again")
+                return
+            del kept[:count]
+        if self._down:
+            self._down = False
+            self.say(f"disttrain: the {self.tracker} tracker answers again; the records kept meanwhile are sent")
+
+
+def _first_line(err: BaseException, limit: int = 200) -> str:
+    first = str(err).splitlines()[0] if str(err) else ""
+    first = first if len(first) <= limit else first[:limit - 3] + "..."  # a client's message may be a page
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__

@@ -1,37 +1,105 @@
 """MLflow: one MLflow run per disttrain run, through ``MlflowClient`` (no global active run, so a
 tuning job and its trials, or two runs in one process, never mix). Where it goes is MLflow's own
 setting: ``MLFLOW_TRACKING_URI`` (a server, or a local ``./mlruns`` without it), the experiment
-``MLFLOW_EXPERIMENT_NAME`` (default ``disttrain``). A trial is a child run (``mlflow.parentRunId``)."""
+``MLFLOW_EXPERIMENT_NAME`` (default ``disttrain``). A trial is a child run (``mlflow.parentRunId``).
+
+The client is made a side effect (see :mod:`.follower`): a request fails within seconds rather than
+after MLflow's minutes of retries (the follower keeps the records and tries again itself), an
+experiment created by many runs at once is created once and found by the others, and MLflow's own
+"View run ... at" line -- the URI with its password -- is not printed (disttrain says the run's id).
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from ..errors import UsageError
+from ..private import redact_urls
 from .sink import PROJECT, Sink, env, status
 
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 MAX_BATCH = 1000  # metrics in one log_batch
 MAX_PARAM = 6000  # MLflow's limit on a parameter's value (longer ones are refused)
+# MLflow's own settings, unless the user gave them: one quick retry, a short timeout (its defaults wait
+# minutes on a dead server, before any line), no URL printed to stdout.
+_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+# The stores MLflow's client has (mlflow.tracking._tracking_service.utils): a URI of another scheme
+# fails inside it with a traceback; here it is one line before the run.
+SCHEMES = ("", "file", "http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
+           "uc")
+EXPERIMENT_TRIES = 5
+
+
+class _Redacted(logging.Filter):
+    """MLflow's and urllib3's log lines with a URL's password masked."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "@" in message:
+            record.msg, record.args = redact_urls(message), None
+        return True
 
 
 class MlflowSink(Sink):
     tracker = "mlflow"
     client = "mlflow"
 
+    @classmethod
+    def check_setting(cls, where: str) -> None:
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        scheme = urlsplit(uri).scheme.lower().split("+")[0] if "://" in uri or uri.startswith("file:") else ""
+        if scheme not in SCHEMES or (uri and not uri.strip()):
+            raise UsageError(f"{where} mlflow: MLFLOW_TRACKING_URI {redact_urls(uri)!r} is no MLflow tracking store "
+                             "(http(s)://host:port, file:/path, sqlite:///file.db, postgresql://..., or unset for "
+                             "./mlruns)")
+
     def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
+        for key, value in _CLIENT_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        for logger in ("mlflow", "urllib3"):
+            if not any(isinstance(f, _Redacted) for f in logging.getLogger(logger).filters):
+                logging.getLogger(logger).addFilter(_Redacted())
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self._client = MlflowClient()
-        experiment = env("MLFLOW_EXPERIMENT_NAME", PROJECT)
-        found = self._client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found is not None else self._client.create_experiment(experiment)
+        experiment_id = self._experiment(env("MLFLOW_EXPERIMENT_NAME", PROJECT))
         tags = {"mlflow.parentRunId": parent} if parent else {}
         self._run = self._client.create_run(experiment_id, run_name=name, tags=tags)
         if params:
             self._client.log_batch(self.run_id, params=[Param(k, str(v)[:MAX_PARAM]) for k, v in params.items()])
+
+    def _experiment(self, name: str) -> str:
+        """The experiment's id, created when missing: runs started at once race to create it, and the
+        losers find the winner's (create or get, tried again)."""
+        from mlflow.exceptions import MlflowException
+
+        for attempt in range(EXPERIMENT_TRIES):
+            found = self._client.get_experiment_by_name(name)
+            if found is not None:
+                return found.experiment_id
+            try:
+                return self._client.create_experiment(name)
+            except MlflowException:  # another run made it meanwhile (or the store was busy): look again
+                if attempt == EXPERIMENT_TRIES - 1:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def retryable(self, err: Exception) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        if isinstance(err, MlflowException):  # the client's wrapping of a refused connection or a 5xx
+            text = str(err)
+            return any(word in text for word in ("API request to", "Max retries", "Connection", "TEMPORARILY",
+                                                 "INTERNAL_ERROR", "timed out"))
+        return super().retryable(err)
 
     @property
     def run_id(self) -> str:

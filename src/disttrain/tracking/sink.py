@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import UsageError
+from ..private import MASK, is_secret_key, mask_argv, redact_urls
 
 TRACKERS = ("mlflow", "trackio", "wandb")
 _MODULES = {"mlflow": "mlflow_sink", "trackio": "trackio_sink", "wandb": "wandb_sink"}
@@ -21,8 +22,9 @@ PARENT_ENV = "DISTTRAIN_TRACK_PARENT"
 
 
 def check_tracker(name: str | None, *, where: str = "--track") -> str | None:
-    """``name`` when it is a tracker (None: none asked); a usage error naming the choices."""
-    if name is None or name == "":
+    """``name`` when it is a tracker (None: none asked); a usage error naming the choices (an empty
+    name too: ``--track ''`` is a mistake, not a wish for no tracker)."""
+    if name is None:
         return None
     if name not in TRACKERS:
         raise UsageError(f"{where} {name!r}: choose one of {', '.join(TRACKERS)}")
@@ -71,6 +73,15 @@ class Sink(ABC):
     def finish(self, exit_code: int) -> None:
         """The exit: 0 finished, else failed (128 + a signal: killed); the run is closed."""
 
+    def retryable(self, err: Exception) -> bool:
+        """Whether ``err`` says the tracker is out of reach now (its records are kept and sent again),
+        not that it refused the record itself."""
+        return isinstance(err, (OSError, TimeoutError))
+
+    @classmethod
+    def check_setting(cls, where: str) -> None:
+        """Refuse, before a run starts, a setting of the tracker's own that can never work."""
+
 
 def sink_class(tracker: str, *, where: str = "--track") -> type[Sink]:
     """The sink of ``tracker`` (checked), its client imported now; without it, one line naming
@@ -83,12 +94,34 @@ def sink_class(tracker: str, *, where: str = "--track") -> type[Sink]:
     except ImportError:
         raise UsageError(f"{where} {tracker}: the {tracker} client is not installed; "
                          "pip install 'disttrain[track]'") from None
+    cls.check_setting(where)
     return cls
 
 
 def open_sink(tracker: str, name: str, *, params: Mapping[str, str], parent: str | None = None) -> Sink:
-    """A new run of ``tracker`` (see :func:`sink_class`)."""
-    return sink_class(tracker)(name, params=params, parent=parent)
+    """A new run of ``tracker`` (see :func:`sink_class`), its parameters masked by the job records'
+    rule: a secret-looking name's value, an option's value on a command line, a URL's password."""
+    return sink_class(tracker)(name, params=mask_params(params), parent=parent)
+
+
+def open_or_say(tracker: str, name: str, *, params: Mapping[str, str], say,
+                parent: str | None = None) -> Sink | None:
+    """:func:`open_sink`, or None after one line when the tracker cannot be opened (unreachable, refused):
+    a tracker never stops what it tracks. A missing client or an impossible setting is still a UsageError."""
+    cls = sink_class(tracker)
+    try:
+        return cls(name, params=mask_params(params), parent=parent)
+    except Exception as err:
+        text = str(err).splitlines()[0][:200] if str(err) else ""
+        say(redact_urls(f"disttrain: warning: the {tracker} tracker could not be opened "
+                        f"({type(err).__name__}: {text}); going on untracked"))
+        return None
+
+
+def mask_params(params: Mapping[str, str]) -> dict:
+    """``params`` masked by the job records' rule: a secret-looking name's value, a URL's password."""
+    return {k: MASK if is_secret_key(k.rpartition(".")[2]) else redact_urls(v) if isinstance(v, str) else v
+            for k, v in params.items()}
 
 
 def status(exit_code: int) -> str:
@@ -113,7 +146,7 @@ def env(name: str, default: str) -> str:
 def script_params(argv: Sequence[str], script_args: Sequence[str]) -> dict[str, str]:
     """A run's parameters: its command line whole, and the script's ``--name value`` (or
     ``--name=value``; a flag alone is ``true``) as hyperparameters ``hp.name``."""
-    params = {"argv": shlex.join(argv)}
+    params = {"argv": shlex.join(mask_argv(argv))}
     args = list(script_args)
     for i, arg in enumerate(args):
         if not arg.startswith("--") or arg == "--":
@@ -122,5 +155,5 @@ def script_params(argv: Sequence[str], script_args: Sequence[str]) -> dict[str, 
         if not eq:
             value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "true"
         if name:
-            params[f"hp.{name}"] = value
+            params[f"hp.{name}"] = MASK if is_secret_key(name) else value
     return params

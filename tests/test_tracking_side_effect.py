@@ -1,0 +1,282 @@
+"""A tracker is a side effect (issue 46 points 1 and 2), against a real ``mlflow server`` on loopback:
+20 runs at once share one experiment and all finish; a server killed and restarted mid-run gets its
+points once it answers again; an unreachable or unknown tracker is one line and the run goes on or
+exit 2; no secret (a script's password option, a tracking URI's password) reaches a tracker,
+a terminal or a file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, disttrain, write
+from disttrain.net import free_port
+
+pytestmark = pytest.mark.timeout(600)
+SERVER_START_S = 240
+RUNS_AT_ONCE = 20
+
+# A worker without torch: its track lines written by hand (the launcher reads them as disttrain.log's),
+# then, with GATE set, a pause until the test lets it go on (no clock in the test).
+TINY = r'''
+import json, os, sys, time
+def point(step):
+    print("disttrain-track: " + json.dumps({"kind": "metrics", "rank": 0, "step": step,
+          "values": {"loss": 1.0 / (step + 1)}, "reduced": True}), flush=True)
+for step in range(3):
+    point(step)
+gate = os.environ.get("GATE")
+if gate:
+    open(gate + ".first", "w").close()
+    while not os.path.exists(gate + ".more"):
+        time.sleep(0.1)
+    for step in range(3, 6):
+        point(step)
+    open(gate + ".second", "w").close()
+    while not os.path.exists(gate + ".end"):
+        time.sleep(0.1)
+'''
+
+
+class Server:
+    """``mlflow server`` on one loopback port and one SQLite file: stopped and started again as the
+    same server (its runs kept)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.port = folder, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        mlflow = Path(sys.executable).with_name("mlflow")
+        log = open(self.folder / "server.log", "a")
+        self.proc = subprocess.Popen(
+            [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{self.folder}/mlflow.db",
+             "--default-artifact-root", str(self.folder / "artifacts")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"mlflow server did not answer: {(self.folder / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # its own session: the server and its workers
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("mlflow")
+    running = Server(tmp_path_factory.mktemp("mlflow"))
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _runs(uri: str, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    return client, (client.search_runs([found.experiment_id]) if found else [])
+
+
+def _run(tmp_path: Path, uri: str, experiment: str, *extra: str, env_extra: dict | None = None,
+         popen: bool = False):
+    script = tmp_path / "tiny.py"
+    if not script.exists():
+        write(script, TINY)
+    env = cli_env(MLFLOW_TRACKING_URI=uri, MLFLOW_EXPERIMENT_NAME=experiment,
+                  DISTTRAIN_HOME=str(tmp_path / "home"), **(env_extra or {}))
+    argv = [sys.executable, "-m", "disttrain", "run", "-n", "1", "--track", "mlflow", *extra, str(script)]
+    if popen:
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=400)
+
+
+def test_twenty_runs_at_once_share_one_experiment_and_all_finish(server, tmp_path):
+    for i in range(RUNS_AT_ONCE):
+        (tmp_path / f"r{i}").mkdir()
+    procs = [_run(tmp_path / f"r{i}", server.uri, "at-once", popen=True) for i in range(RUNS_AT_ONCE)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=500)
+        results.append((proc.returncode, err))
+    assert [code for code, _ in results] == [0] * RUNS_AT_ONCE, [err for code, err in results if code][:2]
+    assert not [err for _, err in results if "Traceback" in err or "warning" in err]
+    client, runs = _runs(server.uri, "at-once")
+    assert len(runs) == RUNS_AT_ONCE
+    assert {run.info.status for run in runs} == {"FINISHED"}
+    assert all(len(client.get_metric_history(run.info.run_id, "loss")) == 3 for run in runs)
+
+
+def test_a_server_killed_and_restarted_mid_run_gets_every_point(server, tmp_path):
+    gate = tmp_path / "gate"
+    proc = _run(tmp_path, server.uri, "restarted", env_extra={"GATE": str(gate)}, popen=True)
+    try:
+        _wait_for(gate.with_suffix(".first"), proc)
+        _wait_points(server.uri, "restarted", 3)
+        server.stop(signal.SIGKILL)  # dead mid-run: the next points find no server
+        (tmp_path / "gate.more").touch()
+        _wait_for(gate.with_suffix(".second"), proc)
+        server.start()  # the same server again, its runs kept
+        (tmp_path / "gate.end").touch()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    said = [line for line in err.splitlines() if "mlflow tracker" in line]
+    assert len([line for line in said if "stopped answering" in line]) == 1, err
+    assert any("answers again" in line for line in said) and "did not take" not in err, err
+    client, (run,) = _runs(server.uri, "restarted")
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(6))
+
+
+def _wait_for(path: Path, proc: subprocess.Popen) -> None:
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+
+
+def _wait_points(uri: str, experiment: str, count: int) -> None:
+    while True:
+        client, runs = _runs(uri, experiment)
+        if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) >= count:
+            return
+        time.sleep(0.2)
+
+
+def test_an_unreachable_tracker_is_one_line_and_the_run_goes_on_with_no_password_shown(tmp_path):
+    result = _run(tmp_path, "http://someone:S3cretPass@127.0.0.1:9", "nowhere")
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if "mlflow tracker" in line]
+    assert len(said) == 1 and "could not be opened" in said[0] and "goes on untracked" in said[0], result.stderr
+    assert "Traceback" not in result.stderr
+    (run_dir,) = (tmp_path / "home" / "runs").iterdir()
+    assert (run_dir / "goodput.json").exists()  # the run trained and recorded itself
+    files = [p for p in (tmp_path / "home").rglob("*") if p.is_file()]
+    assert not [p for p in files if b"S3cretPass" in p.read_bytes()]
+    assert "S3cretPass" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("uri,track,said", [
+    ("nosuch://x", "mlflow", "MLFLOW_TRACKING_URI 'nosuch://x' is no MLflow tracking store"),
+    ("", "", "--track '': choose one of mlflow, trackio, wandb")])
+def test_an_unknown_tracker_is_one_line_exit_2(tmp_path, uri, track, said):
+    env = cli_env(MLFLOW_TRACKING_URI=uri, DISTTRAIN_HOME=str(tmp_path / "home"))
+    result = disttrain("run", "-n", "1", "--track", track, str(write(tmp_path / "t.py", TINY)), env=env)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and said in result.stderr, result.stderr
+
+
+def test_no_secret_reaches_the_tracker(server, tmp_path):
+    result = _run(tmp_path, server.uri.replace("://", "://me:Pw0rd@"), "secrets")
+    # a script argument that looks secret, by the job records' rule
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "tiny.py"
+    env = cli_env(MLFLOW_TRACKING_URI=server.uri, MLFLOW_EXPERIMENT_NAME="secrets2",
+                  DISTTRAIN_HOME=str(tmp_path / "home2"))
+    proc = disttrain("run", "-n", "1", "--track", "mlflow", str(script), "--db-password", "Hunter2x",
+                     "--api-key=Hunter3x", "--lr", "0.1", env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    _client, (run,) = _runs(server.uri, "secrets2")
+    assert run.data.params["hp.db-password"] == "***" and run.data.params["hp.api-key"] == "***"
+    assert run.data.params["hp.lr"] == "0.1"
+    assert "Hunter2x" not in run.data.params["argv"] and "Hunter3x" not in run.data.params["argv"]
+    assert "--db-password '***'" in run.data.params["argv"]
+    assert "Pw0rd" not in result.stdout + result.stderr  # MLflow's own "View run at" line included
+
+
+def test_the_masking_rule_is_the_job_records_one():
+    from disttrain.private import MASK, mask_argv, redact_urls
+    from disttrain.tracking import script_params
+
+    argv = ["disttrain", "run", "t.py", "--db-password", "X1", "--api-key=X2", "DB_PASS=X3", "--lr", "0.1",
+            "--bypass", "ok", "--uri", "http://u:X4@h:5000/p"]
+    assert mask_argv(argv) == ["disttrain", "run", "t.py", "--db-password", MASK, f"--api-key={MASK}",
+                               f"DB_PASS={MASK}", "--lr", "0.1", "--bypass", "ok", "--uri", f"http://u:{MASK}@h:5000/p"]
+    params = script_params(argv, argv[3:])
+    assert params["hp.db-password"] == MASK and params["hp.api-key"] == MASK and params["hp.lr"] == "0.1"
+    assert not any(secret in params["argv"] for secret in ("X1", "X2", "X3", "X4"))
+    assert redact_urls("View run at http://me:Pw@127.0.0.1:5000/#/x and s3://k:s@b") == \
+        f"View run at http://me:{MASK}@127.0.0.1:5000/#/x and s3://k:{MASK}@b"
+
+
+def test_a_tracker_that_answers_again_gets_what_was_kept(tmp_path, monkeypatch):
+    """In-process, a fake tracker down for its first two calls: one line when it stops answering, one
+    when it answers again, every point delivered in order, and the end's record last."""
+    from disttrain import trackline
+    from disttrain.tracking import follower
+    from disttrain.tracking.follower import RunTracker
+    from disttrain.tracking.sink import Sink
+
+    class Flaky(Sink):
+        tracker = client = "flaky"
+        run_id = "r1"
+
+        def __init__(self, name, *, params, parent=None):
+            self.down, self.got = 2, []
+
+        def metrics(self, values, step, wall_time):
+            if self.down:
+                self.down -= 1
+                raise ConnectionRefusedError("no server")
+            self.got.append(("metrics", step))
+
+        def text(self, name, text):
+            self.got.append(("text", name))
+
+        def artifact(self, path):
+            self.got.append(("artifact", path))
+
+        def finish(self, exit_code):
+            self.got.append(("finish", exit_code))
+
+    monkeypatch.setattr(follower, "open_sink", lambda tracker, name, **kw: Flaky(name, **kw))
+    said: list[str] = []
+    tracker = RunTracker(tmp_path / "run", tracker="flaky", name="run-1", params={}, say=said.append)
+    tracker.starting(1)
+    for step in range(4):
+        tracker.line("[h rank0] " + trackline.encode("metrics", rank=0, step=step, values={"loss": 1.0},
+                                                     reduced=True))
+    tracker.finish(0)
+    assert [line for line in said if "flaky" in line] == [
+        "disttrain: warning: the flaky tracker stopped answering (ConnectionRefusedError: no server); the run goes "
+        "on, its records are kept and sent when it answers again",
+        "disttrain: the flaky tracker answers again; the records kept meanwhile are sent",
+        "disttrain: tracked in flaky as run r1 (run-1)"]
+    sent = tracker.sink.got
+    assert [step for kind, step in sent if kind == "metrics" and step is not None] == [0, 1, 2, 3]
+    assert sent[-1] == ("finish", 0)

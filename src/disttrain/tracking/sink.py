@@ -80,7 +80,8 @@ class Sink(ABC):
 
     @classmethod
     def check_setting(cls, where: str) -> None:
-        """Refuse, before a run starts, a setting of the tracker's own that can never work."""
+        """Refuse, before a run starts, a setting of the tracker's own that can never work (none by default)."""
+        return None
 
 
 def sink_class(tracker: str, *, where: str = "--track") -> type[Sink]:

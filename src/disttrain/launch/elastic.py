@@ -65,8 +65,9 @@ class Change:
     noticed: float | None = None  # a host lost: seconds from its last word to the launcher's verdict
     regrouped: float | None = None  # seconds from the change to the next round's workers starting
     backoff: float | None = None  # a host lost soon after it joined: seconds before it may be tried again
-    path: str | None = None  # how the round after it formed: "in place" (the workers stayed) or "restart"
+    path: str | None = None  # how the round after it formed: "in place" (no worker process restarted) or "restart"
     path_why: str | None = None  # a restart: why the workers could not stay
+    waiting: tuple[str, ...] = ()  # hosts whose agent ran but which were not in that round (the next one takes them)
 
 
 class Membership:
@@ -104,10 +105,15 @@ class Membership:
         self._thread: threading.Thread | None = None
         self.changes: list[Change] = []
         # The changes waiting for their round to train: [change, monotonic time it happened, the
-        # time the next round formed or None, the time the launcher knew of it]. A change belongs to
-        # the first round that forms after the launcher knew of it.
+        # time the next round formed or None, the time the launcher knew of it, the in-place round
+        # it fell back from or None]. A change belongs to the first round that forms after the
+        # launcher knew of it -- or, when that round is replaced before it trains (an in-place round
+        # whose workers were started again), to the round that replaces it.
         self._pending: list[list] = []
         self._round: tuple[int, float, AttemptStarted] | None = None  # attempt, its start, what it said
+        self._round_nodes: dict[int, AttemptStarted] = {}  # slot -> what its agent said of the current round
+        self._veterans: set[int] = set()  # slots in an earlier round than the current one (had workers)
+        self._restart_said = -1  # the last round whose restart of an in-place regroup's workers was said
         self._round_said = False
         self._resumed: int | None = None
         self._trained: tuple[float, float] | None = None  # the round's first step, when it was seen
@@ -121,7 +127,7 @@ class Membership:
         self.restart_why: str | None = None  # why the launcher sent no in-place plan, the last time it did not
         start = Change(time=time.time(), change="start", host=None, why="the job started",
                        hosts=self.member_hosts())
-        self._pending.append([start, time.monotonic(), None, time.monotonic()])
+        self._pending.append([start, time.monotonic(), None, time.monotonic(), None])
 
     # -- who runs --------------------------------------------------------------------------
 
@@ -158,7 +164,7 @@ class Membership:
                 # The job ran to its end on this round before a step was reported (a script
                 # without disttrain reports none, and FIRST_STEP_WAIT_S had not passed): say it.
                 self._said_round(self._trained[0] if self._trained else None, self._round[1])
-            for change, at, formed, _ in self._pending:  # no round trained after them: recorded, not said
+            for change, at, formed, *_ in self._pending:  # no round trained after them: recorded, not said
                 self._settle(change, at, formed, None, say=False)
             self._pending = []
         self._write()
@@ -178,32 +184,71 @@ class Membership:
         except WireError:
             return False
         with self._lock:
-            self._attempted.add(slot)
-            self._ranks[slot] = (started.attempt, started.ranks)
-            if started.attempt == self._last_attempt:  # another node of the round: it may say more
-                for entry in self._pending:
-                    if entry[2] == self._round[1] and entry[0].change != "start":
-                        if started.in_place:  # a node of the round kept its workers
-                            entry[0] = dataclasses.replace(entry[0], path="in place", path_why=None)
-                        elif started.why and entry[0].path_why is None:
-                            entry[0] = dataclasses.replace(entry[0], path_why=started.why)
             if started.attempt > self._last_attempt:
-                if self._round is not None and not self._round_said and self._trained is not None:
-                    self._said_round(self._trained[0], self._round[1])  # it trained: its changes are its
-                self._last_attempt = started.attempt
-                self._round = (started.attempt, now, started)
-                self._round_said = False
-                for entry in self._pending:
-                    if entry[2] is None and entry[3] <= now and entry[0].change != "start":
-                        entry[0] = dataclasses.replace(
-                            entry[0], path="in place" if started.in_place else "restart",
-                            path_why=None if started.in_place else started.why or self.restart_why)
-                self._resumed = None
-                self._trained = None
-                for entry in self._pending:
-                    if entry[2] is None and entry[3] <= now:
-                        entry[2] = now
+                self._new_round(started, now)
+            self._ranks[slot] = (started.attempt, started.ranks)
+            self._attempted.add(slot)
+            if started.attempt == self._last_attempt:
+                self._round_nodes[slot] = started
+                self._mark_path()
         return True
+
+    def _new_round(self, started: AttemptStarted, now: float) -> None:
+        """The first word of round ``started.attempt``: the changes the launcher knew of belong to it,
+        and so do those of a round that never trained (it was replaced: a fallback)."""
+        if self._round is not None and not self._round_said and self._trained is not None:
+            self._said_round(self._trained[0], self._round[1])  # it trained: its changes are its
+        previous = self._round
+        self._veterans = set(self._attempted)
+        self._round_nodes = {}
+        self._last_attempt = started.attempt
+        self._round = (started.attempt, now, started)
+        self._round_said = False
+        self._resumed = None
+        self._trained = None
+        for entry in self._pending:
+            if entry[3] > now:
+                continue
+            if entry[2] is None:
+                entry[2] = now
+            elif previous is not None and entry[2] == previous[1]:
+                entry[2], entry[4] = now, previous[0]  # its round was replaced before it trained
+
+    def _mark_path(self) -> None:
+        """How the current round formed, as far as its nodes said: "in place" only when every node
+        that had workers before kept them (a node new to the job starts its first ones)."""
+        number = self._round[0]
+        restarted = [s for slot, s in self._round_nodes.items() if not s.in_place and slot in self._veterans]
+        kept = any(s.in_place for s in self._round_nodes.values())
+        if kept and not restarted:
+            path, why = "in place", None
+        else:
+            why = next((s.why for s in restarted if s.why), None) or self.restart_why
+            path = "restart"
+        attached = False
+        for entry in self._pending:
+            if entry[2] != self._round[1] or entry[0].change == "start":
+                continue
+            attached = True
+            entry_why = why
+            if path == "restart" and entry[4] is not None:  # an in-place round came first, then this
+                entry_why = f"the in-place round {entry[4]} fell back: {why or 'its workers were started again'}"
+            if (entry[0].path, entry[0].path_why) != (path, entry_why):
+                entry[0] = dataclasses.replace(entry[0], path=path, path_why=entry_why)
+                self._write()  # the record says how the round is forming, as it is known
+        if attached or not restarted or self._restart_said >= number:
+            return
+        # No change waits for this round, yet workers that ran were started again: if the last change
+        # was said "in place" on the round just before, it was not (its workers failed after all).
+        last = self.changes[-1] if self.changes else None
+        if last is not None and last.path == "in place" and last.attempt is not None and last.attempt < number:
+            self._restart_said = number
+            fixed = dataclasses.replace(last, path="restart", path_why=(
+                f"the in-place round {last.attempt} fell back: {why or 'its workers were started again'}"))
+            self.changes[-1] = fixed
+            self.say(f"disttrain: membership: the workers were started again in round {number} "
+                     f"({fixed.path_why}): the regroup after {last.host} {last.change} was not in place")
+            self._write()
 
     def rank_line(self, text: str) -> None:
         """A worker's line (prefix removed): rank 0 says the step it resumed from."""
@@ -253,10 +298,10 @@ class Membership:
         settled = [entry for entry in self._pending if entry[3] <= started]
         # Several changes before one round (a host lost, then back before the round formed): the
         # round's world is the last one's; the earlier ones are said with it, their counts kept.
-        for change, at, _formed, _ in settled[:-1]:
-            self._settle(change, at, None, None, say=False)
+        for change, at, formed, *_ in settled[:-1]:  # the start has the world it started with
+            self._settle(change, at, formed if change.change == "start" else None, None, say=False)
         if settled:
-            change, at, formed, _ = settled[-1]
+            change, at, formed, *_ = settled[-1]
             self._settle(change, at, formed, trained_at if trained_at is not None else started,
                          steps=trained_at is not None, earlier=[c for c, *_ in settled[:-1] if c.change != "start"])
         self._pending = [entry for entry in self._pending if entry[3] > started]
@@ -266,15 +311,27 @@ class Membership:
     def _settle(self, change: Change, at: float, formed: float | None, when: float | None, *,
                 steps: bool = True, say: bool = True, earlier: Sequence[Change] = ()) -> None:
         attempt = world = None
+        hosts, waiting = change.hosts, change.waiting
         if self._round is not None and formed is not None:
             attempt, _, said = self._round
             world = said.world_size
+            hosts, waiting = self._round_hosts(said, hosts)
         seconds = None if when is None else round(max(0.0, when - at), 2)
         done = dataclasses.replace(change, attempt=attempt, world_size=world, resumed_from=self._resumed,
-                                   seconds=seconds, regrouped=None if formed is None else round(formed - at, 2))
+                                   seconds=seconds, regrouped=None if formed is None else round(formed - at, 2),
+                                   hosts=hosts, waiting=waiting)
         self.changes.append(done)
         if say and (change.change != "start" or earlier):
             self.say(membership_line(done, steps=steps, earlier=earlier))
+
+    def _round_hosts(self, said: AttemptStarted, members: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The current round's hosts (in rank order) and the members not in it, once every node of
+        the round said its world; until then ``members``, the hosts known at the change."""
+        if len(self._round_nodes) < said.nodes:
+            return members, ()
+        nodes = sorted(self._round_nodes.values(), key=lambda s: min(s.ranks, default=0))
+        hosts = tuple(dict.fromkeys(s.host for s in nodes))
+        return hosts, tuple(h for h in self.member_hosts() if h not in hosts)
 
     def in_place(self, slots: Sequence[int]) -> InPlace | None:
         """The new membership for the agents ``slots`` (the survivors) to regroup in place: their
@@ -328,10 +385,14 @@ class Membership:
             row = self.table[slot]
             now = time.monotonic()
             last_word = min(row.heard, now)
+            # The hosts whose agents still ran: the members, and those the launcher is stopping
+            # because of this very loss (below the minimum) -- they ran when it happened.
+            running = tuple(r.host for r in self.table.rows if r.slot != slot and r.state in (
+                AgentState.STARTING, AgentState.RUNNING, AgentState.REGROUPING, AgentState.STOPPED))
             change = Change(time=time.time() - (now - last_word), change="left", host=row.host, why=why,
-                            hosts=self.member_hosts(), noticed=round(now - last_word, 2),
+                            hosts=running, noticed=round(now - last_word, 2),
                             backoff=round(backoff, 1) if backoff else None)
-            self._pending.append([change, last_word, None, now])
+            self._pending.append([change, last_word, None, now, None])
             members = [member.slot for member in self.table.live()]
         if len(members) >= self.min_nnodes:
             self.say(f"disttrain: lost {row.host} ({why}): the other {len(members)} host(s) regroup "
@@ -364,7 +425,7 @@ class Membership:
                 change = Change(time=time.time(), change="joined", host=name,
                                 why="it answered again" if back else "it answered the preflight",
                                 hosts=self.member_hosts())
-                self._pending.append([change, time.monotonic(), None, time.monotonic()])
+                self._pending.append([change, time.monotonic(), None, time.monotonic(), None])
             self.say(f"disttrain: {self.hosts[host]} answered: it joins the next rendezvous round")
             self._write()
             out.append(proc)
@@ -422,7 +483,8 @@ def membership_line(change: Change, *, steps: bool = True, earlier: Sequence[Cha
     """``disttrain: membership: 10.0.0.3 left (...) -> 2 hosts, world size 4, resumed from step 12, 6.1 s``;
     with ``earlier`` changes the same round answers: ``c left (...), then c joined (...) -> ...``."""
     said = [f"{c.host} {c.change} ({c.why})" for c in (*earlier, change) if c.change != "start"]
-    parts = [f"{len(change.hosts)} host{'s' if len(change.hosts) != 1 else ''}"]
+    parts = [f"{len(change.hosts)} host{'s' if len(change.hosts) != 1 else ''}"
+             + (f" ({len(change.waiting)} more waiting for the next round)" if change.waiting else "")]
     if change.world_size is not None:
         parts.append(f"world size {change.world_size}")
     parts.append(f"resumed from step {change.resumed_from}" if change.resumed_from is not None

@@ -43,7 +43,7 @@ from ..preflight.checks import (
     reach_targets,
     targets_for,
 )
-from ..ssh import ssh_argv
+from ..ssh import is_notice, last_word, ssh_argv
 from ..wire import (
     ConnectResults,
     ConnectTargets,
@@ -102,7 +102,7 @@ class SshTransport(Transport):
             return None
         # ssh's own last words, unless it had none (LogLevel=ERROR hides "Timeout, server not
         # responding"): then the last line is the agent's or a worker's, which would mislead.
-        ours = last.strip() and not last.lstrip().startswith(("[", "disttrain"))
+        ours = last.strip() and not last.lstrip().startswith(("[", "disttrain")) and not is_notice(last)
         if ours:
             return f"ssh failed: {last.strip()}"
         # A lost connection ends ssh only after its keep-alives went unanswered (seconds of silence
@@ -196,7 +196,7 @@ class ProbeSession:
             except WireError as err:
                 raise DisttrainError(f"{self.name}: unexpected answer to {what}: {err}") from None
         code = self.proc.wait()
-        last = (self.proc.stderr.read().strip().splitlines() or [""])[-1]
+        last = last_word(self.proc.stderr.read().splitlines())
         own = self.transport.own_failure(code, last)
         if own:
             raise DisttrainError(f"{self.name}: {own}")

@@ -13,8 +13,10 @@ decides who is a member, because it alone sees a host vanish:
 - **back**: every host of the list not running (unreachable at the start, or lost) is tried
   again every :data:`RETRY_S` in the background, up to MAX running, once its backoff is over (a
   host lost soon after it joined waits longer each time:
-  :class:`~disttrain.launch.supervision.Backoff`); one that answers the preflight gets its plan and
-  joins the next round (torch's agents make room for it).
+  :class:`~disttrain.launch.supervision.Backoff`); one that answers the preflight is ready
+  (:class:`Ready`) and waits for the supervisor to let its batch in
+  (:class:`~disttrain.launch.supervision.JoinWindow`): then it gets its plan and joins the next
+  round with the others of its batch (torch's agents make room for them).
 
 Each change is one line when the next round trains again -- which host left or joined, the
 new world size, the step the workers resumed from (``disttrain.resume()``'s own line), the
@@ -70,11 +72,21 @@ class Change:
     waiting: tuple[str, ...] = ()  # hosts whose agent ran but which were not in that round (the next one takes them)
 
 
+@dataclass(frozen=True)
+class Ready:
+    """A host that answered the preflight; ``go`` sends it its plan (its agent then joins the next
+    round) and returns the agent's process; ``cancel`` ends its session unused."""
+
+    go: Callable[[], subprocess.Popen]
+    cancel: Callable[[], None]
+
+
 class Membership:
     """The changes of one elastic launch's members (see the module). ``hosts``: every host of the
     range, in order; ``running``: the hosts started, in agent order (agent ``k`` of the flow runs
-    ``hosts[running[k]]``). ``join(index)``: start host ``index``'s agent with its plan (a
-    DisttrainError when it does not answer), None: no host is tried again.
+    ``hosts[running[k]]``). ``join(index)``: host ``index``'s preflight -- a :class:`Ready` that
+    waits for :meth:`go`, or its agent's process already given its plan (a DisttrainError when it
+    does not answer); None: no host is tried again.
 
     Who is a member is not kept here: :attr:`table` is the supervisor's table of agents
     (:class:`~disttrain.launch.supervision.Agents`: the flow's supervisor is built on it), which
@@ -82,7 +94,7 @@ class Membership:
     joins, once its agent started."""
 
     def __init__(self, *, hosts: Sequence[str], running: Sequence[int], min_nnodes: int, max_nnodes: int,
-                 run_dir: str, join: Callable[[int], subprocess.Popen] | None = None,
+                 run_dir: str, join: Callable[[int], subprocess.Popen | Ready] | None = None,
                  own_failure: Callable[[int, int, str, float | None], str | None] | None = None,
                  retry_s: float = RETRY_S) -> None:
         self.hosts = tuple(hosts)
@@ -101,6 +113,8 @@ class Membership:
             self.table.add(self.hosts[index], time.monotonic())
         self._joined: queue.Queue[tuple[int, subprocess.Popen]] = queue.Queue()
         self._joining: set[int] = set()
+        self._held: dict[int, Ready] = {}  # hosts ready, waiting for their batch to be let in
+        self._fresh: queue.Queue[int] = queue.Queue()  # hosts ready since the last ready()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.changes: list[Change] = []
@@ -159,6 +173,10 @@ class Membership:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1)
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for ready in held:  # never let in: their sessions end
+            ready.cancel()
         with self._lock:
             if self.finished and self._round is not None and not self._round_said:
                 # The job ran to its end on this round before a step was reported (a script
@@ -430,6 +448,32 @@ class Membership:
             self._write()
             out.append(proc)
 
+    def ready(self) -> list[str]:
+        """The hosts that answered the preflight since the last call (the supervisor batches them)."""
+        out = []
+        while True:
+            try:
+                out.append(self.hosts[self._fresh.get_nowait()])
+            except queue.Empty:
+                return out
+
+    def go(self, names: Sequence[str]) -> None:
+        """The supervisor lets these ready hosts in: each gets its plan (see :meth:`joined`)."""
+        for name in names:
+            index = self.hosts.index(name)
+            with self._lock:
+                ready = self._held.pop(index, None)
+            if ready is None:
+                continue
+            try:
+                proc = ready.go()
+            except DisttrainError as err:
+                with self._lock:
+                    self._joining.discard(index)
+                self.say(f"disttrain: {name} was ready but could not be given its plan: {err}")
+                continue
+            self._joined.put((index, proc))
+
     def _rejoin(self) -> None:
         """Try the hosts not running, in order, while there is room; a host that keeps failing (or
         keeps being lost once it joined) is tried less often, up to every :data:`RETRY_MAX_S`."""
@@ -451,12 +495,17 @@ class Membership:
                 backoff = 2 ** max(0, tries[host] - RETRY_AT_FIRST)
                 next_try[host] = time.monotonic() + min(RETRY_MAX_S, self._retry_s * backoff)
                 try:
-                    proc = self._join(host)
+                    answer = self._join(host)
                 except DisttrainError:
                     continue  # not yet: tried again later
                 with self._lock:
                     self._joining.add(host)
-                self._joined.put((host, proc))
+                    if isinstance(answer, Ready):
+                        self._held[host] = answer
+                if isinstance(answer, Ready):
+                    self._fresh.put(host)  # the supervisor lets it in with its batch
+                else:
+                    self._joined.put((host, answer))
 
     # -- the record -------------------------------------------------------------------------
 

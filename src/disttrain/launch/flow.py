@@ -59,6 +59,7 @@ from .supervision import (
     EventKind,
     FailFast,
     HangWatch,
+    Join,
     RegroupWithout,
     Stop,
     Supervisor,
@@ -146,6 +147,8 @@ class _Solo:
     def agent_line(self, slot: int, line: str) -> bool: return False
     def rank_line(self, text: str) -> None: ...
     def joined(self) -> list[subprocess.Popen]: return []
+    def ready(self) -> list[str]: return []
+    def go(self, names) -> None: ...
     def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]: return []
     def ended(self, slot: int) -> None: ...
@@ -351,6 +354,8 @@ class _Supervised:
             if ended is not False:
                 return ended
             self.membership.poll()
+            for host in self.membership.ready():  # the supervisor batches them (a Join decision)
+                self.sup.handle(Event(EventKind.READY, at=time.monotonic(), host=host))
             for proc in self.membership.joined():  # each has its row in the table: slot len(self.procs)
                 slot = len(self.procs)
                 self.sup.handle(Event(EventKind.JOINED, at=time.monotonic(), slot=slot,
@@ -382,6 +387,8 @@ class _Supervised:
                 for slot in decision.slots:
                     self.stdins.send(self.procs[slot], DumpRequest().to_line())
                 return None
+            if isinstance(decision, Join):  # each says its line as its agent is relayed (membership.joined)
+                self.membership.go(decision.hosts)
             if isinstance(decision, RegroupWithout):
                 in_place = self.membership.in_place(decision.slots)
                 for slot in decision.slots:

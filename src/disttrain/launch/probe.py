@@ -57,7 +57,7 @@ from ..wire import (
 )
 from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import AgentLauncher, Events, Facts, LaunchContext
-from .elastic import Membership, starting_hosts
+from .elastic import Membership, Ready, starting_hosts
 from .flow import run_agents, start, stop
 from .rendezvous_store import LauncherStore, launcher_address
 
@@ -381,10 +381,11 @@ class SessionLauncher(AgentLauncher):
         return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript,
                           membership=membership)
 
-    def _join(self, start: _ElasticStart, index: int, events: Events) -> subprocess.Popen:
+    def _join(self, start: _ElasticStart, index: int, events: Events) -> Ready:
         """Host ``index`` of an elastic range, tried again: its probe session answers the preflight
-        (its facts beside the master's; the rendezvous port reached) and becomes its agent, with the
-        plan of the job's nodes so far and itself. A DisttrainError when it does not answer yet."""
+        (its facts beside the master's; the rendezvous port reached): ready. When the supervisor
+        lets it in (``go``), it becomes its agent, with the plan of the job's nodes so far and
+        itself. A DisttrainError when it does not answer yet."""
         spec, ctx, facts = start.spec, start.ctx, start.facts
         transport = start.transports[index]
         (session,) = open_sessions([transport], python=self.session_python(ctx), master=facts.master_addr,
@@ -400,6 +401,15 @@ class SessionLauncher(AgentLauncher):
             reached = session.read(ConnectResults, CONNECT_ROUND_S, "the rendezvous port").results.get(rendezvous)
             if reached != "ok":
                 raise DisttrainError(f"{transport.name}: the rendezvous {rendezvous}: {reached}")
+        except BaseException:
+            close_all([session])
+            raise
+        return Ready(go=lambda: self._go(start, index, session, said, events), cancel=lambda: close_all([session]))
+
+    def _go(self, start: _ElasticStart, index: int, session: ProbeSession, said, events: Events) -> subprocess.Popen:
+        """A ready host let in: its plan (the job's nodes so far and itself), sent."""
+        spec, ctx, facts = start.spec, start.ctx, start.facts
+        try:
             (node,) = self.node_facts(spec, ctx, {index: said})
             # A host that comes back takes its old place (its node rank, its heartbeat folder).
             kept = [(rank, n) for rank, n in zip(facts.node_ranks or (), facts.nodes) if rank != index]

@@ -12,6 +12,8 @@ policies, each of which may return a decision:
   in-place regroup builds on: the lost hosts, the new members, the reason);
 - :class:`Dump`: no rank anywhere moved for ``--hang-timeout``: every agent reports its ranks;
 - :class:`Admit`: a host may be tried again (elastic range, room left, its backoff over);
+- :class:`Join`: the hosts that answered the preflight meanwhile get their plans, together: one
+  round for all of them (:class:`JoinWindow`), never while a round forms;
 - nothing: go on.
 
 The policies: :class:`FailFast` (without a range: the first agent that does not end well ends the
@@ -39,6 +41,14 @@ FLAP_WINDOW_S = 60.0  # a host lost within this long of joining is flapping
 BACKOFF_FIRST_S = 10.0  # the wait before admitting a flapping host again: this, doubled each flap,
 BACKOFF_MAX_S = 120.0  # up to this
 REGROUP_MARGIN_S = 15.0  # a regroup forms within the rendezvous timeout plus this, or the job stops
+# Hosts that answer the preflight are let in together, as torch's last_call_timeout batches the
+# nodes of a rendezvous: a batch goes once no other host answered for JOIN_QUIET_S (or for twice
+# the last gap between two answers, up to JOIN_PACE_MAX_S: hosts booting one by one keep coming
+# at their own pace), or JOIN_HOLD_S after its first answered (however many keep coming), and
+# never while a round forms -- so N staggered arrivals cost about span / JOIN_HOLD_S + 1 rounds.
+JOIN_QUIET_S = 5.0
+JOIN_PACE_MAX_S = 12.0
+JOIN_HOLD_S = 30.0
 
 
 class AgentState(str, Enum):
@@ -135,6 +145,7 @@ class EventKind(str, Enum):
     ROUND = "round"  # the agent's workers started a round (``attempt``)
     EXITED = "exited"  # the agent's process ended with ``code``; ``cause``: a lost host's, when known
     JOINED = "joined"  # a host answered again: a new agent (``host``; ``slot``: its row, already added)
+    READY = "ready"  # a host answered the preflight (``host``): it waits for its batch (:class:`JoinWindow`)
     TICK = "tick"  # the clock moved
 
 
@@ -187,7 +198,16 @@ class Admit:
     host: str
 
 
-Decision = Stop | RegroupWithout | Dump | Admit
+@dataclass(frozen=True)
+class Join:
+    """The hosts ``hosts`` (ready: they answered the preflight) get their plans now, together: the
+    next round takes them all."""
+
+    hosts: tuple[str, ...]
+    reason: str
+
+
+Decision = Stop | RegroupWithout | Dump | Admit | Join
 
 
 def exit_cause(code: int) -> str | None:
@@ -245,21 +265,73 @@ class Backoff:
         return max(0.0, self.not_before.get(host, 0.0) - now)
 
 
+@dataclass
+class JoinWindow:
+    """The hosts ready to join, held until their batch goes (see :data:`JOIN_QUIET_S`)."""
+
+    quiet_s: float = JOIN_QUIET_S
+    pace_max_s: float = JOIN_PACE_MAX_S
+    hold_s: float = JOIN_HOLD_S
+    ready: dict[str, float] = field(default_factory=dict)  # host -> when it answered
+    last: float | None = None  # the last answer, of this batch or an earlier one
+    gap: float = 0.0  # between the last two answers
+
+    def arrived(self, host: str, now: float) -> None:
+        if host in self.ready:
+            return
+        if self.last is not None:
+            self.gap = now - self.last
+        self.last = now
+        self.ready[host] = now
+
+    def drop(self, host: str) -> None:
+        self.ready.pop(host, None)
+
+    def due(self, now: float) -> str | None:
+        """Why the batch goes now; None: it waits for more."""
+        if not self.ready:
+            return None
+        first, last = min(self.ready.values()), max(self.ready.values())
+        quiet = max(self.quiet_s, min(self.pace_max_s, 2 * self.gap))
+        if now - last >= quiet:
+            return f"no other host answered for {quiet:g} s"
+        if now - first >= self.hold_s:
+            return f"the first of them waited {self.hold_s:g} s"
+        return None
+
+    def take(self, room: int) -> tuple[str, ...]:
+        """The batch, in the order they answered, at most ``room`` (the rest wait for the next)."""
+        batch = tuple(sorted(self.ready, key=self.ready.get))[:max(0, room)]
+        for host in batch:
+            del self.ready[host]
+        return batch
+
+
 class Elastic:
     """``--nnodes MIN:MAX``: a lost host is left behind while MIN remain; a host lost soon after it
     joined backs off (:class:`Backoff`); a regroup that does not form in time stops the job."""
 
     def __init__(self, *, min_nnodes: int, max_nnodes: int, regroup_s: float, store: str,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, joins: JoinWindow | None = None) -> None:
         self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.regroup_s = regroup_s
         self.store = store  # where the rendezvous is, for the bounded wait's message
         self.backoff = backoff or Backoff()
+        self.joins = joins or JoinWindow()
         self.regroup_since: float | None = None
+
+    def forming(self, sup: Supervisor) -> bool:
+        """A round forms: an agent regroups, or has its plan and no round yet (a batch let in)."""
+        return bool(sup.agents.in_state(AgentState.REGROUPING)) or any(
+            sup.clock() - row.joined < self.regroup_s for row in sup.agents.in_state(AgentState.STARTING))
 
     def decide(self, sup: Supervisor, event: Event) -> Decision | None:
         if event.kind is EventKind.ROUND and not sup.agents.in_state(AgentState.REGROUPING):
             self.regroup_since = None
+        if event.kind is EventKind.READY:
+            if not sup.finished and event.host not in {row.host for row in sup.agents.live()}:
+                self.joins.arrived(event.host, event.at)
+            return None
         if event.kind is EventKind.EXITED and event.code != 0:
             row = sup.agents[event.slot]
             if event.cause is None:  # its workers failed: the job's failure, as without a range
@@ -273,6 +345,11 @@ class Elastic:
                     sup.agents.move(row.slot, AgentState.LOST, f"its agent said nothing for {sup.silent_s:.0f} s")
                     self.backoff.lost(row.host, joined=row.joined, now=event.at)
                 return self._regroup(sup, tuple(silent), event)
+            why = self.joins.due(event.at)
+            if why is not None and not sup.finished and not self.forming(sup):
+                batch = self.joins.take(self.max_nnodes - len(sup.agents.live()))
+                if batch:
+                    return Join(hosts=batch, reason=why)
             if self.regroup_since is not None and event.at - self.regroup_since > self.regroup_s:
                 waiting = ", ".join(row.host for row in sup.agents.in_state(AgentState.REGROUPING))
                 return Stop(code=1, reason="regroup timed out",
@@ -385,6 +462,8 @@ class Supervisor:
         if event.kind is EventKind.JOINED:
             if event.slot is None:
                 self.agents.add(event.host, event.at)
+            return True
+        if event.kind is EventKind.READY:
             return True
         if event.slot is None:
             return True

@@ -1,6 +1,6 @@
 """The launcher's supervisor at scale, simulated: fake agents, a fake clock, the real state machine.
 
-    python bench/elastic_sim.py [--hosts 256] [--start 16] [--spread 60] [--losses 8] [--seed 1] [--runs 20]
+    python bench/elastic_sim.py [--hosts 256] [--start 16] [--spread 60] [--losses 8] [--seed 1] [--runs 20] [--no-window]
 
 ``--start`` hosts answer at t=0 and start the job; the others answer the preflight at random
 times spread over ``--spread`` seconds (a late boot); ``--losses`` hosts are lost at random
@@ -28,6 +28,7 @@ from disttrain.launch.supervision import (  # noqa: E402
     Event,
     EventKind,
     Join,
+    JoinWindow,
     RegroupWithout,
     Stop,
     Supervisor,
@@ -38,11 +39,14 @@ FORM_S = (2.0, 8.0)  # a round forms this long after it is asked for
 
 
 def simulate(*, hosts: int = 256, start: int = 16, spread_s: float = 60.0, losses: int = 8, seed: int = 1,
-             min_nnodes: int = 2, horizon_s: float = 240.0) -> dict:
+             min_nnodes: int = 2, horizon_s: float = 240.0, window: bool = True) -> dict:
+    """One run (see the module); ``window`` False: each ready host let in as soon as no round forms
+    (no join window), for comparison."""
     rng = random.Random(seed)
     names = [f"h{i:03d}" for i in range(hosts)]
     now = [0.0]
-    policy = Elastic(min_nnodes=min_nnodes, max_nnodes=hosts, regroup_s=120.0, store="sim:0")
+    joins = JoinWindow() if window else JoinWindow(quiet_s=0.0, pace_max_s=0.0, hold_s=0.0)
+    policy = Elastic(min_nnodes=min_nnodes, max_nnodes=hosts, regroup_s=120.0, store="sim:0", joins=joins)
     sup = Supervisor(names[:start], policies=[policy], clock=lambda: now[0], silent_s=30.0)
     queue: list[tuple[float, int, str, str | None]] = []  # (time, order, what, host)
     order = iter(range(10**9))
@@ -119,12 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--losses", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--no-window", action="store_true", help="let each host in as soon as no round forms")
     args = parser.parse_args(argv)
-    runs = [simulate(hosts=args.hosts, start=args.start, spread_s=args.spread, losses=args.losses, seed=args.seed + i)
-            for i in range(args.runs)]
+    runs = [simulate(hosts=args.hosts, start=args.start, spread_s=args.spread, losses=args.losses, seed=args.seed + i,
+                     window=not args.no_window) for i in range(args.runs)]
     arrival_rounds = [r["arrival_rounds"] for r in runs]
     print(json.dumps({
         "hosts": args.hosts, "started": args.start, "spread_s": args.spread, "losses": args.losses, "runs": args.runs,
+        "join_window": not args.no_window,
         "arrival_rounds": {"max": max(arrival_rounds), "mean": round(sum(arrival_rounds) / len(runs), 2)},
         "loss_rounds": {"max": max(r["rounds"].get("loss", 0) for r in runs)},
         "every_arrival_let_in": all(r["members_at_end"] == args.hosts - r["lost"] for r in runs),

@@ -96,8 +96,11 @@ class Membership:
     def __init__(self, *, hosts: Sequence[str], running: Sequence[int], min_nnodes: int, max_nnodes: int,
                  run_dir: str, join: Callable[[int], subprocess.Popen | Ready] | None = None,
                  own_failure: Callable[[int, int, str, float | None], str | None] | None = None,
-                 retry_s: float = RETRY_S) -> None:
+                 retry_s: float = RETRY_S, kept_alive: bool = False) -> None:
         self.hosts = tuple(hosts)
+        # The agents' connections are kept alive by their transport (ssh's keep-alives end one within
+        # seconds of its host going away): a silent agent whose connection is up is slow, not lost.
+        self.kept_alive = kept_alive
         self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.say: Callable[[str], None] = print
         self._record_path = Path(run_dir) / RECORD

@@ -52,6 +52,7 @@ from .rendezvous_store import round_counter
 from .rootcause import first_in_time
 from .supervision import (
     REGROUP_MARGIN_S,
+    SLOW_S,
     AgentState,
     Dump,
     Elastic,
@@ -61,6 +62,7 @@ from .supervision import (
     HangWatch,
     Join,
     RegroupWithout,
+    Slow,
     Stop,
     Supervisor,
 )
@@ -166,7 +168,8 @@ class _Supervised:
         self.membership = membership or _Solo()
         policies = [Elastic(min_nnodes=membership.min_nnodes, max_nnodes=membership.max_nnodes,
                             regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S,
-                            store=f"{plan.master_addr}:{plan.master_port}")] if membership is not None \
+                            store=f"{plan.master_addr}:{plan.master_port}",
+                            slow_s=SLOW_S if membership.kept_alive else None)] if membership is not None \
             else [FailFast()]
         # An elastic launch's table is its membership's (who is a member is recorded once).
         self.sup = Supervisor(tuple(n.name for n in plan.nodes), policies=[*policies, HangWatch(plan.hang_timeout_s)],
@@ -387,6 +390,9 @@ class _Supervised:
                 for slot in decision.slots:
                     self.stdins.send(self.procs[slot], DumpRequest().to_line())
                 return None
+            if isinstance(decision, Slow):
+                self.say(f"disttrain: {decision.host} is slow: no word from its agent for {decision.silent_s:.0f} s, "
+                         f"its connection up; it is waited for up to {decision.limit_s:.0f} s")
             if isinstance(decision, Join):  # each says its line as its agent is relayed (membership.joined)
                 self.membership.go(decision.hosts)
             if isinstance(decision, RegroupWithout):

@@ -70,6 +70,7 @@ class Transport(ABC):
     """How a command reaches one node: ``argv`` wraps it; ``name`` is the node in messages."""
 
     over: ClassVar[str]  # "over ssh": how the node is reached, for messages
+    kept_alive: ClassVar[bool] = False  # its connection ends within seconds of the node going away
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -89,6 +90,7 @@ KILLED_QUIET_S = 2.0  # an elastic job's ssh gives up on a connection after 3 s 
 
 class SshTransport(Transport):
     over = "over ssh"
+    kept_alive = True  # ServerAliveInterval/CountMax: see launch/ssh.py's ELASTIC_OPTIONS
 
     def __init__(self, host: Host, *, options: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         super().__init__(host.name)
@@ -377,7 +379,8 @@ class SessionLauncher(AgentLauncher):
                 hosts=[t.name for t in start.transports], running=start.facts.node_ranks, run_dir=plan.run_dir,
                 min_nnodes=plan.min_nnodes, max_nnodes=min(plan.nnodes, len(start.transports)),
                 join=lambda index: self._join(start, index, events),
-                own_failure=lambda index, code, last, quiet: start.transports[index].own_failure(code, last, quiet))
+                own_failure=lambda index, code, last, quiet: start.transports[index].own_failure(code, last, quiet),
+                kept_alive=all(t.kept_alive for t in start.transports))
         return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript,
                           membership=membership)
 

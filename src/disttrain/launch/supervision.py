@@ -14,6 +14,7 @@ policies, each of which may return a decision:
 - :class:`Admit`: a host may be tried again (elastic range, room left, its backoff over);
 - :class:`Join`: the hosts that answered the preflight meanwhile get their plans, together: one
   round for all of them (:class:`JoinWindow`), never while a round forms;
+- :class:`Slow`: an agent is late, but its connection is up (ssh's keep-alives): said once, not lost;
 - nothing: go on.
 
 The policies: :class:`FailFast` (without a range: the first agent that does not end well ends the
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -36,6 +38,9 @@ from enum import Enum
 from ..agent.watchdog import stalled
 
 SILENT_S = 5.0  # an agent speaks each second: this long without a word, its host is cut off or stuck
+JITTER_FACTOR = 3.0  # ...or this many times the longest recent gap between its words (a loaded host's pace)
+GAPS_KEPT = 30  # the recent gaps kept per agent, for that
+SLOW_S = 60.0  # an agent whose connection its transport keeps alive (ssh) is slow, not lost, up to this
 LATE_S = 2.0  # an agent this long without a word: its ranks' progress is unknown, no hang is judged
 FLAP_WINDOW_S = 60.0  # a host lost within this long of joining is flapping
 BACKOFF_FIRST_S = 10.0  # the wait before admitting a flapping host again: this, doubled each flap,
@@ -105,6 +110,8 @@ class Agent:
     progress: float | None = None  # the launcher's clock: its ranks' freshest progress
     steps: dict[int, int] = field(default_factory=dict)  # rank -> steps, in the current round
     why: str | None = None  # a final state's cause, as the record says it
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAPS_KEPT))  # between its recent words
+    slow_said: bool = False  # its lateness was said (once per silence)
 
 
 class Agents:
@@ -199,6 +206,17 @@ class Admit:
 
 
 @dataclass(frozen=True)
+class Slow:
+    """Agent ``slot`` on ``host`` has said nothing for ``silent_s``, its connection up: it is waited
+    for (up to ``limit_s``), not lost."""
+
+    slot: int
+    host: str
+    silent_s: float
+    limit_s: float
+
+
+@dataclass(frozen=True)
 class Join:
     """The hosts ``hosts`` (ready: they answered the preflight) get their plans now, together: the
     next round takes them all."""
@@ -207,7 +225,7 @@ class Join:
     reason: str
 
 
-Decision = Stop | RegroupWithout | Dump | Admit | Join
+Decision = Stop | RegroupWithout | Dump | Admit | Join | Slow
 
 
 def exit_cause(code: int) -> str | None:
@@ -312,7 +330,12 @@ class Elastic:
     joined backs off (:class:`Backoff`); a regroup that does not form in time stops the job."""
 
     def __init__(self, *, min_nnodes: int, max_nnodes: int, regroup_s: float, store: str,
-                 backoff: Backoff | None = None, joins: JoinWindow | None = None) -> None:
+                 backoff: Backoff | None = None, joins: JoinWindow | None = None,
+                 slow_s: float | None = None) -> None:
+        """``slow_s``: the agents' connections are kept alive by their transport (ssh's keep-alives
+        end it within seconds when the host is gone): a silent agent whose process still runs is
+        slow, not lost, up to this; None: no such transport, silence is loss."""
+        self.slow_s = slow_s
         self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.regroup_s = regroup_s
         self.store = store  # where the rendezvous is, for the bounded wait's message
@@ -339,12 +362,21 @@ class Elastic:
             self.backoff.lost(row.host, joined=row.joined, now=event.at)
             return self._regroup(sup, (row,), event)
         if event.kind is EventKind.TICK:
-            silent = [row for row in sup.agents.live() if event.at - row.heard > sup.silent_s]
+            limit = sup.silence_limit()
+            late = [row for row in sup.agents.live() if event.at - row.heard > limit]
+            cut = limit if self.slow_s is None else max(self.slow_s, limit)
+            silent = [row for row in late if event.at - row.heard > cut]
             if silent:
                 for row in silent:
-                    sup.agents.move(row.slot, AgentState.LOST, f"its agent said nothing for {sup.silent_s:.0f} s")
+                    sup.agents.move(row.slot, AgentState.LOST, f"its agent said nothing for {cut:.0f} s" + (
+                        ", its connection up (stuck)" if self.slow_s is not None else ""))
                     self.backoff.lost(row.host, joined=row.joined, now=event.at)
                 return self._regroup(sup, tuple(silent), event)
+            slow = next((row for row in late if not row.slow_said), None)
+            if slow is not None:
+                slow.slow_said = True
+                return Slow(slot=slow.slot, host=slow.host, silent_s=round(event.at - slow.heard, 1),
+                            limit_s=max(self.slow_s, limit))
             why = self.joins.due(event.at)
             if why is not None and not sup.finished and not self.forming(sup):
                 batch = self.joins.take(self.max_nnodes - len(sup.agents.live()))
@@ -448,6 +480,13 @@ class Supervisor:
                     break
         return decisions
 
+    def silence_limit(self) -> float:
+        """How long an agent may be silent before it is late: :data:`SILENT_S`, or
+        :data:`JITTER_FACTOR` times the longest recent gap between any live agent's words (a
+        loaded machine delays them all alike), whichever is longer."""
+        gaps = [gap for row in self.agents.live() for gap in row.gaps]
+        return max(self.silent_s, JITTER_FACTOR * max(gaps, default=0.0))
+
     def late(self, now: float | None = None) -> bool:
         """Whether the ranks' rates say nothing now: a live agent's word is late (:data:`LATE_S`), or
         the job ended (the rates of a host lost or stopped are frozen at their last value)."""
@@ -471,6 +510,9 @@ class Supervisor:
         if row.state.final:
             return False
         if event.kind is not EventKind.EXITED:  # its exit is not a word: a lost host's record dates from its last
+            if event.at > row.heard:
+                row.gaps.append(event.at - row.heard)
+                row.slow_said = False
             row.heard = max(row.heard, event.at)
         if event.kind is EventKind.HEARD:
             if event.progress is not None and row.state is AgentState.STARTING:

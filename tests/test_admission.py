@@ -73,7 +73,7 @@ def test_hosts_that_answer_close_together_are_let_in_as_one_batch():
     decisions = run_for(sup, clock, 20, arrivals=[(1.0, "c"), (2.0, "d"), (3.5, "e")])
     joins = [d for _, d in decisions if isinstance(d, Join)]
     assert [j.hosts for j in joins] == [("c", "d", "e")]
-    assert "no other host answered for 5 s" in joins[0].reason
+    assert joins[0].reason == "no other host answered for 3 s"  # twice their 1.5 s gap
     assert {row.host for row in sup.agents.live()} == {"a", "b", "c", "d", "e"}
 
 
@@ -116,6 +116,8 @@ def test_a_batch_takes_no_more_than_the_room_below_max():
     decisions = run_for(sup, clock, 30, arrivals=[(1.0, "c"), (1.5, "d")])
     joins = [d for _, d in decisions if isinstance(d, Join)]
     assert [j.hosts for j in joins] == [("c",)]
+    assert joins[0].reason == "it fills the job to its maximum: nobody else to wait for"  # at once
+    assert decisions[0][0] == 1.0
     assert "d" in sup.elastic.joins.ready  # it stays ready: let in when a member leaves
 
 

@@ -207,3 +207,24 @@ def test_goodput_says_no_share_for_a_run_that_trained_nothing_it_showed():
     finished = goodput.compute([{"kind": "start", "t": 0.0, "hosts": 1}, *_steps(1.0, 5),
                                 {"kind": "end", "t": 6.0, "exit_code": 0}])
     assert 0 < finished["goodput"] < 1
+
+
+def test_an_in_place_round_is_said_to_train_only_once_its_workers_say_they_went_on(tmp_path):
+    """Kept workers' steps count on from their old world: a step seen after the round's start is
+    theirs until rank 0's resume line says the regroup took effect. A job that ends first does not
+    claim the round trained."""
+    m, said = membership(tmp_path, running=(0, 1))
+    round_of(m, 0, {0: ("a", False, ""), 1: ("b", False, "")})
+    trains(m, 0, "a")
+    m._joined.put((2, object()))
+    assert len(m.joined()) == 1
+    round_of(m, 1, {0: ("a", True, ""), 1: ("b", True, ""), 2: ("c", False, "")})
+    m.agent_line(0, Beats(host="a", ranks={0: (40, 0.0)}).to_line())  # an old-world step
+    m._trained = (m._trained[0], m._trained[1] - 10)  # long past the resume line's usual wait
+    m.poll()
+    assert not any("membership:" in line for line in said)
+    m.table.move(0, AgentState.DONE, "it finished")  # the job ended before the regroup took effect
+    m.close()
+    joined = record(tmp_path)[-1]
+    assert joined["change"] == "joined" and joined["seconds"] is None and joined["resumed_from"] is None
+    assert not any("membership:" in line for line in said)

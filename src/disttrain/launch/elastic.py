@@ -181,9 +181,12 @@ class Membership:
         for ready in held:  # never let in: their sessions end
             ready.cancel()
         with self._lock:
-            if self.finished and self._round is not None and not self._round_said:
+            if self.finished and self._round is not None and not self._round_said and not (
+                    self._kept() and self._resumed is None):
                 # The job ran to its end on this round before a step was reported (a script
                 # without disttrain reports none, and FIRST_STEP_WAIT_S had not passed): say it.
+                # Not an in-place round whose workers never said they went on in it: the steps
+                # seen were their old world's (the job ended before the regroup took effect).
                 self._said_round(self._trained[0] if self._trained else None, self._round[1])
             for change, at, formed, *_ in self._pending:  # no round trained after them: recorded, not said
                 self._settle(change, at, formed, None, say=False)
@@ -234,6 +237,10 @@ class Membership:
                 entry[2] = now
             elif previous is not None and entry[2] == previous[1]:
                 entry[2], entry[4] = now, previous[0]  # its round was replaced before it trained
+
+    def _kept(self) -> bool:
+        """Whether a node of the current round kept its workers (an in-place round)."""
+        return any(s.in_place for s in self._round_nodes.values())
 
     def _mark_path(self) -> None:
         """How the current round formed, as far as its nodes said: "in place" only when every node
@@ -307,7 +314,9 @@ class Membership:
             now = time.monotonic()
             if self._trained is not None:
                 trained_at, seen = self._trained
-                if self._resumed is not None or now - seen >= RESUME_LINE_WAIT_S:
+                # Kept workers' steps count on from their old world: only rank 0's resume line
+                # (said once the regroup took effect) tells that the round itself trains.
+                if self._resumed is not None or (now - seen >= RESUME_LINE_WAIT_S and not self._kept()):
                     self._said_round(trained_at, started)
             elif now - started >= FIRST_STEP_WAIT_S:
                 self._said_round(None, started)

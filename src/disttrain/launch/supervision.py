@@ -51,7 +51,8 @@ REGROUP_MARGIN_S = 15.0  # a regroup forms within the rendezvous timeout plus th
 # the last gap between two answers, up to JOIN_PACE_MAX_S: hosts booting one by one keep coming
 # at their own pace), or JOIN_HOLD_S after its first answered (however many keep coming), and
 # never while a round forms -- so N staggered arrivals cost about span / JOIN_HOLD_S + 1 rounds.
-JOIN_QUIET_S = 5.0
+# A batch that fills the job to its maximum goes at once: nobody else can come.
+JOIN_QUIET_S = 2.0
 JOIN_PACE_MAX_S = 12.0
 JOIN_HOLD_S = 30.0
 
@@ -305,10 +306,12 @@ class JoinWindow:
     def drop(self, host: str) -> None:
         self.ready.pop(host, None)
 
-    def due(self, now: float) -> str | None:
-        """Why the batch goes now; None: it waits for more."""
+    def due(self, now: float, room: int) -> str | None:
+        """Why the batch goes now; None: it waits for more. ``room``: hosts the job may still take."""
         if not self.ready:
             return None
+        if len(self.ready) >= room:
+            return "it fills the job to its maximum: nobody else to wait for"
         first, last = min(self.ready.values()), max(self.ready.values())
         quiet = max(self.quiet_s, min(self.pace_max_s, 2 * self.gap))
         if now - last >= quiet:
@@ -377,9 +380,10 @@ class Elastic:
                 slow.slow_said = True
                 return Slow(slot=slow.slot, host=slow.host, silent_s=round(event.at - slow.heard, 1),
                             limit_s=max(self.slow_s, limit))
-            why = self.joins.due(event.at)
+            room = self.max_nnodes - len(sup.agents.live())
+            why = self.joins.due(event.at, room)
             if why is not None and not sup.finished and not self.forming(sup):
-                batch = self.joins.take(self.max_nnodes - len(sup.agents.live()))
+                batch = self.joins.take(room)
                 if batch:
                     return Join(hosts=batch, reason=why)
             if self.regroup_since is not None and event.at - self.regroup_since > self.regroup_s:

@@ -48,7 +48,7 @@ BACKOFF_MAX_S = 120.0  # up to this
 REGROUP_MARGIN_S = 15.0  # a regroup forms within the rendezvous timeout plus this, or the job stops
 # Hosts that answer the preflight are let in together, as torch's last_call_timeout batches the
 # nodes of a rendezvous: a batch goes once no other host answered for JOIN_QUIET_S (or for twice
-# the last gap between two answers, up to JOIN_PACE_MAX_S: hosts booting one by one keep coming
+# the longest of the last 8 gaps between answers, up to JOIN_PACE_MAX_S: hosts booting one by one keep coming
 # at their own pace), or JOIN_HOLD_S after its first answered (however many keep coming), and
 # never while a round forms -- so N staggered arrivals cost about span / JOIN_HOLD_S + 1 rounds.
 # A batch that fills the job to its maximum goes at once: nobody else can come.
@@ -293,13 +293,13 @@ class JoinWindow:
     hold_s: float = JOIN_HOLD_S
     ready: dict[str, float] = field(default_factory=dict)  # host -> when it answered
     last: float | None = None  # the last answer, of this batch or an earlier one
-    gap: float = 0.0  # between the last two answers
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=8))  # between the recent answers
 
     def arrived(self, host: str, now: float) -> None:
         if host in self.ready:
             return
         if self.last is not None:
-            self.gap = now - self.last
+            self.gaps.append(now - self.last)
         self.last = now
         self.ready[host] = now
 
@@ -313,7 +313,7 @@ class JoinWindow:
         if len(self.ready) >= room:
             return "it fills the job to its maximum: nobody else to wait for"
         first, last = min(self.ready.values()), max(self.ready.values())
-        quiet = max(self.quiet_s, min(self.pace_max_s, 2 * self.gap))
+        quiet = max(self.quiet_s, min(self.pace_max_s, 2 * max(self.gaps, default=0.0)))
         if now - last >= quiet:
             return f"no other host answered for {quiet:g} s"
         if now - first >= self.hold_s:

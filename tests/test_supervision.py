@@ -17,6 +17,7 @@ from disttrain.launch.supervision import (
     HangWatch,
     IllegalTransition,
     RegroupWithout,
+    Slow,
     Stop,
     Supervisor,
     exit_cause,
@@ -265,3 +266,51 @@ def test_a_hang_and_a_loss_at_once_is_the_loss():
     running(sup, clock)
     decisions = advance(sup, clock, 6, progress=False, but=("d",))
     assert [type(d) for d in decisions] == [RegroupWithout] and decisions[0].lost == ("d",)
+
+
+# ---------------------------------------------------------------------------------- slow is not lost
+
+
+def kept_alive(hosts=("a", "b", "c"), slow_s=60.0):
+    clock = Clock()
+    policy = Elastic(min_nnodes=2, max_nnodes=len(hosts), regroup_s=60.0, store="10.0.0.9:29500", slow_s=slow_s)
+    sup = Supervisor(hosts, policies=[policy], clock=clock)
+    return sup, clock
+
+
+def test_a_late_agent_whose_connection_is_up_is_slow_not_lost():
+    """ssh keeps its connection alive (it ends within seconds of the host going away): an agent
+    late under load, its ssh still running, is said slow once and waited for."""
+    sup, clock = kept_alive()
+    running(sup, clock)
+    decisions = advance(sup, clock, 20, but=("c",))  # c's words late by 20 s (a load of 44)
+    slow = [d for d in decisions if isinstance(d, Slow)]
+    assert [(d.host, d.limit_s) for d in slow] == [("c", 60.0)] and slow[0].silent_s > 5
+    assert not [d for d in decisions if isinstance(d, RegroupWithout)]
+    assert sup.agents[2].state is S.RUNNING
+    advance(sup, clock, 3)  # c speaks again: nothing happened
+    assert sup.agents[2].state is S.RUNNING
+
+
+def test_a_stuck_agent_whose_connection_is_up_is_lost_after_the_slow_limit():
+    sup, clock = kept_alive()
+    running(sup, clock)
+    decisions = advance(sup, clock, 62, but=("c",))
+    (regroup,) = [d for d in decisions if isinstance(d, RegroupWithout)]
+    assert regroup.lost == ("c",) and "said nothing for 60 s, its connection up (stuck)" in regroup.reason
+
+
+def test_the_silence_limit_follows_the_measured_jitter():
+    """Every agent's words come 3 s apart (a loaded machine): 7 s of silence is no loss, 10 s is."""
+    sup, clock = elastic(("a", "b", "c"))
+    running(sup, clock)
+    for _ in range(10):
+        clock.now += 3
+        beat_all(sup, clock, progress=clock.now)
+        assert not sup.tick()
+    assert sup.silence_limit() == pytest.approx(9.0)
+    decisions = advance(sup, clock, 7, but=("c",))
+    assert not decisions and sup.agents[2].state is S.RUNNING
+    decisions = advance(sup, clock, 3, but=("c",))
+    (regroup,) = [d for d in decisions if isinstance(d, RegroupWithout)]
+    assert regroup.lost == ("c",) and "said nothing for 9 s" in regroup.reason

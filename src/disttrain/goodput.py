@@ -95,11 +95,16 @@ def compute(records: Sequence[Mapping[str, Any]], changes: Sequence[Mapping[str,
         previous = {"steps": mine, "hosts": hosts, "trains_from": trains_from, "span": span}
     seconds = {k: round(max(0.0, v), 3) for k, v in seconds.items()}
     total = sum(seconds.values())
+    # A share is said only of a run that finished and showed its steps: a failed run's time, or one
+    # whose training cannot be told from its start-up, is no 1.0 (the seconds stay, as recorded).
+    said = bool(steps) and end.get("exit_code") in (0, None)
+    if end.get("exit_code") not in (0, None):
+        notes.append(f"the run did not finish (exit {end.get('exit_code')}): no goodput is said")
     return {
         "wall_s": round(t1 - t0, 3),
         "host_seconds": round(total, 3),
         "seconds": seconds,
-        "goodput": round(seconds["training"] / total, 4) if total else None,
+        "goodput": round(seconds["training"] / total, 4) if total and said else None,
         "rounds": len(rounds),
         "exit_code": end.get("exit_code"),
         "notes": notes,

@@ -17,6 +17,20 @@ from .config.hosts import Host
 from .errors import UsageError
 
 DEFAULT_OPTIONS = ("BatchMode=yes", "ConnectTimeout=10", "ServerAliveInterval=5", "ServerAliveCountMax=3")
+# The client's notices on stderr ("Warning: Permanently added 'h' (ED25519) to the list of known
+# hosts.", OpenSSH 9.9's "** WARNING: connection is not using a post-quantum key exchange..."):
+# printed when a connection opens, never the cause of its end, so never taken as a last word.
+NOTICE_PREFIXES = ("Warning: ", "** ")
+
+
+def is_notice(line: str) -> bool:
+    """Whether ``line`` is one of ssh's own notices (see :data:`NOTICE_PREFIXES`), not a cause."""
+    return line.lstrip().startswith(NOTICE_PREFIXES)
+
+
+def last_word(lines: Sequence[str]) -> str:
+    """The last line of ``lines`` that says something: blank lines and ssh's notices skipped."""
+    return next((line for line in reversed(lines) if line.strip() and not is_notice(line)), "")
 
 
 def parse_ssh_options(items: Sequence[str]) -> tuple[str, ...]:

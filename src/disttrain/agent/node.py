@@ -315,9 +315,13 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             return 130
         except Exception as err:  # rendezvous/store failures: name them, no traceback
             busy = busy_rendezvous(plan.master_addr, plan.master_port)  # a port the user chose: exit 2
+            # torch's RendezvousTimeoutError comes with no message: say what was waited for, on whom.
+            wanted = f"--nnodes {plan.min_nnodes}:{plan.nnodes}" if plan.elastic else f"--nnodes {plan.nnodes}"
+            said = str(err).strip() or (f"waited {plan.rdzv_timeout_s:g} s for the other nodes at the rendezvous "
+                                        f"{plan.master_addr}:{plan.master_port} ({wanted})")
             raise (UsageError if busy else DisttrainError)(
                 f"the elastic agent on {node.name} failed before the workers finished: "
-                f"{type(err).__name__}: {err}{busy}"
+                f"{type(err).__name__}: {said}{busy}"
             ) from err
     return 0
 

@@ -13,8 +13,10 @@ decides who is a member, because it alone sees a host vanish:
 - **back**: every host of the list not running (unreachable at the start, or lost) is tried
   again every :data:`RETRY_S` in the background, up to MAX running, once its backoff is over (a
   host lost soon after it joined waits longer each time:
-  :class:`~disttrain.launch.supervision.Backoff`); one that answers the preflight gets its plan and
-  joins the next round (torch's agents make room for it).
+  :class:`~disttrain.launch.supervision.Backoff`); one that answers the preflight is ready
+  (:class:`Ready`) and waits for the supervisor to let its batch in
+  (:class:`~disttrain.launch.supervision.JoinWindow`): then it gets its plan and joins the next
+  round with the others of its batch (torch's agents make room for them).
 
 Each change is one line when the next round trains again -- which host left or joined, the
 new world size, the step the workers resumed from (``disttrain.resume()``'s own line), the
@@ -65,15 +67,26 @@ class Change:
     noticed: float | None = None  # a host lost: seconds from its last word to the launcher's verdict
     regrouped: float | None = None  # seconds from the change to the next round's workers starting
     backoff: float | None = None  # a host lost soon after it joined: seconds before it may be tried again
-    path: str | None = None  # how the round after it formed: "in place" (the workers stayed) or "restart"
+    path: str | None = None  # how the round after it formed: "in place" (no worker process restarted) or "restart"
     path_why: str | None = None  # a restart: why the workers could not stay
+    waiting: tuple[str, ...] = ()  # hosts whose agent ran but which were not in that round (the next one takes them)
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A host that answered the preflight; ``go`` sends it its plan (its agent then joins the next
+    round) and returns the agent's process; ``cancel`` ends its session unused."""
+
+    go: Callable[[], subprocess.Popen]
+    cancel: Callable[[], None]
 
 
 class Membership:
     """The changes of one elastic launch's members (see the module). ``hosts``: every host of the
     range, in order; ``running``: the hosts started, in agent order (agent ``k`` of the flow runs
-    ``hosts[running[k]]``). ``join(index)``: start host ``index``'s agent with its plan (a
-    DisttrainError when it does not answer), None: no host is tried again.
+    ``hosts[running[k]]``). ``join(index)``: host ``index``'s preflight -- a :class:`Ready` that
+    waits for :meth:`go`, or its agent's process already given its plan (a DisttrainError when it
+    does not answer); None: no host is tried again.
 
     Who is a member is not kept here: :attr:`table` is the supervisor's table of agents
     (:class:`~disttrain.launch.supervision.Agents`: the flow's supervisor is built on it), which
@@ -81,10 +94,13 @@ class Membership:
     joins, once its agent started."""
 
     def __init__(self, *, hosts: Sequence[str], running: Sequence[int], min_nnodes: int, max_nnodes: int,
-                 run_dir: str, join: Callable[[int], subprocess.Popen] | None = None,
+                 run_dir: str, join: Callable[[int], subprocess.Popen | Ready] | None = None,
                  own_failure: Callable[[int, int, str, float | None], str | None] | None = None,
-                 retry_s: float = RETRY_S) -> None:
+                 retry_s: float = RETRY_S, kept_alive: bool = False) -> None:
         self.hosts = tuple(hosts)
+        # The agents' connections are kept alive by their transport (ssh's keep-alives end one within
+        # seconds of its host going away): a silent agent whose connection is up is slow, not lost.
+        self.kept_alive = kept_alive
         self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.say: Callable[[str], None] = print
         self._record_path = Path(run_dir) / RECORD
@@ -100,14 +116,21 @@ class Membership:
             self.table.add(self.hosts[index], time.monotonic())
         self._joined: queue.Queue[tuple[int, subprocess.Popen]] = queue.Queue()
         self._joining: set[int] = set()
+        self._held: dict[int, Ready] = {}  # hosts ready, waiting for their batch to be let in
+        self._fresh: queue.Queue[int] = queue.Queue()  # hosts ready since the last ready()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.changes: list[Change] = []
         # The changes waiting for their round to train: [change, monotonic time it happened, the
-        # time the next round formed or None, the time the launcher knew of it]. A change belongs to
-        # the first round that forms after the launcher knew of it.
+        # time the next round formed or None, the time the launcher knew of it, the in-place round
+        # it fell back from or None]. A change belongs to the first round that forms after the
+        # launcher knew of it -- or, when that round is replaced before it trains (an in-place round
+        # whose workers were started again), to the round that replaces it.
         self._pending: list[list] = []
         self._round: tuple[int, float, AttemptStarted] | None = None  # attempt, its start, what it said
+        self._round_nodes: dict[int, AttemptStarted] = {}  # slot -> what its agent said of the current round
+        self._veterans: set[int] = set()  # slots in an earlier round than the current one (had workers)
+        self._restart_said = -1  # the last round whose restart of an in-place regroup's workers was said
         self._round_said = False
         self._resumed: int | None = None
         self._trained: tuple[float, float] | None = None  # the round's first step, when it was seen
@@ -121,7 +144,7 @@ class Membership:
         self.restart_why: str | None = None  # why the launcher sent no in-place plan, the last time it did not
         start = Change(time=time.time(), change="start", host=None, why="the job started",
                        hosts=self.member_hosts())
-        self._pending.append([start, time.monotonic(), None, time.monotonic()])
+        self._pending.append([start, time.monotonic(), None, time.monotonic(), None])
 
     # -- who runs --------------------------------------------------------------------------
 
@@ -154,11 +177,18 @@ class Membership:
         if self._thread is not None:
             self._thread.join(timeout=1)
         with self._lock:
-            if self.finished and self._round is not None and not self._round_said:
+            held, self._held = list(self._held.values()), {}
+        for ready in held:  # never let in: their sessions end
+            ready.cancel()
+        with self._lock:
+            if self.finished and self._round is not None and not self._round_said and not (
+                    self._kept() and self._resumed is None):
                 # The job ran to its end on this round before a step was reported (a script
                 # without disttrain reports none, and FIRST_STEP_WAIT_S had not passed): say it.
+                # Not an in-place round whose workers never said they went on in it: the steps
+                # seen were their old world's (the job ended before the regroup took effect).
                 self._said_round(self._trained[0] if self._trained else None, self._round[1])
-            for change, at, formed, _ in self._pending:  # no round trained after them: recorded, not said
+            for change, at, formed, *_ in self._pending:  # no round trained after them: recorded, not said
                 self._settle(change, at, formed, None, say=False)
             self._pending = []
         self._write()
@@ -178,32 +208,75 @@ class Membership:
         except WireError:
             return False
         with self._lock:
-            self._attempted.add(slot)
-            self._ranks[slot] = (started.attempt, started.ranks)
-            if started.attempt == self._last_attempt:  # another node of the round: it may say more
-                for entry in self._pending:
-                    if entry[2] == self._round[1] and entry[0].change != "start":
-                        if started.in_place:  # a node of the round kept its workers
-                            entry[0] = dataclasses.replace(entry[0], path="in place", path_why=None)
-                        elif started.why and entry[0].path_why is None:
-                            entry[0] = dataclasses.replace(entry[0], path_why=started.why)
             if started.attempt > self._last_attempt:
-                if self._round is not None and not self._round_said and self._trained is not None:
-                    self._said_round(self._trained[0], self._round[1])  # it trained: its changes are its
-                self._last_attempt = started.attempt
-                self._round = (started.attempt, now, started)
-                self._round_said = False
-                for entry in self._pending:
-                    if entry[2] is None and entry[3] <= now and entry[0].change != "start":
-                        entry[0] = dataclasses.replace(
-                            entry[0], path="in place" if started.in_place else "restart",
-                            path_why=None if started.in_place else started.why or self.restart_why)
-                self._resumed = None
-                self._trained = None
-                for entry in self._pending:
-                    if entry[2] is None and entry[3] <= now:
-                        entry[2] = now
+                self._new_round(started, now)
+            self._ranks[slot] = (started.attempt, started.ranks)
+            self._attempted.add(slot)
+            if started.attempt == self._last_attempt:
+                self._round_nodes[slot] = started
+                self._mark_path()
         return True
+
+    def _new_round(self, started: AttemptStarted, now: float) -> None:
+        """The first word of round ``started.attempt``: the changes the launcher knew of belong to it,
+        and so do those of a round that never trained (it was replaced: a fallback)."""
+        if self._round is not None and not self._round_said and self._trained is not None:
+            self._said_round(self._trained[0], self._round[1])  # it trained: its changes are its
+        previous = self._round
+        self._veterans = set(self._attempted)
+        self._round_nodes = {}
+        self._last_attempt = started.attempt
+        self._round = (started.attempt, now, started)
+        self._round_said = False
+        self._resumed = None
+        self._trained = None
+        for entry in self._pending:
+            if entry[3] > now:
+                continue
+            if entry[2] is None:
+                entry[2] = now
+            elif previous is not None and entry[2] == previous[1]:
+                entry[2], entry[4] = now, previous[0]  # its round was replaced before it trained
+
+    def _kept(self) -> bool:
+        """Whether a node of the current round kept its workers (an in-place round)."""
+        return any(s.in_place for s in self._round_nodes.values())
+
+    def _mark_path(self) -> None:
+        """How the current round formed, as far as its nodes said: "in place" only when every node
+        that had workers before kept them (a node new to the job starts its first ones)."""
+        number = self._round[0]
+        restarted = [s for slot, s in self._round_nodes.items() if not s.in_place and slot in self._veterans]
+        kept = any(s.in_place for s in self._round_nodes.values())
+        if kept and not restarted:
+            path, why = "in place", None
+        else:
+            why = next((s.why for s in restarted if s.why), None) or self.restart_why
+            path = "restart"
+        attached = False
+        for entry in self._pending:
+            if entry[2] != self._round[1] or entry[0].change == "start":
+                continue
+            attached = True
+            entry_why = why
+            if path == "restart" and entry[4] is not None:  # an in-place round came first, then this
+                entry_why = f"the in-place round {entry[4]} fell back: {why or 'its workers were started again'}"
+            if (entry[0].path, entry[0].path_why) != (path, entry_why):
+                entry[0] = dataclasses.replace(entry[0], path=path, path_why=entry_why)
+                self._write()  # the record says how the round is forming, as it is known
+        if attached or not restarted or self._restart_said >= number:
+            return
+        # No change waits for this round, yet workers that ran were started again: if the last change
+        # was said "in place" on the round just before, it was not (its workers failed after all).
+        last = self.changes[-1] if self.changes else None
+        if last is not None and last.path == "in place" and last.attempt is not None and last.attempt < number:
+            self._restart_said = number
+            fixed = dataclasses.replace(last, path="restart", path_why=(
+                f"the in-place round {last.attempt} fell back: {why or 'its workers were started again'}"))
+            self.changes[-1] = fixed
+            self.say(f"disttrain: membership: the workers were started again in round {number} "
+                     f"({fixed.path_why}): the regroup after {last.host} {last.change} was not in place")
+            self._write()
 
     def rank_line(self, text: str) -> None:
         """A worker's line (prefix removed): rank 0 says the step it resumed from."""
@@ -241,7 +314,9 @@ class Membership:
             now = time.monotonic()
             if self._trained is not None:
                 trained_at, seen = self._trained
-                if self._resumed is not None or now - seen >= RESUME_LINE_WAIT_S:
+                # Kept workers' steps count on from their old world: only rank 0's resume line
+                # (said once the regroup took effect) tells that the round itself trains.
+                if self._resumed is not None or (now - seen >= RESUME_LINE_WAIT_S and not self._kept()):
                     self._said_round(trained_at, started)
             elif now - started >= FIRST_STEP_WAIT_S:
                 self._said_round(None, started)
@@ -253,10 +328,10 @@ class Membership:
         settled = [entry for entry in self._pending if entry[3] <= started]
         # Several changes before one round (a host lost, then back before the round formed): the
         # round's world is the last one's; the earlier ones are said with it, their counts kept.
-        for change, at, _formed, _ in settled[:-1]:
-            self._settle(change, at, None, None, say=False)
+        for change, at, formed, *_ in settled[:-1]:  # the start has the world it started with
+            self._settle(change, at, formed if change.change == "start" else None, None, say=False)
         if settled:
-            change, at, formed, _ = settled[-1]
+            change, at, formed, *_ = settled[-1]
             self._settle(change, at, formed, trained_at if trained_at is not None else started,
                          steps=trained_at is not None, earlier=[c for c, *_ in settled[:-1] if c.change != "start"])
         self._pending = [entry for entry in self._pending if entry[3] > started]
@@ -266,15 +341,27 @@ class Membership:
     def _settle(self, change: Change, at: float, formed: float | None, when: float | None, *,
                 steps: bool = True, say: bool = True, earlier: Sequence[Change] = ()) -> None:
         attempt = world = None
+        hosts, waiting = change.hosts, change.waiting
         if self._round is not None and formed is not None:
             attempt, _, said = self._round
             world = said.world_size
+            hosts, waiting = self._round_hosts(said, hosts)
         seconds = None if when is None else round(max(0.0, when - at), 2)
         done = dataclasses.replace(change, attempt=attempt, world_size=world, resumed_from=self._resumed,
-                                   seconds=seconds, regrouped=None if formed is None else round(formed - at, 2))
+                                   seconds=seconds, regrouped=None if formed is None else round(formed - at, 2),
+                                   hosts=hosts, waiting=waiting)
         self.changes.append(done)
         if say and (change.change != "start" or earlier):
             self.say(membership_line(done, steps=steps, earlier=earlier))
+
+    def _round_hosts(self, said: AttemptStarted, members: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The current round's hosts (in rank order) and the members not in it, once every node of
+        the round said its world; until then ``members``, the hosts known at the change."""
+        if len(self._round_nodes) < said.nodes:
+            return members, ()
+        nodes = sorted(self._round_nodes.values(), key=lambda s: min(s.ranks, default=0))
+        hosts = tuple(dict.fromkeys(s.host for s in nodes))
+        return hosts, tuple(h for h in self.member_hosts() if h not in hosts)
 
     def in_place(self, slots: Sequence[int]) -> InPlace | None:
         """The new membership for the agents ``slots`` (the survivors) to regroup in place: their
@@ -328,10 +415,14 @@ class Membership:
             row = self.table[slot]
             now = time.monotonic()
             last_word = min(row.heard, now)
+            # The hosts whose agents still ran: the members, and those the launcher is stopping
+            # because of this very loss (below the minimum) -- they ran when it happened.
+            running = tuple(r.host for r in self.table.rows if r.slot != slot and r.state in (
+                AgentState.STARTING, AgentState.RUNNING, AgentState.REGROUPING, AgentState.STOPPED))
             change = Change(time=time.time() - (now - last_word), change="left", host=row.host, why=why,
-                            hosts=self.member_hosts(), noticed=round(now - last_word, 2),
+                            hosts=running, noticed=round(now - last_word, 2),
                             backoff=round(backoff, 1) if backoff else None)
-            self._pending.append([change, last_word, None, now])
+            self._pending.append([change, last_word, None, now, None])
             members = [member.slot for member in self.table.live()]
         if len(members) >= self.min_nnodes:
             self.say(f"disttrain: lost {row.host} ({why}): the other {len(members)} host(s) regroup "
@@ -364,10 +455,36 @@ class Membership:
                 change = Change(time=time.time(), change="joined", host=name,
                                 why="it answered again" if back else "it answered the preflight",
                                 hosts=self.member_hosts())
-                self._pending.append([change, time.monotonic(), None, time.monotonic()])
+                self._pending.append([change, time.monotonic(), None, time.monotonic(), None])
             self.say(f"disttrain: {self.hosts[host]} answered: it joins the next rendezvous round")
             self._write()
             out.append(proc)
+
+    def ready(self) -> list[str]:
+        """The hosts that answered the preflight since the last call (the supervisor batches them)."""
+        out = []
+        while True:
+            try:
+                out.append(self.hosts[self._fresh.get_nowait()])
+            except queue.Empty:
+                return out
+
+    def go(self, names: Sequence[str]) -> None:
+        """The supervisor lets these ready hosts in: each gets its plan (see :meth:`joined`)."""
+        for name in names:
+            index = self.hosts.index(name)
+            with self._lock:
+                ready = self._held.pop(index, None)
+            if ready is None:
+                continue
+            try:
+                proc = ready.go()
+            except DisttrainError as err:
+                with self._lock:
+                    self._joining.discard(index)
+                self.say(f"disttrain: {name} was ready but could not be given its plan: {err}")
+                continue
+            self._joined.put((index, proc))
 
     def _rejoin(self) -> None:
         """Try the hosts not running, in order, while there is room; a host that keeps failing (or
@@ -390,12 +507,17 @@ class Membership:
                 backoff = 2 ** max(0, tries[host] - RETRY_AT_FIRST)
                 next_try[host] = time.monotonic() + min(RETRY_MAX_S, self._retry_s * backoff)
                 try:
-                    proc = self._join(host)
+                    answer = self._join(host)
                 except DisttrainError:
                     continue  # not yet: tried again later
                 with self._lock:
                     self._joining.add(host)
-                self._joined.put((host, proc))
+                    if isinstance(answer, Ready):
+                        self._held[host] = answer
+                if isinstance(answer, Ready):
+                    self._fresh.put(host)  # the supervisor lets it in with its batch
+                else:
+                    self._joined.put((host, answer))
 
     # -- the record -------------------------------------------------------------------------
 
@@ -422,7 +544,8 @@ def membership_line(change: Change, *, steps: bool = True, earlier: Sequence[Cha
     """``disttrain: membership: 10.0.0.3 left (...) -> 2 hosts, world size 4, resumed from step 12, 6.1 s``;
     with ``earlier`` changes the same round answers: ``c left (...), then c joined (...) -> ...``."""
     said = [f"{c.host} {c.change} ({c.why})" for c in (*earlier, change) if c.change != "start"]
-    parts = [f"{len(change.hosts)} host{'s' if len(change.hosts) != 1 else ''}"]
+    parts = [f"{len(change.hosts)} host{'s' if len(change.hosts) != 1 else ''}"
+             + (f" ({len(change.waiting)} more waiting for the next round)" if change.waiting else "")]
     if change.world_size is not None:
         parts.append(f"world size {change.world_size}")
     parts.append(f"resumed from step {change.resumed_from}" if change.resumed_from is not None

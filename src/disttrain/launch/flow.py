@@ -52,6 +52,7 @@ from .rendezvous_store import round_counter
 from .rootcause import first_in_time
 from .supervision import (
     REGROUP_MARGIN_S,
+    SLOW_S,
     AgentState,
     Dump,
     Elastic,
@@ -59,7 +60,9 @@ from .supervision import (
     EventKind,
     FailFast,
     HangWatch,
+    Join,
     RegroupWithout,
+    Slow,
     Stop,
     Supervisor,
 )
@@ -146,6 +149,8 @@ class _Solo:
     def agent_line(self, slot: int, line: str) -> bool: return False
     def rank_line(self, text: str) -> None: ...
     def joined(self) -> list[subprocess.Popen]: return []
+    def ready(self) -> list[str]: return []
+    def go(self, names) -> None: ...
     def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]: return []
     def ended(self, slot: int) -> None: ...
@@ -163,7 +168,8 @@ class _Supervised:
         self.membership = membership or _Solo()
         policies = [Elastic(min_nnodes=membership.min_nnodes, max_nnodes=membership.max_nnodes,
                             regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S,
-                            store=f"{plan.master_addr}:{plan.master_port}")] if membership is not None \
+                            store=f"{plan.master_addr}:{plan.master_port}",
+                            slow_s=SLOW_S if membership.kept_alive else None)] if membership is not None \
             else [FailFast()]
         # An elastic launch's table is its membership's (who is a member is recorded once).
         self.sup = Supervisor(tuple(n.name for n in plan.nodes), policies=[*policies, HangWatch(plan.hang_timeout_s)],
@@ -351,6 +357,8 @@ class _Supervised:
             if ended is not False:
                 return ended
             self.membership.poll()
+            for host in self.membership.ready():  # the supervisor batches them (a Join decision)
+                self.sup.handle(Event(EventKind.READY, at=time.monotonic(), host=host))
             for proc in self.membership.joined():  # each has its row in the table: slot len(self.procs)
                 slot = len(self.procs)
                 self.sup.handle(Event(EventKind.JOINED, at=time.monotonic(), slot=slot,
@@ -382,6 +390,11 @@ class _Supervised:
                 for slot in decision.slots:
                     self.stdins.send(self.procs[slot], DumpRequest().to_line())
                 return None
+            if isinstance(decision, Slow):
+                self.say(f"disttrain: {decision.host} is slow: no word from its agent for {decision.silent_s:.0f} s, "
+                         f"its connection up; it is waited for up to {decision.limit_s:.0f} s")
+            if isinstance(decision, Join):  # each says its line as its agent is relayed (membership.joined)
+                self.membership.go(decision.hosts)
             if isinstance(decision, RegroupWithout):
                 in_place = self.membership.in_place(decision.slots)
                 for slot in decision.slots:

@@ -43,7 +43,7 @@ from ..preflight.checks import (
     reach_targets,
     targets_for,
 )
-from ..ssh import ssh_argv
+from ..ssh import is_notice, last_word, ssh_argv
 from ..wire import (
     ConnectResults,
     ConnectTargets,
@@ -57,7 +57,7 @@ from ..wire import (
 )
 from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import AgentLauncher, Events, Facts, LaunchContext
-from .elastic import Membership, starting_hosts
+from .elastic import Membership, Ready, starting_hosts
 from .flow import run_agents, start, stop
 from .rendezvous_store import LauncherStore, launcher_address
 
@@ -70,6 +70,7 @@ class Transport(ABC):
     """How a command reaches one node: ``argv`` wraps it; ``name`` is the node in messages."""
 
     over: ClassVar[str]  # "over ssh": how the node is reached, for messages
+    kept_alive: ClassVar[bool] = False  # its connection ends within seconds of the node going away
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -89,6 +90,7 @@ KILLED_QUIET_S = 2.0  # an elastic job's ssh gives up on a connection after 3 s 
 
 class SshTransport(Transport):
     over = "over ssh"
+    kept_alive = True  # ServerAliveInterval/CountMax: see launch/ssh.py's ELASTIC_OPTIONS
 
     def __init__(self, host: Host, *, options: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         super().__init__(host.name)
@@ -102,7 +104,7 @@ class SshTransport(Transport):
             return None
         # ssh's own last words, unless it had none (LogLevel=ERROR hides "Timeout, server not
         # responding"): then the last line is the agent's or a worker's, which would mislead.
-        ours = last.strip() and not last.lstrip().startswith(("[", "disttrain"))
+        ours = last.strip() and not last.lstrip().startswith(("[", "disttrain")) and not is_notice(last)
         if ours:
             return f"ssh failed: {last.strip()}"
         # A lost connection ends ssh only after its keep-alives went unanswered (seconds of silence
@@ -196,7 +198,7 @@ class ProbeSession:
             except WireError as err:
                 raise DisttrainError(f"{self.name}: unexpected answer to {what}: {err}") from None
         code = self.proc.wait()
-        last = (self.proc.stderr.read().strip().splitlines() or [""])[-1]
+        last = last_word(self.proc.stderr.read().splitlines())
         own = self.transport.own_failure(code, last)
         if own:
             raise DisttrainError(f"{self.name}: {own}")
@@ -377,14 +379,16 @@ class SessionLauncher(AgentLauncher):
                 hosts=[t.name for t in start.transports], running=start.facts.node_ranks, run_dir=plan.run_dir,
                 min_nnodes=plan.min_nnodes, max_nnodes=min(plan.nnodes, len(start.transports)),
                 join=lambda index: self._join(start, index, events),
-                own_failure=lambda index, code, last, quiet: start.transports[index].own_failure(code, last, quiet))
+                own_failure=lambda index, code, last, quiet: start.transports[index].own_failure(code, last, quiet),
+                kept_alive=all(t.kept_alive for t in start.transports))
         return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript,
                           membership=membership)
 
-    def _join(self, start: _ElasticStart, index: int, events: Events) -> subprocess.Popen:
+    def _join(self, start: _ElasticStart, index: int, events: Events) -> Ready:
         """Host ``index`` of an elastic range, tried again: its probe session answers the preflight
-        (its facts beside the master's; the rendezvous port reached) and becomes its agent, with the
-        plan of the job's nodes so far and itself. A DisttrainError when it does not answer yet."""
+        (its facts beside the master's; the rendezvous port reached): ready. When the supervisor
+        lets it in (``go``), it becomes its agent, with the plan of the job's nodes so far and
+        itself. A DisttrainError when it does not answer yet."""
         spec, ctx, facts = start.spec, start.ctx, start.facts
         transport = start.transports[index]
         (session,) = open_sessions([transport], python=self.session_python(ctx), master=facts.master_addr,
@@ -400,6 +404,15 @@ class SessionLauncher(AgentLauncher):
             reached = session.read(ConnectResults, CONNECT_ROUND_S, "the rendezvous port").results.get(rendezvous)
             if reached != "ok":
                 raise DisttrainError(f"{transport.name}: the rendezvous {rendezvous}: {reached}")
+        except BaseException:
+            close_all([session])
+            raise
+        return Ready(go=lambda: self._go(start, index, session, said, events), cancel=lambda: close_all([session]))
+
+    def _go(self, start: _ElasticStart, index: int, session: ProbeSession, said, events: Events) -> subprocess.Popen:
+        """A ready host let in: its plan (the job's nodes so far and itself), sent."""
+        spec, ctx, facts = start.spec, start.ctx, start.facts
+        try:
             (node,) = self.node_facts(spec, ctx, {index: said})
             # A host that comes back takes its old place (its node rank, its heartbeat folder).
             kept = [(rank, n) for rank, n in zip(facts.node_ranks or (), facts.nodes) if rank != index]

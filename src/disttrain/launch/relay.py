@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..private import private_opener
+from ..ssh import last_word
 from ..wire import for_people
 
 AGENT_LINES_KEPT = 200
@@ -80,12 +81,12 @@ class Relay:
         return "\n".join(lines[start:])
 
     def last_line(self, agent: int) -> str:
-        """Agent ``agent``'s last own line (it exited: its stream is read to the end first)."""
+        """Agent ``agent``'s last own line that says something (it exited: its stream is read to the
+        end first); ssh's notices are skipped -- a host key's warning is no cause of an end."""
         pump = self.drained.get(agent)
         if pump is not None:
             pump.join(timeout=2)
-        lines = self.agent_lines.get(agent)
-        return lines[-1] if lines else ""
+        return last_word(list(self.agent_lines.get(agent, ())))
 
     def close(self) -> None:
         for fh in self._files.values():

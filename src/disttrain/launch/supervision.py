@@ -12,6 +12,9 @@ policies, each of which may return a decision:
   in-place regroup builds on: the lost hosts, the new members, the reason);
 - :class:`Dump`: no rank anywhere moved for ``--hang-timeout``: every agent reports its ranks;
 - :class:`Admit`: a host may be tried again (elastic range, room left, its backoff over);
+- :class:`Join`: the hosts that answered the preflight meanwhile get their plans, together: one
+  round for all of them (:class:`JoinWindow`), never while a round forms;
+- :class:`Slow`: an agent is late, but its connection is up (ssh's keep-alives): said once, not lost;
 - nothing: go on.
 
 The policies: :class:`FailFast` (without a range: the first agent that does not end well ends the
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -34,11 +38,23 @@ from enum import Enum
 from ..agent.watchdog import stalled
 
 SILENT_S = 5.0  # an agent speaks each second: this long without a word, its host is cut off or stuck
+JITTER_FACTOR = 3.0  # ...or this many times the longest recent gap between its words (a loaded host's pace)
+GAPS_KEPT = 30  # the recent gaps kept per agent, for that
+SLOW_S = 60.0  # an agent whose connection its transport keeps alive (ssh) is slow, not lost, up to this
 LATE_S = 2.0  # an agent this long without a word: its ranks' progress is unknown, no hang is judged
 FLAP_WINDOW_S = 60.0  # a host lost within this long of joining is flapping
 BACKOFF_FIRST_S = 10.0  # the wait before admitting a flapping host again: this, doubled each flap,
 BACKOFF_MAX_S = 120.0  # up to this
 REGROUP_MARGIN_S = 15.0  # a regroup forms within the rendezvous timeout plus this, or the job stops
+# Hosts that answer the preflight are let in together, as torch's last_call_timeout batches the
+# nodes of a rendezvous: a batch goes once no other host answered for JOIN_QUIET_S (or for twice
+# the longest of the last 8 gaps between answers, up to JOIN_PACE_MAX_S: hosts booting one by one keep coming
+# at their own pace), or JOIN_HOLD_S after its first answered (however many keep coming), and
+# never while a round forms -- so N staggered arrivals cost about span / JOIN_HOLD_S + 1 rounds.
+# A batch that fills the job to its maximum goes at once: nobody else can come.
+JOIN_QUIET_S = 2.0
+JOIN_PACE_MAX_S = 12.0
+JOIN_HOLD_S = 30.0
 
 
 class AgentState(str, Enum):
@@ -95,6 +111,8 @@ class Agent:
     progress: float | None = None  # the launcher's clock: its ranks' freshest progress
     steps: dict[int, int] = field(default_factory=dict)  # rank -> steps, in the current round
     why: str | None = None  # a final state's cause, as the record says it
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAPS_KEPT))  # between its recent words
+    slow_said: bool = False  # its lateness was said (once per silence)
 
 
 class Agents:
@@ -135,6 +153,7 @@ class EventKind(str, Enum):
     ROUND = "round"  # the agent's workers started a round (``attempt``)
     EXITED = "exited"  # the agent's process ended with ``code``; ``cause``: a lost host's, when known
     JOINED = "joined"  # a host answered again: a new agent (``host``; ``slot``: its row, already added)
+    READY = "ready"  # a host answered the preflight (``host``): it waits for its batch (:class:`JoinWindow`)
     TICK = "tick"  # the clock moved
 
 
@@ -187,7 +206,27 @@ class Admit:
     host: str
 
 
-Decision = Stop | RegroupWithout | Dump | Admit
+@dataclass(frozen=True)
+class Slow:
+    """Agent ``slot`` on ``host`` has said nothing for ``silent_s``, its connection up: it is waited
+    for (up to ``limit_s``), not lost."""
+
+    slot: int
+    host: str
+    silent_s: float
+    limit_s: float
+
+
+@dataclass(frozen=True)
+class Join:
+    """The hosts ``hosts`` (ready: they answered the preflight) get their plans now, together: the
+    next round takes them all."""
+
+    hosts: tuple[str, ...]
+    reason: str
+
+
+Decision = Stop | RegroupWithout | Dump | Admit | Join | Slow
 
 
 def exit_cause(code: int) -> str | None:
@@ -245,21 +284,80 @@ class Backoff:
         return max(0.0, self.not_before.get(host, 0.0) - now)
 
 
+@dataclass
+class JoinWindow:
+    """The hosts ready to join, held until their batch goes (see :data:`JOIN_QUIET_S`)."""
+
+    quiet_s: float = JOIN_QUIET_S
+    pace_max_s: float = JOIN_PACE_MAX_S
+    hold_s: float = JOIN_HOLD_S
+    ready: dict[str, float] = field(default_factory=dict)  # host -> when it answered
+    last: float | None = None  # the last answer, of this batch or an earlier one
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=8))  # between the recent answers
+
+    def arrived(self, host: str, now: float) -> None:
+        if host in self.ready:
+            return
+        if self.last is not None:
+            self.gaps.append(now - self.last)
+        self.last = now
+        self.ready[host] = now
+
+    def drop(self, host: str) -> None:
+        self.ready.pop(host, None)
+
+    def due(self, now: float, room: int) -> str | None:
+        """Why the batch goes now; None: it waits for more. ``room``: hosts the job may still take."""
+        if not self.ready:
+            return None
+        if len(self.ready) >= room:
+            return "it fills the job to its maximum: nobody else to wait for"
+        first, last = min(self.ready.values()), max(self.ready.values())
+        quiet = max(self.quiet_s, min(self.pace_max_s, 2 * max(self.gaps, default=0.0)))
+        if now - last >= quiet:
+            return f"no other host answered for {quiet:g} s"
+        if now - first >= self.hold_s:
+            return f"the first of them waited {self.hold_s:g} s"
+        return None
+
+    def take(self, room: int) -> tuple[str, ...]:
+        """The batch, in the order they answered, at most ``room`` (the rest wait for the next)."""
+        batch = tuple(sorted(self.ready, key=self.ready.get))[:max(0, room)]
+        for host in batch:
+            del self.ready[host]
+        return batch
+
+
 class Elastic:
     """``--nnodes MIN:MAX``: a lost host is left behind while MIN remain; a host lost soon after it
     joined backs off (:class:`Backoff`); a regroup that does not form in time stops the job."""
 
     def __init__(self, *, min_nnodes: int, max_nnodes: int, regroup_s: float, store: str,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, joins: JoinWindow | None = None,
+                 slow_s: float | None = None) -> None:
+        """``slow_s``: the agents' connections are kept alive by their transport (ssh's keep-alives
+        end it within seconds when the host is gone): a silent agent whose process still runs is
+        slow, not lost, up to this; None: no such transport, silence is loss."""
+        self.slow_s = slow_s
         self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.regroup_s = regroup_s
         self.store = store  # where the rendezvous is, for the bounded wait's message
         self.backoff = backoff or Backoff()
+        self.joins = joins or JoinWindow()
         self.regroup_since: float | None = None
+
+    def forming(self, sup: Supervisor) -> bool:
+        """A round forms: an agent regroups, or has its plan and no round yet (a batch let in)."""
+        return bool(sup.agents.in_state(AgentState.REGROUPING)) or any(
+            sup.clock() - row.joined < self.regroup_s for row in sup.agents.in_state(AgentState.STARTING))
 
     def decide(self, sup: Supervisor, event: Event) -> Decision | None:
         if event.kind is EventKind.ROUND and not sup.agents.in_state(AgentState.REGROUPING):
             self.regroup_since = None
+        if event.kind is EventKind.READY:
+            if not sup.finished and event.host not in {row.host for row in sup.agents.live()}:
+                self.joins.arrived(event.host, event.at)
+            return None
         if event.kind is EventKind.EXITED and event.code != 0:
             row = sup.agents[event.slot]
             if event.cause is None:  # its workers failed: the job's failure, as without a range
@@ -267,12 +365,27 @@ class Elastic:
             self.backoff.lost(row.host, joined=row.joined, now=event.at)
             return self._regroup(sup, (row,), event)
         if event.kind is EventKind.TICK:
-            silent = [row for row in sup.agents.live() if event.at - row.heard > sup.silent_s]
+            limit = sup.silence_limit()
+            late = [row for row in sup.agents.live() if event.at - row.heard > limit]
+            cut = limit if self.slow_s is None else max(self.slow_s, limit)
+            silent = [row for row in late if event.at - row.heard > cut]
             if silent:
                 for row in silent:
-                    sup.agents.move(row.slot, AgentState.LOST, f"its agent said nothing for {sup.silent_s:.0f} s")
+                    sup.agents.move(row.slot, AgentState.LOST, f"its agent said nothing for {cut:.0f} s" + (
+                        ", its connection up (stuck)" if self.slow_s is not None else ""))
                     self.backoff.lost(row.host, joined=row.joined, now=event.at)
                 return self._regroup(sup, tuple(silent), event)
+            slow = next((row for row in late if not row.slow_said), None)
+            if slow is not None:
+                slow.slow_said = True
+                return Slow(slot=slow.slot, host=slow.host, silent_s=round(event.at - slow.heard, 1),
+                            limit_s=max(self.slow_s, limit))
+            room = self.max_nnodes - len(sup.agents.live())
+            why = self.joins.due(event.at, room)
+            if why is not None and not sup.finished and not self.forming(sup):
+                batch = self.joins.take(room)
+                if batch:
+                    return Join(hosts=batch, reason=why)
             if self.regroup_since is not None and event.at - self.regroup_since > self.regroup_s:
                 waiting = ", ".join(row.host for row in sup.agents.in_state(AgentState.REGROUPING))
                 return Stop(code=1, reason="regroup timed out",
@@ -371,6 +484,13 @@ class Supervisor:
                     break
         return decisions
 
+    def silence_limit(self) -> float:
+        """How long an agent may be silent before it is late: :data:`SILENT_S`, or
+        :data:`JITTER_FACTOR` times the longest recent gap between any live agent's words (a
+        loaded machine delays them all alike), whichever is longer."""
+        gaps = [gap for row in self.agents.live() for gap in row.gaps]
+        return max(self.silent_s, JITTER_FACTOR * max(gaps, default=0.0))
+
     def late(self, now: float | None = None) -> bool:
         """Whether the ranks' rates say nothing now: a live agent's word is late (:data:`LATE_S`), or
         the job ended (the rates of a host lost or stopped are frozen at their last value)."""
@@ -386,12 +506,17 @@ class Supervisor:
             if event.slot is None:
                 self.agents.add(event.host, event.at)
             return True
+        if event.kind is EventKind.READY:
+            return True
         if event.slot is None:
             return True
         row = self.agents[event.slot]
         if row.state.final:
             return False
         if event.kind is not EventKind.EXITED:  # its exit is not a word: a lost host's record dates from its last
+            if event.at > row.heard:
+                row.gaps.append(event.at - row.heard)
+                row.slow_said = False
             row.heard = max(row.heard, event.at)
         if event.kind is EventKind.HEARD:
             if event.progress is not None and row.state is AgentState.STARTING:

@@ -1,0 +1,183 @@
+"""Admission of hosts that answer while an elastic job runs: the supervisor alone lets them in, in
+batches (disttrain.launch.supervision.JoinWindow), never while a round forms; at 256 simulated
+hosts arriving over 60 s, at most 3 rounds (bench/elastic_sim.py). Fake agents, a fake clock."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+from disttrain.launch.elastic import Membership, Ready
+from disttrain.launch.supervision import (
+    AgentState,
+    Elastic,
+    Event,
+    EventKind,
+    Join,
+    RegroupWithout,
+    Supervisor,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def job(hosts=("a", "b"), max_nnodes=6):
+    clock = Clock()
+    sup = Supervisor(hosts, policies=[Elastic(min_nnodes=2, max_nnodes=max_nnodes, regroup_s=60, store="s:1")],
+                     clock=clock)
+    formed(sup, clock)
+    return sup, clock
+
+
+def formed(sup: Supervisor, clock: Clock) -> None:
+    for row in sup.agents.live():
+        sup.handle(Event(EventKind.ROUND, at=clock.now, slot=row.slot, attempt=0))
+
+
+def run_for(sup: Supervisor, clock: Clock, seconds: float, arrivals=()) -> list:
+    """Half-second ticks, every live agent speaking; ``arrivals``: (time, host) answering then.
+    Each batch let in joins (JOINED) at once and its round forms 3 s later."""
+    pending = sorted(arrivals)
+    decisions, form_at = [], None
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.now += 0.5
+        while pending and pending[0][0] <= clock.now:
+            sup.handle(Event(EventKind.READY, at=clock.now, host=pending.pop(0)[1]))
+        for row in sup.agents.live():
+            sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot))
+        if form_at is not None and clock.now >= form_at:
+            formed(sup, clock)
+            form_at = None
+        for decision in sup.tick():
+            decisions.append((clock.now, decision))
+            if isinstance(decision, Join):
+                for host in decision.hosts:
+                    sup.handle(Event(EventKind.JOINED, at=clock.now, host=host))
+                form_at = clock.now + 3.0
+    return decisions
+
+
+def test_hosts_that_answer_close_together_are_let_in_as_one_batch():
+    sup, clock = job()
+    decisions = run_for(sup, clock, 20, arrivals=[(1.0, "c"), (2.0, "d"), (3.5, "e")])
+    joins = [d for _, d in decisions if isinstance(d, Join)]
+    assert [j.hosts for j in joins] == [("c", "d", "e")]
+    assert joins[0].reason == "no other host answered for 3 s"  # twice their 1.5 s gap
+    assert {row.host for row in sup.agents.live()} == {"a", "b", "c", "d", "e"}
+
+
+def test_hosts_booting_one_by_one_cost_span_over_hold_rounds_not_one_each():
+    """Ten hosts, one every 6 s over 54 s (each gap longer than the quiet time): the batch waits for
+    their pace, so 3 rounds (54 / 30 + 1), not 10."""
+    hosts = [f"n{i}" for i in range(10)]
+    sup, clock = job(max_nnodes=12)
+    decisions = run_for(sup, clock, 120, arrivals=[(1.0 + 6 * i, h) for i, h in enumerate(hosts)])
+    joins = [d for _, d in decisions if isinstance(d, Join)]
+    assert len(joins) <= 3 and sorted(h for j in joins for h in j.hosts) == hosts, joins
+
+
+def test_two_late_hosts_join_within_the_pace_cap_of_the_last():
+    """The field case: two hosts booting 10 s and 20 s late -- the second is let in at most
+    JOIN_PACE_MAX_S after it answered."""
+    sup, clock = job(max_nnodes=4)
+    decisions = run_for(sup, clock, 60, arrivals=[(10.0, "c"), (20.0, "d")])
+    joins = [(t, d.hosts) for t, d in decisions if isinstance(d, Join)]
+    assert [hosts for _, hosts in joins] == [("c",), ("d",)] and joins[-1][0] <= 20.0 + 12.0 + 0.5
+
+
+def test_a_host_that_answers_while_a_round_forms_waits_for_the_next():
+    sup, clock = job(("a", "b", "c"))
+    decisions = sup.handle(Event(EventKind.EXITED, at=clock.now, slot=2, code=255, cause="ssh failed"))
+    assert isinstance(decisions[0], RegroupWithout)
+    sup.handle(Event(EventKind.READY, at=clock.now, host="d"))
+    for _ in range(40):  # 20 s: the regroup has not formed, d is held
+        clock.now += 0.5
+        for row in sup.agents.live():
+            sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot))
+        assert not [d for d in sup.tick() if isinstance(d, Join)]
+    formed(sup, clock)
+    clock.now += 0.5
+    assert [d.hosts for d in sup.tick() if isinstance(d, Join)] == [("d",)]
+
+
+def test_a_batch_takes_no_more_than_the_room_below_max():
+    sup, clock = job(max_nnodes=3)
+    decisions = run_for(sup, clock, 30, arrivals=[(1.0, "c"), (1.5, "d")])
+    joins = [d for _, d in decisions if isinstance(d, Join)]
+    assert [j.hosts for j in joins] == [("c",)]
+    assert joins[0].reason == "it fills the job to its maximum: nobody else to wait for"  # at once
+    assert decisions[0][0] == 1.0
+    assert "d" in sup.elastic.joins.ready  # it stays ready: let in when a member leaves
+
+
+def test_the_membership_holds_a_ready_host_until_the_supervisor_lets_it_in(tmp_path):
+    went, cancelled = [], []
+
+    class Proc:
+        pass
+
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path),
+                   join=lambda index: Ready(go=lambda: went.append(index) or Proc(),
+                                            cancel=lambda: cancelled.append(index)),
+                   retry_s=0.05)
+    m.start(lambda _line: None)
+    deadline = time.monotonic() + 10
+    while not (ready := m.ready()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready == ["c"] and went == [] and m.joined() == []  # answered; no plan yet
+    time.sleep(0.2)
+    assert m.ready() == []  # held: not tried again meanwhile
+    m.go(["c"])
+    assert went == [2] and len(m.joined()) == 1 and m.member_hosts() == ("a", "b", "c")
+    m.close()
+    assert cancelled == []
+
+
+def test_a_ready_host_never_let_in_has_its_session_ended(tmp_path):
+    cancelled = []
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path),
+                   join=lambda index: Ready(go=lambda: None, cancel=lambda: cancelled.append(index)), retry_s=0.05)
+    m.start(lambda _line: None)
+    deadline = time.monotonic() + 10
+    while not m.ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m.close()
+    assert cancelled == [2]
+
+
+def _sim():
+    name = "disttrain_bench_elastic_sim"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "elastic_sim.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_256_hosts_arriving_over_60_s_cost_at_most_3_rounds():
+    sim = _sim()
+    for seed in range(5):
+        result = sim.simulate(hosts=256, start=16, spread_s=60.0, losses=8, seed=seed)
+        assert result["arrival_rounds"] <= 3, result
+        assert result["members_at_end"] == 256 - result["lost"], result  # every arrival let in
+        assert result["rounds"].get("loss", 0) <= result["lost"], result
+
+
+def test_a_late_host_is_the_sole_member_of_its_state_until_let_in():
+    """Ready is not a member: a ready host counts for no quorum and gets no regroup."""
+    sup, clock = job(("a", "b", "c"))
+    sup.handle(Event(EventKind.READY, at=clock.now, host="d"))
+    assert [row.host for row in sup.agents.live()] == ["a", "b", "c"]
+    assert all(row.state is AgentState.RUNNING for row in sup.agents.live())

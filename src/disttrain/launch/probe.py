@@ -389,7 +389,7 @@ class SessionLauncher(AgentLauncher):
         (its facts beside the master's; the rendezvous port reached): ready. When the supervisor
         lets it in (``go``), it becomes its agent, with the plan of the job's nodes so far and
         itself. A DisttrainError when it does not answer yet."""
-        spec, ctx, facts = start.spec, start.ctx, start.facts
+        ctx, facts = start.ctx, start.facts
         transport = start.transports[index]
         (session,) = open_sessions([transport], python=self.session_python(ctx), master=facts.master_addr,
                                    port=facts.master_port, cwd=ctx.cwd, paths=self.probe_paths(ctx), reach=False)

@@ -33,19 +33,7 @@ NO_AWS = {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/no
           "AWS_EC2_METADATA_DISABLED": "true"}
 
 
-@pytest.fixture(autouse=True)
-def fresh_s3_clients():
-    """fsspec keeps one S3 filesystem per set of arguments for the process; the endpoint is read
-    from the environment when it is made, so one made for another module's moto server (stopped
-    since) would be reused here. Each test starts and ends without them."""
-    try:
-        import s3fs
-    except ImportError:
-        yield
-        return
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield
-    s3fs.S3FileSystem.clear_instance_cache()
+pytestmark = pytest.mark.usefixtures("fresh_s3_clients")
 
 
 def run_with(tmp_path: Path, location: str, *extra: str, env: dict | None = None):

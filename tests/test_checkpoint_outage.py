@@ -19,20 +19,7 @@ from conftest import cli_env
 from disttrain.checkpoint_layout import MARKER
 from disttrain.checkpoint_retry import StoreRetry, is_transient
 
-
-@pytest.fixture(autouse=True)
-def fresh_s3_clients():
-    """fsspec keeps one S3 filesystem per set of arguments for the process; the endpoint is read
-    from the environment when it is made, so one made for another module's moto server (stopped
-    since) would be reused here. Each test starts and ends without them."""
-    try:
-        import s3fs
-    except ImportError:
-        yield
-        return
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield
-    s3fs.S3FileSystem.clear_instance_cache()
+pytestmark = pytest.mark.usefixtures("fresh_s3_clients")
 
 
 # -- in process: the rules ------------------------------------------------------------------------
@@ -242,8 +229,9 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(300)
-def test_a_10s_outage_at_an_upload_is_ridden_out_and_every_reported_checkpoint_is_whole(s3, s3_endpoint, tmp_path):
+def start_saver(s3, s3_endpoint: str, tmp_path: Path, *flags_before: str):
+    """Two ranks of SAVER under ``disttrain run``, saving to the bucket through a relay the test can
+    cut: (the filesystem, the bucket, the relay, the job, its flags folder, the checkpoint URL)."""
     fs, bucket = s3
     host, port = s3_endpoint.rsplit("//", 1)[1].split(":")
     relay = Relay((host, int(port)))
@@ -254,8 +242,14 @@ def test_a_10s_outage_at_an_upload_is_ridden_out_and_every_reported_checkpoint_i
     url = f"s3://{bucket}/run"
     env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), AWS_ENDPOINT_URL=f"http://127.0.0.1:{relay.port}")
     proc = subprocess.Popen([sys.executable, "-m", "disttrain", "run", "-n", "2", "--checkpoint-dir", url,
-                             str(tmp_path / "saver.py"), url, str(flags)],
+                             *flags_before, str(tmp_path / "saver.py"), url, str(flags)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return fs, bucket, relay, proc, flags, url
+
+
+@pytest.mark.timeout(300)
+def test_a_10s_outage_at_an_upload_is_ridden_out_and_every_reported_checkpoint_is_whole(s3, s3_endpoint, tmp_path):
+    fs, bucket, relay, proc, flags, url = start_saver(s3, s3_endpoint, tmp_path)
     try:
         wait_for(flags / "saving", proc, 150)
         relay.stop()
@@ -301,18 +295,7 @@ def test_the_retry_bound_reaches_the_workers_and_a_negative_one_is_refused(tmp_p
 
 @pytest.mark.timeout(300)
 def test_an_outage_past_the_bound_fails_the_job_and_leaves_nothing_to_resume_from(s3, s3_endpoint, tmp_path):
-    fs, bucket = s3
-    host, port = s3_endpoint.rsplit("//", 1)[1].split(":")
-    relay = Relay((host, int(port)))
-    relay.start()
-    flags = tmp_path / "flags"
-    flags.mkdir()
-    (tmp_path / "saver.py").write_text(SAVER)
-    url = f"s3://{bucket}/run"
-    env = cli_env(DISTTRAIN_HOME=str(tmp_path / "home"), AWS_ENDPOINT_URL=f"http://127.0.0.1:{relay.port}")
-    proc = subprocess.Popen([sys.executable, "-m", "disttrain", "run", "-n", "2", "--checkpoint-dir", url,
-                             "--checkpoint-retry-s", "2", str(tmp_path / "saver.py"), url, str(flags)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    fs, bucket, relay, proc, flags, url = start_saver(s3, s3_endpoint, tmp_path, "--checkpoint-retry-s", "2")
     try:
         wait_for(flags / "saving", proc, 150)
         relay.stop()  # and never back

@@ -144,7 +144,8 @@ class RunTracker:
                 self._record({"kind": "end", "t": self.clock(), "exit_code": exit_code, "hung": hung})
                 self._file.close()
                 self._file = None
-        if report and (hung or exit_code):  # the run's own root cause, kept for the user and `disttrain ui`
+        # the root cause of a run that started (its folder is there), kept for the user and `disttrain ui`
+        if report and (hung or exit_code) and self.run_dir.is_dir():
             try:
                 write_atomic(self.run_dir / (HANG_FILE if hung else FAILURE_FILE), report.rstrip("\n") + "\n",
                              mode=0o600)

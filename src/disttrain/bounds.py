@@ -68,6 +68,7 @@ OPTIONS: dict[str, tuple[float, float, str]] = {
     "pending_timeout": (0, MAX_SECONDS, "seconds"),
     "timeout": (0, MAX_SECONDS, "seconds"),
     "checkpoint_every": (0, MAX_STEPS, "steps"),
+    "checkpoint_retry_s": (0, 86_400, "seconds"),  # 0: no retry
     "global_batch": (1, MAX_INT, ""),
     "steps": (1, MAX_STEPS, ""),
     "warmup": (0, MAX_STEPS, ""),

@@ -255,7 +255,9 @@ _NUMERIC_WORDS = {"--nnodes": ("{}", "1:{}"), "--nproc-per-node": ("{}",), "--np
 _VERBS = {("run",): ["--dry-run", GOOD], ("bench",): ["--dry-run", GOOD], ("doctor",): ["--hosts", ""],
           ("job", "run"): ["missing.yaml"], ("jobs", "ls"): [], ("jobs", "show"): ["1"], ("jobs", "logs"): ["1"],
           ("jobs", "stop"): ["1"], ("jobs", "metrics"): ["1"], ("tune", "run"): [], ("tune", "ls"): [],
-          ("tune", "show"): ["1"], ("tune", "stop"): ["1"], ("tune", "resume"): ["1"]}
+          ("tune", "show"): ["1"], ("tune", "stop"): ["1"], ("tune", "resume"): ["1"],
+          # an address no interface here has (TEST-NET-3): a port in range is refused at the bind, no server starts
+          ("ui",): ["--host", "203.0.113.1"]}
 # Verbs that take an id: every id, huge ones included, is the job or exit 2.
 _IDS = (("jobs", "show"), ("jobs", "logs"), ("jobs", "stop"), ("jobs", "metrics"), ("tune", "show"), ("tune", "stop"))
 

@@ -76,10 +76,10 @@ def test_every_launch_spec_field_survives_json():
         master_addr="10.0.0.1", master_port=23456, max_restarts=1, ranks=(0, 2), env={"A": "1", "B": "x y"},
         rdzv_backend="c10d", rdzv_timeout_s=30, stop_grace_s=5, hang_timeout_s=60, checkpoint_dir="/ck",
         checkpoint_every=0, framework="tensorflow", forward_env=False, grad_compression="powersgd:4", bucket_mb=8.0,
-        track="ranks",
+        track="ranks", checkpoint_retry_s=7.5,
         min_nnodes=1, rdzv_id="JOB", rdzv_conf={"last_call_timeout": "5"}, local_addr="10.0.0.2",
         agent=AgentOptions(role="trainer", tee="3", local_ranks_filter=(1,), duplicate_stdout_filters=("loss",),
-                           torchrun_log_dir="/l"),
+                           torchrun_log_dir="/l", log_line_prefix_template="${rank}| "),
     )
     # the torchrun options that a TensorFlow module cannot have, in a second spec
     program = dataclasses.replace(spec, is_module=False, framework="pytorch", no_python=True, run_path=True)
@@ -165,7 +165,7 @@ def test_inside_a_job_step_the_plan_uses_the_steps_cpus(tmp_path):
 @pytest.mark.parametrize(("args", "fragments"), [
     (["--launcher", "slurm", "--sbatch-arg", "mem=1G"], ["--sbatch-arg takes one sbatch option", "'mem=1G'"]),
     (["--launcher", "slurm", "--sbatch-arg=--export=NONE"], ["disttrain carries the environment itself", "drop it"]),
-    (["--launcher", "slurm", "--nodes", "0"], ["--nodes must be at least 1"]),
+    (["--launcher", "slurm", "--nodes", "0"], ["--nodes must be in 1..65536"]),
     (["--launcher", "slurm", "--partition", "a b"], ["--partition 'a b'"]),
     (["--launcher", "slurm", "--hosts", "a,b"], ["--launcher slurm runs no ssh"]),
     (["--partition", "gpu"], ["--partition is a Slurm flag: add --launcher slurm"]),

@@ -27,7 +27,7 @@ HOG = 4  # busy loops beside the job (2 cores here: a load of 6 or more with the
 bench = elastic_bench()
 cluster4 = cluster_fixture(4, name="cluster4", bridge=True)
 
-pytestmark = [pytest.mark.slow, pytest.mark.rig]
+pytestmark = [pytest.mark.slow, pytest.mark.rig, pytest.mark.field]
 
 
 @contextmanager

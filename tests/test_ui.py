@@ -320,7 +320,7 @@ def test_every_request_needs_the_token_when_it_is_set(runs_home):
 # --- the command -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, said", [
-    (["--port", "70000"], "--port 70000 is not a port"),
+    (["--port", "70000"], "--port must be in 0..65535, got 70000"),
     (["--refresh", "0"], "--refresh 0 must be a number of seconds above 0"),
     (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' is not an address of this machine"),
 ])

@@ -58,7 +58,7 @@ CHECKS: dict[str, Check] = {
     "run -n 2": Check(("tests/test_run_local.py::test_torchrun_script_runs_unchanged_with_prefixed_output_and_logs",)),
     "c10d by hand": Check(("tests/test_torchrun_run.py::test_by_hand_recipe_forms_a_job_across_two_hosts",)),
     "regroup in place": Check(("tests/test_regroup.py::test_the_survivors_go_on_in_place_as_the_same_processes[killed]",)),
-    "nnodes 2:3, a join in place": Check(("tests/test_elastic.py::test_a_host_down_at_the_start_joins_when_it_comes_back",)),
+    "nnodes 2:3 join in place": Check(("tests/test_elastic.py::test_a_host_down_at_the_start_joins_when_it_comes_back",)),
     "hang verdict": Check(("tests/test_hangs.py::test_a_collective_mismatch_ends_in_a_verdict_naming_both_ranks_and_ops",),
                           (IN_COMPAT + "test_a_hang_watch_without_the_recorder_of_gloo_says_what_it_sees",)),
     "bit-exact resume": Check(("tests/test_sharded.py::test_sigkill_mid_epoch_then_resume_is_bit_exact[ddp]",)),

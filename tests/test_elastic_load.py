@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from test_elastic import wait_for
 
 from conftest import elastic_bench
 from rig import cluster_fixture
@@ -42,17 +43,6 @@ def cpu_hog(n: int = HOG):
             proc.wait()
 
 
-def _wait(proc: subprocess.Popen, ready, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"the job ended early (exit {proc.returncode}):\n{proc.stderr.read()[-4000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"not ready within {timeout} s:\n{proc.communicate()[1][-4000:]}")
-        time.sleep(0.2)
-
-
 def _check_record(record: list[dict], out: Path) -> None:
     """Every entry true: world size = its hosts (-n 1), a restart says why, "in place" kept the pids."""
     for entry in record:
@@ -78,7 +68,7 @@ def test_two_hosts_booting_late_under_load_all_train_and_the_record_is_true(clus
     with cpu_hog():
         proc = cluster4.popen_in("node0", argv, cwd=ROOT, env=bench.worker_env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-        _wait(proc, lambda: bench.step_of(out) >= 2, timeout=300)
+        wait_for(proc, lambda: bench.step_of(out) >= 2, timeout=300)
         cluster4.power_on("node2")
         time.sleep(10)
         cluster4.power_on("node3")

@@ -222,16 +222,3 @@ def s3(s3_endpoint, monkeypatch):
     return fs, bucket
 
 
-@pytest.fixture
-def fresh_s3_clients():
-    """fsspec keeps one S3 filesystem per set of arguments for the process; the endpoint is read
-    from the environment when it is made, so one made for another module's moto server (stopped
-    since) would be reused here. Each test starts and ends without them."""
-    try:
-        import s3fs
-    except ImportError:
-        yield
-        return
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield
-    s3fs.S3FileSystem.clear_instance_cache()

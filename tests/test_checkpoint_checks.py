@@ -33,9 +33,6 @@ NO_AWS = {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/no
           "AWS_EC2_METADATA_DISABLED": "true"}
 
 
-pytestmark = pytest.mark.usefixtures("fresh_s3_clients")
-
-
 def run_with(tmp_path: Path, location: str, *extra: str, env: dict | None = None):
     script = tmp_path / "started.py"
     script.write_text(STARTED)
@@ -172,3 +169,16 @@ def test_memory_store_is_refused_by_ranks_of_a_launched_job(tmp_path):
     assert result.returncode == 1, result.stderr  # a worker's mistake fails the job, its line in the report
     assert "checkpoint folder memory://shared: a memory:// store lives in one process's memory" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_an_s3_store_is_reached_at_the_endpoint_named_now(monkeypatch):
+    """fsspec keeps one filesystem per set of options for the process: one made while
+    AWS_ENDPOINT_URL named another server is never handed back."""
+    pytest.importorskip("s3fs")
+    from disttrain.checkpoint_url import open_url
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    first = open_url("s3://bucket/run").fs
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:2")
+    assert (first.endpoint_url, open_url("s3://bucket/run").fs.endpoint_url) == ("http://127.0.0.1:1",
+                                                                                 "http://127.0.0.1:2")

@@ -280,3 +280,56 @@ def test_a_tracker_that_answers_again_gets_what_was_kept(tmp_path, monkeypatch):
     sent = tracker.sink.got
     assert [step for kind, step in sent if kind == "metrics" and step is not None] == [0, 1, 2, 3]
     assert sent[-1] == ("finish", 0)
+
+
+def test_a_tracker_slow_to_open_is_asked_again_and_a_refusing_one_is_said_at_once(tmp_path, monkeypatch):
+    """In-process: a server that times out twice while a run opens (twenty runs starting at once) gets
+    the run and its points without a word; one that refuses the connection is one line at once."""
+    from disttrain import trackline
+    from disttrain.tracking import follower
+    from disttrain.tracking.follower import RunTracker
+    from disttrain.tracking.sink import Sink
+
+    class Slow(Sink):
+        tracker = client = "slow"
+        run_id = "r2"
+        opens = 0
+
+        def __init__(self, name, *, params, parent=None):
+            Slow.opens += 1
+            if Slow.opens <= 2:
+                raise Slow.error
+            self.got = []
+
+        def metrics(self, values, step, wall_time):
+            self.got.append(step)
+
+        def text(self, name, text):
+            pass
+
+        def artifact(self, path):
+            pass
+
+        def finish(self, exit_code):
+            self.got.append("finish")
+
+    monkeypatch.setattr(follower, "open_sink", lambda tracker, name, **kw: Slow(name, **kw))
+    monkeypatch.setattr(follower, "sink_class", lambda tracker: Slow)
+    monkeypatch.setattr(follower, "RETRY_EVERY_S", 0.01)
+    for error, opened in ((TimeoutError("read timed out"), True), (ConnectionRefusedError("refused"), False)):
+        Slow.opens, Slow.error = 0, error
+        said: list[str] = []
+        tracker = RunTracker(tmp_path / type(error).__name__, tracker="slow", name="run-2", params={},
+                             say=said.append)
+        tracker.starting(1)
+        for step in range(3):
+            tracker.line("[h rank0] " + trackline.encode("metrics", rank=0, step=step, values={"loss": 1.0},
+                                                         reduced=True))
+        tracker.finish(0)
+        if opened:
+            assert Slow.opens == 3 and tracker.sink.got[:3] == [0, 1, 2] and tracker.sink.got[-1] == "finish"
+            assert not [line for line in said if "warning" in line], said
+        else:
+            assert Slow.opens == 1 and tracker.sink is None
+            warned = [line for line in said if "warning" in line]
+            assert len(warned) == 1 and "could not be opened (ConnectionRefusedError: refused)" in warned[0]

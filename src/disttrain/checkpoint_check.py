@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .checkpoint_url import BUCKET_STORES, check_url, is_url
+from .checkpoint_url import BUCKET_STORES, check_url, is_url, store_options
 from .errors import UsageError
 
 PROBE_PREFIX = ".disttrain-probe-"
@@ -88,7 +88,7 @@ def _check_url(url: str, what: str, create_bucket: bool, options: dict[str, Any]
     from fsspec.core import url_to_fs
 
     try:
-        fs, path = url_to_fs(url, **options)
+        fs, path = url_to_fs(url, **store_options(url, options))
     except ImportError as err:
         extra = " (pip install 'disttrain[s3]')" if scheme in ("s3", "s3a") else ""
         raise UsageError(f"{what} {url}: the {scheme}:// store is not installed: {err}{extra}") from None

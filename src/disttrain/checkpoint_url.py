@@ -26,6 +26,7 @@ import functools
 import hashlib
 import io
 import json
+import os
 import re
 import threading
 from collections.abc import Callable
@@ -95,6 +96,18 @@ def check_url(url: str) -> str:
     return url
 
 
+def store_options(url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """fsspec's options for ``url``. For S3, the endpoint that ``AWS_ENDPOINT_URL(_S3)`` names is made an
+    option: fsspec keeps one filesystem per set of options, and one made while the variable named another
+    endpoint would otherwise be handed back."""
+    options = dict(options or {})
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if (urlsplit(url).scheme.lower() in ("s3", "s3a") and endpoint and "endpoint_url" not in options
+            and "endpoint_url" not in options.get("client_kwargs", {})):
+        options["endpoint_url"] = endpoint
+    return options
+
+
 def open_url(url: str) -> RemotePath:
     """The store behind ``url``; one line naming what to install or fix when it cannot be opened."""
     parts = urlsplit(check_url(url))
@@ -103,7 +116,7 @@ def open_url(url: str) -> RemotePath:
     except ImportError:  # pragma: no cover - fsspec is a dependency
         raise UsageError("checkpoints at a URL need fsspec: pip install fsspec") from None
     try:
-        fs, path = url_to_fs(url)
+        fs, path = url_to_fs(url, **store_options(url))
     except ImportError as err:
         extra = " (pip install 'disttrain[s3]')" if parts.scheme in ("s3", "s3a") else ""
         raise UsageError(f"cannot open checkpoint URL {url}: {err}{extra}") from None

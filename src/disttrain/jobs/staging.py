@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint_url import store_options
 from ..errors import UsageError
 from .layout import JobLayout
 from .spec import JobSpec, is_url
@@ -34,7 +35,7 @@ def open_fs(url: str, storage_options: dict[str, Any], key: str):
     import fsspec
 
     try:
-        return fsspec.core.url_to_fs(url, **storage_options)
+        return fsspec.core.url_to_fs(url, **store_options(url, storage_options))
     except ImportError as err:
         extra = " (pip install 'disttrain[s3]')" if url.startswith("s3://") else ""
         raise UsageError(f"{key}: cannot open {url}: {err}{extra}") from None

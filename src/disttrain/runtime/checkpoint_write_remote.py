@@ -91,7 +91,7 @@ def save(layout: RemoteLayout, step: int, keep_last: int | None, plain: dict[str
     shard_digests = gather(written, None)
     if written is not None:
         if ctx.is_main:
-            layout.discard(folder)
+            discard(layout, folder)
         raise DisttrainError(describe(layout, written)) from written
     path, failure = None, None
     if ctx.is_main:
@@ -100,7 +100,7 @@ def save(layout: RemoteLayout, step: int, keep_last: int | None, plain: dict[str
                 raise DisttrainError(shard_digests)
             path = finish(shard_digests)
         except Exception as err:
-            layout.discard(folder)
+            discard(layout, folder)
             failure = err
     error = from_main(ctx, describe(layout, failure))
     if error is not None:
@@ -112,7 +112,16 @@ def abandon(deferred: Staged | None, layout: RemoteLayout, folder: RemotePath) -
     """A failed asynchronous save: its buffers back (the next save leases them), its objects gone."""
     if deferred is not None:
         deferred.release()
-    layout.discard(folder)
+    discard(layout, folder)
+
+
+def discard(layout: RemoteLayout, folder: RemotePath) -> None:
+    """A failed save's objects removed, when the store lets them be: one it cannot reach keeps a folder
+    without its marker, which no reader takes and the next writer of the step clears."""
+    try:
+        layout.discard(folder)
+    except OSError:
+        pass
 
 
 def serialise_staged(staged: Staged) -> bytes:

@@ -29,12 +29,13 @@ from ..launch.elastic import load_record
 from ..linetap import Tapped
 from ..private import private_opener, redact_urls
 from ..workerenv import RESUMED_MARKER
-from .sink import Sink, open_sink
+from .sink import Sink, open_sink, sink_class
 
 _RESUMED = re.compile(re.escape(RESUMED_MARKER) + r"(\d+)")
 FOLLOW_POLL_S = 0.25
 STOP_WAIT_S = 30.0  # at the end, for the tracker to take what is queued (a dead one: as long as this)
 RETRY_EVERY_S = 2.0  # a tracker that stopped answering is tried again this often
+OPEN_PATIENCE_S = 60.0  # a server slow to answer (many runs starting at once) is asked again this long
 MAX_KEPT = 100_000  # records kept for a tracker that stopped answering (the oldest points go first)
 HANG_FILE = "hang_verdict.txt"  # in the run folder: the hang verdict of a run it stopped
 FAILURE_FILE = "failure.txt"  # in the run folder: the root-cause report of a run that failed
@@ -234,15 +235,21 @@ class RunTracker:
 
     def _open(self) -> bool:
         """The tracker's run, opened here: a tracker that cannot be reached or does not exist is one
-        line, and the run goes on untracked."""
+        line, and the run goes on untracked. A server that is there but slow to answer (many runs
+        starting at once) is asked again for up to OPEN_PATIENCE_S, its records queued meanwhile."""
         name, params, parent = self._open_args
-        try:
-            self.sink = open_sink(self.tracker, name, params=params, parent=parent)
-            return True
-        except Exception as err:  # a tracker must never fail the run
-            self.say(f"disttrain: warning: the {self.tracker} tracker could not be opened ({_first_line(err)}); "
-                     f"the run goes on untracked, its records in {self.run_dir}")
-            return False
+        patience = time.monotonic() + OPEN_PATIENCE_S
+        while True:
+            try:
+                self.sink = open_sink(self.tracker, name, params=params, parent=parent)
+                return True
+            except Exception as err:  # a tracker must never fail the run
+                if (sink_class(self.tracker).busy(err) and time.monotonic() < patience
+                        and not self._closing.wait(RETRY_EVERY_S)):
+                    continue
+                self.say(f"disttrain: warning: the {self.tracker} tracker could not be opened ({_first_line(err)}); "
+                         f"the run goes on untracked, its records in {self.run_dir}")
+                return False
 
     def _deliver(self, kept: list[tuple[str, tuple]]) -> None:
         """Send ``kept`` from its front, each record removed once taken; at a failure, the rest is kept

@@ -19,6 +19,8 @@ _MODULES = {"mlflow": "mlflow_sink", "trackio": "trackio_sink", "wandb": "wandb_
 PROJECT = "disttrain"  # the experiment / project when the tracker's own variable names none
 # A tuning job's tracker run, for the runners of its trials (Sink.child_key): their runs are its children.
 PARENT_ENV = "DISTTRAIN_TRACK_PARENT"
+# What a client's error says when the server is there but overloaded (timeouts, 5xx answers).
+BUSY_WORDS = ("timed out", "timeout", " 500", " 502", " 503", " 504", "internal_error", "temporarily")
 
 
 def check_tracker(name: str | None, *, where: str = "--track") -> str | None:
@@ -77,6 +79,13 @@ class Sink(ABC):
         """Whether ``err`` says the tracker is out of reach now (its records are kept and sent again),
         not that it refused the record itself."""
         return isinstance(err, (OSError, TimeoutError))
+
+    @classmethod
+    def busy(cls, err: Exception) -> bool:
+        """Whether ``err`` says the tracker is there but slow or overloaded (a timeout, a 5xx answer):
+        opening its run is worth trying again, unlike a refused connection or a wrong setting."""
+        text = str(err).lower()
+        return isinstance(err, TimeoutError) or any(word in text for word in BUSY_WORDS)
 
     @classmethod
     def check_setting(cls, where: str) -> None:

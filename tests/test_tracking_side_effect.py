@@ -314,7 +314,6 @@ def test_a_tracker_slow_to_open_is_asked_again_and_a_refusing_one_is_said_at_onc
             self.got.append("finish")
 
     monkeypatch.setattr(follower, "open_sink", lambda tracker, name, **kw: Slow(name, **kw))
-    monkeypatch.setattr(follower, "sink_class", lambda tracker: Slow)
     monkeypatch.setattr(follower, "RETRY_EVERY_S", 0.01)
     for error, opened in ((TimeoutError("read timed out"), True), (ConnectionRefusedError("refused"), False)):
         Slow.opens, Slow.error = 0, error
@@ -333,3 +332,22 @@ def test_a_tracker_slow_to_open_is_asked_again_and_a_refusing_one_is_said_at_onc
             assert Slow.opens == 1 and tracker.sink is None
             warned = [line for line in said if "warning" in line]
             assert len(warned) == 1 and "could not be opened (ConnectionRefusedError: refused)" in warned[0]
+
+
+def test_an_mlflow_server_that_is_not_there_is_known_before_mlflow_is_imported(monkeypatch):
+    """The probe: a refused port is a ConnectionRefusedError at once; a listening one passes."""
+    import socket
+
+    from disttrain.tracking.mlflow_sink import MlflowSink
+    from disttrain.tracking.sink import busy
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)
+        port = listening.getsockname()[1]
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+        MlflowSink.probe()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://u:p@127.0.0.1:{port}")
+    with pytest.raises(ConnectionRefusedError) as refused:
+        MlflowSink.probe()
+    assert not busy(refused.value)

@@ -29,7 +29,7 @@ from ..launch.elastic import load_record
 from ..linetap import Tapped
 from ..private import private_opener, redact_urls
 from ..workerenv import RESUMED_MARKER
-from .sink import Sink, open_sink, sink_class
+from .sink import Sink, busy, open_sink
 
 _RESUMED = re.compile(re.escape(RESUMED_MARKER) + r"(\d+)")
 FOLLOW_POLL_S = 0.25
@@ -244,7 +244,7 @@ class RunTracker:
                 self.sink = open_sink(self.tracker, name, params=params, parent=parent)
                 return True
             except Exception as err:  # a tracker must never fail the run
-                if (sink_class(self.tracker).busy(err) and time.monotonic() < patience
+                if (busy(err) and time.monotonic() < patience
                         and not self._closing.wait(RETRY_EVERY_S)):
                     continue
                 self.say(f"disttrain: warning: the {self.tracker} tracker could not be opened ({_first_line(err)}); "

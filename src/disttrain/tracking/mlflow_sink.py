@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,6 +35,7 @@ _CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST
 SCHEMES = ("", "file", "http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
            "uc")
 EXPERIMENT_TRIES = 5
+PROBE_S = 5.0  # for the server's port to accept a connection
 
 
 class _Redacted(logging.Filter):
@@ -58,6 +60,17 @@ class MlflowSink(Sink):
             raise UsageError(f"{where} mlflow: MLFLOW_TRACKING_URI {redact_urls(uri)!r} is no MLflow tracking store "
                              "(http(s)://host:port, file:/path, sqlite:///file.db, postgresql://..., or unset for "
                              "./mlruns)")
+
+    @classmethod
+    def probe(cls) -> None:
+        parts = urlsplit(os.environ.get("MLFLOW_TRACKING_URI", ""))
+        if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+            return
+        where = (parts.hostname, parts.port or (443 if parts.scheme.lower() == "https" else 80))
+        try:
+            socket.create_connection(where, timeout=PROBE_S).close()
+        except TimeoutError:  # a live server, however busy, accepts at once: nothing answers there
+            raise ConnectionError(f"no answer from {where[0]}:{where[1]} within {PROBE_S:g} s") from None
 
     def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
         for key, value in _CLIENT_DEFAULTS.items():

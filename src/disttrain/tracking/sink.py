@@ -4,6 +4,7 @@ and is imported only when its sink is opened (the clients are the optional extra
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shlex
 from abc import ABC, abstractmethod
@@ -81,11 +82,10 @@ class Sink(ABC):
         return isinstance(err, (OSError, TimeoutError))
 
     @classmethod
-    def busy(cls, err: Exception) -> bool:
-        """Whether ``err`` says the tracker is there but slow or overloaded (a timeout, a 5xx answer):
-        opening its run is worth trying again, unlike a refused connection or a wrong setting."""
-        text = str(err).lower()
-        return isinstance(err, TimeoutError) or any(word in text for word in BUSY_WORDS)
+    def probe(cls) -> None:
+        """Raise OSError when the tracker's server cannot be reached at all, before its client is
+        imported (seconds on a loaded machine): an unreachable tracker is said at once."""
+        return None
 
     @classmethod
     def check_setting(cls, where: str) -> None:
@@ -99,11 +99,9 @@ def sink_class(tracker: str, *, where: str = "--track") -> type[Sink]:
     check_tracker(tracker, where=where)
     module = importlib.import_module(f".{_MODULES[tracker]}", __package__)
     cls: type[Sink] = module.SINK
-    try:
-        importlib.import_module(cls.client)
-    except ImportError:
+    if importlib.util.find_spec(cls.client) is None:  # found, not imported: the launch is not kept waiting
         raise UsageError(f"{where} {tracker}: the {tracker} client is not installed; "
-                         "pip install 'disttrain[track]'") from None
+                         "pip install 'disttrain[track]'")
     cls.check_setting(where)
     return cls
 
@@ -111,21 +109,30 @@ def sink_class(tracker: str, *, where: str = "--track") -> type[Sink]:
 def open_sink(tracker: str, name: str, *, params: Mapping[str, str], parent: str | None = None) -> Sink:
     """A new run of ``tracker`` (see :func:`sink_class`), its parameters masked by the job records'
     rule: a secret-looking name's value, an option's value on a command line, a URL's password."""
-    return sink_class(tracker)(name, params=mask_params(params), parent=parent)
+    cls = sink_class(tracker)
+    cls.probe()
+    return cls(name, params=mask_params(params), parent=parent)
 
 
 def open_or_say(tracker: str, name: str, *, params: Mapping[str, str], say,
                 parent: str | None = None) -> Sink | None:
     """:func:`open_sink`, or None after one line when the tracker cannot be opened (unreachable, refused):
     a tracker never stops what it tracks. A missing client or an impossible setting is still a UsageError."""
-    cls = sink_class(tracker)
+    sink_class(tracker)
     try:
-        return cls(name, params=mask_params(params), parent=parent)
+        return open_sink(tracker, name, params=params, parent=parent)
     except Exception as err:
         text = str(err).splitlines()[0][:200] if str(err) else ""
         say(redact_urls(f"disttrain: warning: the {tracker} tracker could not be opened "
                         f"({type(err).__name__}: {text}); going on untracked"))
         return None
+
+
+def busy(err: Exception) -> bool:
+    """Whether ``err`` says the tracker is there but slow or overloaded (a timeout, a 5xx answer):
+    opening its run is worth trying again, unlike a refused connection or a wrong setting."""
+    text = str(err).lower()
+    return isinstance(err, TimeoutError) or any(word in text for word in BUSY_WORDS)
 
 
 def mask_params(params: Mapping[str, str]) -> dict:

@@ -1,7 +1,7 @@
 """A worker's import environment is torchrun's (issue 46 point 5): the user's own ``sitecustomize`` on
 ``PYTHONPATH`` -- one that imports torch and defines an op schema, as the torchvision shim of AWS's HPO
-notebook does -- and the ``.pth`` files it adds act in a ``disttrain run`` worker and a job's worker as in a
-torchrun worker.
+notebook does -- and the ``.pth`` files it adds act in a ``disttrain run`` worker a job's worker and a tuner
+trial's worker as in a torchrun worker.
 
 The cause it guards: disttrain's worker bootstrap (``disttrain/_worker_site``) ran the ``sitecustomize``
 it shadows as a throwaway module, freed once run -- and a ``torch.library.Library`` unregisters its ops
@@ -108,3 +108,33 @@ def test_a_user_sitecustomize_acts_under_disttrain_as_under_torchrun(tmp_path, u
     expected["user_path"] = [p for p in expected["user_path"] if p != str(work)]
     job_facts["user_path"] = [p for p in job_facts["user_path"] if p != str(work)]
     assert job_facts == expected
+    trial = tuner_trial(tmp_path, work, env)
+    trial["user_path"] = [p for p in trial["user_path"] if p != str(work) and str(tmp_path / "home") not in p]
+    assert trial == expected
+
+
+TUNER = """
+import sys
+from disttrain.sagemaker.estimator import Estimator
+from disttrain.sagemaker.tuner import CategoricalParameter, HyperparameterTuner
+
+work, out = sys.argv[1], sys.argv[2]
+est = Estimator(entry_point="probe.py", source_dir=work, environment={"PROBE_OUT": out},
+                disttrain={"private_opt_ml": "off"})
+tuner = HyperparameterTuner(est, "loss", {"q": CategoricalParameter([1])}, strategy="Grid",
+                            metric_definitions=[{"Name": "loss", "Regex": "loss=([0-9.]+)"}],
+                            objective_type="Minimize", max_parallel_jobs=1)
+tuner.fit()
+"""
+
+
+def tuner_trial(tmp_path: Path, work: Path, env: dict[str, str]) -> dict:
+    """The facts of one trial of a HyperparameterTuner started in a program with the user's PYTHONPATH,
+    as AWS's HPO notebook starts its trials."""
+    out = tmp_path / "trial"
+    out.mkdir()
+    driver = write(tmp_path / "tune.py", TUNER)
+    tuned = subprocess.run([sys.executable, str(driver), str(work), str(out)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert (out / "rank0.json").exists(), tuned.stderr[-3000:]
+    return _facts(out)

@@ -45,8 +45,6 @@ def is_loopback(host: str) -> bool:
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, made here so that a taken port or an unknown address is one line, and port 0
     names the port it got."""
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--port {port} is not a port: give 1-65535 (0: any free port)")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as err:

@@ -27,6 +27,23 @@ def _session_home(tmp_path_factory: pytest.TempPathFactory):
         os.environ["DISTTRAIN_HOME"] = saved
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_outlives_its_module():
+    """Whatever a module started is gone when it ends: a process left behind would be blamed on the
+    next module that checks for leftovers (under `make test`'s lanes, on whichever module comes next)."""
+    yield
+    left = []
+    _, alive = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=3)  # those ending now
+    for child in alive:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{child.pid} {' '.join(child.cmdline())[:200]}")
+                child.kill()
+        except psutil.Error:
+            pass
+    assert not left, f"processes left behind by this module: {left}"
+
+
 JOB_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
 

@@ -233,7 +233,7 @@ def test_wandb_offline_files(tmp_path, monkeypatch):
 def test_missing_client_names_the_extra(tmp_path):
     shim = tmp_path / "shim"
     shim.mkdir()
-    (shim / "wandb.py").write_text("raise ImportError('no wandb here')\n")
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None  # as if not installed\n")
     env = cli_env(PYTHONPATH=os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]))
     proc = disttrain("run", "-n", "1", "--track", "wandb", str(SCRIPTS / "tracked.py"), env=env)
     assert proc.returncode == 2

@@ -3,7 +3,7 @@
 A store that refuses or resets connections, throttles, or answers 5xx is usually back within
 seconds to a minute (a restarted server, a failover, a burst of requests). Each store operation of
 :mod:`disttrain.checkpoint_url` is retried with backoff until ``retry_s`` have passed since the
-first failure (default 60 s; ``--checkpoint-retry-s``): one line says the store is unreachable,
+first failure (default 120 s; ``--checkpoint-retry-s``): one line says the store is unreachable,
 one line that it is back. Meanwhile an asynchronous save's upload waits on its thread and training
 goes on; the next save waits for it. Past the bound the error is raised as before, and the step's
 objects never get their marker, so resume cannot take them. Anything else (missing credentials, a
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-DEFAULT_RETRY_S = 60.0
+DEFAULT_RETRY_S = 120.0  # rides out a 60 s outage, with room for the backoff and a slow store
 FIRST_WAIT_S = 0.5
 MAX_WAIT_S = 5.0
 

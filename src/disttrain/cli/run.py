@@ -78,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="steps between checkpoints for disttrain.resume() (0: at each epoch's end)")
     p.add_argument("--checkpoint-retry-s", dest="checkpoint_retry_s", type=float, default=None, metavar="S",
                    help="seconds a checkpoint store may stay unreachable (refused or reset connections, "
-                   "throttling, 5xx) while saves retry before one fails (default 60; 0: no retry)")
+                   "throttling, 5xx) while saves retry before one fails (default 120; 0: no retry)")
     p.add_argument("--create-bucket", action="store_true",
                    help="create --checkpoint-dir's bucket when it does not exist (never done otherwise: a "
                    "typo would make a new bucket)")

@@ -96,12 +96,17 @@ def check_url(url: str) -> str:
     return url
 
 
+def s3_endpoint() -> str | None:
+    """The S3-compatible server the AWS variables name (``AWS_ENDPOINT_URL_S3`` first), or None for AWS."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
 def store_options(url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """fsspec's options for ``url``. For S3, the endpoint that ``AWS_ENDPOINT_URL(_S3)`` names is made an
     option: fsspec keeps one filesystem per set of options, and one made while the variable named another
     endpoint would otherwise be handed back."""
     options = dict(options or {})
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = s3_endpoint()
     if (urlsplit(url).scheme.lower() in ("s3", "s3a") and endpoint and "endpoint_url" not in options
             and "endpoint_url" not in options.get("client_kwargs", {})):
         options["endpoint_url"] = endpoint

@@ -20,6 +20,7 @@ import posixpath
 import re
 from typing import Any
 
+from ..checkpoint_url import s3_endpoint
 from ..errors import UsageError
 
 BUCKETS_ENV = "DISTTRAIN_BUCKETS"
@@ -29,10 +30,6 @@ DEFAULT_REGION = "us-east-1"
 
 def region() -> str:
     return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or DEFAULT_REGION
-
-
-def endpoint() -> str | None:
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
 
 def default_bucket_name() -> str:
@@ -83,7 +80,7 @@ def split_s3(url: str) -> tuple[str, str]:
 
 def is_local(bucket: str) -> bool:
     """A bucket kept under :func:`root` (no endpoint, and the default bucket or one made here)."""
-    if endpoint():
+    if s3_endpoint():
         return False
     check_bucket(bucket)  # before its name is ever a folder's
     if bucket == default_bucket_name():
@@ -136,13 +133,13 @@ def _fs(location: str):
 
 def make_bucket(bucket: str) -> None:
     """The bucket exists afterwards: a folder under :func:`root`, or a bucket at the endpoint."""
-    if endpoint():
+    if s3_endpoint():
         fs, _ = _fs(f"s3://{bucket}")
         try:
             if not fs.exists(bucket):
                 fs.mkdir(bucket)
         except Exception as err:  # credentials, endpoint: one line naming them
-            raise UsageError(f"cannot create bucket {bucket} at {endpoint()}: {type(err).__name__}: {err}") from None
+            raise UsageError(f"cannot create bucket {bucket} at {s3_endpoint()}: {type(err).__name__}: {err}") from None
         return
     fs, path = _fs(_join(root(), check_bucket(bucket)))
     try:

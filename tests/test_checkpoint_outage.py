@@ -219,21 +219,24 @@ disttrain.print0("done")
 """
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+def until(proc: subprocess.Popen, ready, timeout: float, missing: str) -> None:
+    """Wait for ``ready()`` while the job runs; ``missing`` says what did not come in time."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not ready():
         assert proc.poll() is None, f"the job ended early: {proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, f"{path.name} never came"
+        assert time.monotonic() < deadline, missing
         time.sleep(0.05)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    until(proc, path.exists, timeout, f"{path.name} never came")
 
 
 def told(home: Path, words: str, proc: subprocess.Popen, timeout: float) -> None:
     """Wait until a rank's log in the run's folder says ``words``."""
-    start = time.monotonic()
-    while not any(words in log.read_text(errors="replace") for log in home.glob("runs/*/attempt_*/rank*.stderr")):
-        assert proc.poll() is None, f"the job ended early: {proc.communicate()[1][-3000:]}"
-        assert time.monotonic() - start < timeout, f"no rank said {words!r} within {timeout:g} s"
-        time.sleep(0.1)
+    until(proc, lambda: any(words in log.read_text(errors="replace")
+                            for log in home.glob("runs/*/attempt_*/rank*.stderr")),
+          timeout, f"no rank said {words!r} within {timeout:g} s")
 
 
 def said(err: str, words: str) -> int:

@@ -360,7 +360,7 @@ def test_a_tracker_that_fails_is_said_once_and_the_records_stay(tmp_path, monkey
     class Failing(Sink):
         tracker = client = "failing"
 
-        def __init__(self, name, *, params, parent=None):
+        def __init__(self, name, *, params, parent=None, key=None):
             self.calls = []
 
         run_id = "r1"

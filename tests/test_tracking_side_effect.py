@@ -132,11 +132,78 @@ def test_twenty_runs_at_once_share_one_experiment_and_all_finish(server, tmp_pat
         out, err = proc.communicate(timeout=500)
         results.append((proc.returncode, err))
     assert [code for code, _ in results] == [0] * RUNS_AT_ONCE, [err for code, err in results if code][:2]
-    assert not [err for _, err in results if "Traceback" in err or "warning" in err]
+    assert not [line for _, err in results for line in err.splitlines() if "Traceback" in line or "warning" in line]
     client, runs = _runs(server.uri, "at-once")
     assert len(runs) == RUNS_AT_ONCE
     assert {run.info.status for run in runs} == {"FINISHED"}
     assert all(len(client.get_metric_history(run.info.run_id, "loss")) == 3 for run in runs)
+
+
+class SlowFirstCreate:
+    """A loopback proxy before the server that answers the first ``runs/create`` only after the
+    client gave up on it (its request reached the server): the client sends it again, as it does
+    when a busy server is slow, and two runs are made for one open."""
+
+    def __init__(self, upstream: str, hold_s: float) -> None:
+        import http.server
+        import threading
+        import urllib.error
+
+        proxy = self
+        self.creates = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._forward(None)
+
+            def do_POST(self):
+                self._forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+            def _forward(self, body):
+                request = urllib.request.Request(upstream + self.path, data=body, method=self.command,
+                                                 headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as answer:
+                        code, data = answer.status, answer.read()
+                except urllib.error.HTTPError as refused:
+                    code, data = refused.code, refused.read()
+                if self.path.endswith("/runs/create"):
+                    proxy.creates += 1
+                    if proxy.creates == 1:
+                        time.sleep(hold_s)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client stopped waiting for the held answer
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.uri = f"http://127.0.0.1:{self.http.server_address[1]}"
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def test_a_run_created_twice_by_a_retried_request_is_kept_once(server, tmp_path):
+    proxy = SlowFirstCreate(server.uri, hold_s=4)
+    try:
+        result = _run(tmp_path, proxy.uri, "twice", env_extra={"MLFLOW_HTTP_REQUEST_TIMEOUT": "2"})
+    finally:
+        proxy.close()
+    assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
+    assert proxy.creates == 2  # the client did send it again
+    client, (run,) = _runs(server.uri, "twice")
+    assert run.info.status == "FINISHED"
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 3
 
 
 def test_a_server_killed_and_restarted_mid_run_gets_every_point(server, tmp_path):
@@ -246,7 +313,7 @@ def test_a_tracker_that_answers_again_gets_what_was_kept(tmp_path, monkeypatch):
         tracker = client = "flaky"
         run_id = "r1"
 
-        def __init__(self, name, *, params, parent=None):
+        def __init__(self, name, *, params, parent=None, key=None):
             self.down, self.got = 2, []
 
         def metrics(self, values, step, wall_time):
@@ -295,7 +362,7 @@ def test_a_tracker_slow_to_open_is_asked_again_and_a_refusing_one_is_said_at_onc
         run_id = "r2"
         opens = 0
 
-        def __init__(self, name, *, params, parent=None):
+        def __init__(self, name, *, params, parent=None, key=None):
             Slow.opens += 1
             if Slow.opens <= 2:
                 raise Slow.error

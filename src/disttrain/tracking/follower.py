@@ -18,6 +18,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -57,7 +58,7 @@ class RunTracker:
         self.sink: Sink | None = None  # once opened, in the tracker's thread
         self.goodput: dict[str, Any] | None = None
         self.stop_wait_s = stop_wait_s
-        self._open_args = (name, params, parent)
+        self._open_args = (name, params, parent, uuid.uuid4().hex)  # the key: one run however often opened
         self._file: TextIO | None = None
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, tuple] | None] = queue.Queue()
@@ -237,11 +238,11 @@ class RunTracker:
         """The tracker's run, opened here: a tracker that cannot be reached or does not exist is one
         line, and the run goes on untracked. A server that is there but slow to answer (many runs
         starting at once) is asked again for up to OPEN_PATIENCE_S, its records queued meanwhile."""
-        name, params, parent = self._open_args
+        name, params, parent, key = self._open_args
         patience = time.monotonic() + OPEN_PATIENCE_S
         while True:
             try:
-                self.sink = open_sink(self.tracker, name, params=params, parent=parent)
+                self.sink = open_sink(self.tracker, name, params=params, parent=parent, key=key)
                 return True
             except Exception as err:  # a tracker must never fail the run
                 if (busy(err) and time.monotonic() < patience

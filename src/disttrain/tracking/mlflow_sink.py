@@ -5,7 +5,8 @@ setting: ``MLFLOW_TRACKING_URI`` (a server, or a local ``./mlruns`` without it),
 
 The client is made a side effect (see :mod:`.follower`): a request fails within seconds rather than
 after MLflow's minutes of retries (the follower keeps the records and tries again itself), an
-experiment created by many runs at once is created once and found by the others, and MLflow's own
+experiment created by many runs at once is created once and found by the others, a run created twice
+(MLflow's client sends a ``runs/create`` whose answer timed out again) is kept once, and MLflow's own
 "View run ... at" line -- the URI with its password -- is not printed (disttrain says the run's id).
 """
 
@@ -36,6 +37,7 @@ SCHEMES = ("", "file", "http", "https", "sqlite", "postgresql", "mysql", "mssql"
            "uc")
 EXPERIMENT_TRIES = 5
 PROBE_S = 5.0  # for the server's port to accept a connection
+KEY_TAG = "disttrain.key"  # the run's Sink key: the runs one open made, found at its end
 
 
 class _Redacted(logging.Filter):
@@ -72,9 +74,10 @@ class MlflowSink(Sink):
         except TimeoutError:  # a live server, however busy, accepts at once: nothing answers there
             raise ConnectionError(f"no answer from {where[0]}:{where[1]} within {PROBE_S:g} s") from None
 
-    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
-        for key, value in _CLIENT_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None,
+                 key: str | None = None) -> None:
+        for setting, value in _CLIENT_DEFAULTS.items():
+            os.environ.setdefault(setting, value)
         for logger in ("mlflow", "urllib3"):
             if not any(isinstance(f, _Redacted) for f in logging.getLogger(logger).filters):
                 logging.getLogger(logger).addFilter(_Redacted())
@@ -82,9 +85,12 @@ class MlflowSink(Sink):
         from mlflow.tracking import MlflowClient
 
         self._client = MlflowClient()
-        experiment_id = self._experiment(env("MLFLOW_EXPERIMENT_NAME", PROJECT))
+        self._experiment_id = self._experiment(env("MLFLOW_EXPERIMENT_NAME", PROJECT))
+        self._key = key
         tags = {"mlflow.parentRunId": parent} if parent else {}
-        self._run = self._client.create_run(experiment_id, run_name=name, tags=tags)
+        if key:
+            tags[KEY_TAG] = key
+        self._run = self._client.create_run(self._experiment_id, run_name=name, tags=tags)
         if params:
             self._client.log_batch(self.run_id, params=[Param(k, str(v)[:MAX_PARAM]) for k, v in params.items()])
 
@@ -141,6 +147,17 @@ class MlflowSink(Sink):
     def finish(self, exit_code: int) -> None:
         self._client.set_tag(self.run_id, "exit_code", str(exit_code))
         self._client.set_terminated(self.run_id, status=_STATUS[status(exit_code)], end_time=int(time.time() * 1000))
+        self._drop_twins()
+
+    def _drop_twins(self) -> None:
+        """Delete the runs of this key other than this one: a ``runs/create`` (or a whole open) sent
+        again after a timeout may have landed twice on a busy server. At the end, every request
+        sent has landed; the twins hold no more than the parameters."""
+        if not self._key:
+            return
+        for run in self._client.search_runs([self._experiment_id], f"tags.`{KEY_TAG}` = '{self._key}'"):
+            if run.info.run_id != self.run_id:
+                self._client.delete_run(run.info.run_id)
 
 
 SINK = MlflowSink

@@ -36,13 +36,16 @@ def check_tracker(name: str | None, *, where: str = "--track") -> str | None:
 
 class Sink(ABC):
     """One tracker run. ``parent``: the :attr:`child_key` of the run it belongs to (a tuning job's
-    trial belongs to the tuning job's run)."""
+    trial belongs to the tuning job's run). ``key``: the disttrain run's own token, the same on every
+    try to open it, so that a tracker whose run-creating request may land twice (a timeout, then a
+    retry) keeps one run (MLflow tags it)."""
 
     tracker: ClassVar[str]
     client: ClassVar[str]  # the module whose absence means the extra is missing
 
     @abstractmethod
-    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
+    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None,
+                 key: str | None = None) -> None:
         """Start the run named ``name`` with its parameters."""
 
     @property
@@ -106,12 +109,13 @@ def sink_class(tracker: str, *, where: str = "--track") -> type[Sink]:
     return cls
 
 
-def open_sink(tracker: str, name: str, *, params: Mapping[str, str], parent: str | None = None) -> Sink:
+def open_sink(tracker: str, name: str, *, params: Mapping[str, str], parent: str | None = None,
+              key: str | None = None) -> Sink:
     """A new run of ``tracker`` (see :func:`sink_class`), its parameters masked by the job records'
     rule: a secret-looking name's value, an option's value on a command line, a URL's password."""
     cls = sink_class(tracker)
     cls.probe()
-    return cls(name, params=mask_params(params), parent=parent)
+    return cls(name, params=mask_params(params), parent=parent, key=key)
 
 
 def open_or_say(tracker: str, name: str, *, params: Mapping[str, str], say,

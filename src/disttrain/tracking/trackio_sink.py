@@ -18,7 +18,8 @@ class TrackioSink(Sink):
     tracker = "trackio"
     client = "trackio"
 
-    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
+    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None,
+                 key: str | None = None) -> None:
         import trackio
 
         self._name = name

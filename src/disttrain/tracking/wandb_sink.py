@@ -17,7 +17,8 @@ class WandbSink(Sink):
     tracker = "wandb"
     client = "wandb"
 
-    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None) -> None:
+    def __init__(self, name: str, *, params: Mapping[str, str], parent: str | None = None,
+                 key: str | None = None) -> None:
         import wandb
 
         self._run = wandb.init(project=env("WANDB_PROJECT", PROJECT), name=name, config=dict(params),

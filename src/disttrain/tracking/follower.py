@@ -37,6 +37,7 @@ FOLLOW_POLL_S = 0.25
 STOP_WAIT_S = 30.0  # at the end, for the tracker to take what is queued (a dead one: as long as this)
 RETRY_EVERY_S = 2.0  # a tracker that stopped answering is tried again this often
 OPEN_PATIENCE_S = 60.0  # a server slow to answer (many runs starting at once) is asked again this long
+BUSY_GRACE_S = 30.0  # a server there but slow (timeouts, 5xx) is said to have stopped answering after this long
 MAX_KEPT = 100_000  # records kept for a tracker that stopped answering (the oldest points go first)
 HANG_FILE = "hang_verdict.txt"  # in the run folder: the hang verdict of a run it stopped
 FAILURE_FILE = "failure.txt"  # in the run folder: the root-cause report of a run that failed
@@ -64,7 +65,8 @@ class RunTracker:
         self._queue: queue.Queue[tuple[str, tuple] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._send, name="disttrain-tracker", daemon=True)
         self._failed = False  # the tracker was dropped (it could not be opened)
-        self._down = False  # it stopped answering: its records are kept
+        self._down = False  # it stopped answering (said): its records are kept
+        self._failing_since: float | None = None  # its first failure since it last took a record
         self._closing = threading.Event()  # the run's end waited long enough: the thread gives up
         self._follower: threading.Thread | None = None
         if tracker:
@@ -254,7 +256,8 @@ class RunTracker:
 
     def _deliver(self, kept: list[tuple[str, tuple]]) -> None:
         """Send ``kept`` from its front, each record removed once taken; at a failure, the rest is kept
-        for the next try (said once), and a record the tracker refuses for what it is, dropped."""
+        for the next try (said once: at once for a server that is gone, after BUSY_GRACE_S for one that
+        is only slow), and a record the tracker refuses for what it is, dropped."""
         while kept:
             what, args = kept[0]
             count = 1
@@ -272,12 +275,14 @@ class RunTracker:
                              f"({_first_line(err)}); it stays in {self.run_dir}")
                     del kept[:count]
                     continue
-                if not self._down:
+                self._failing_since = self._failing_since or time.monotonic()
+                if not self._down and (not busy(err) or time.monotonic() - self._failing_since >= BUSY_GRACE_S):
                     self._down = True
                     self.say(f"disttrain: warning: the {self.tracker} tracker stopped answering ({_first_line(err)}); "
                              "the run goes on, its records are kept and sent when it answers again")
                 return
             del kept[:count]
+            self._failing_since = None
         if self._down:
             self._down = False
             self.say(f"disttrain: the {self.tracker} tracker answers again; the records kept meanwhile are sent")

@@ -44,6 +44,20 @@ def test_bucket_size_must_be_a_positive_number(raw):
         comm.parse_bucket_mb(raw)
 
 
+def test_bench_comm_modes_are_checked_before_anything_runs(tmp_path):
+    from disttrain.cli.bench import comm_modes
+    from disttrain.scaling.comm import TRIED
+
+    assert comm_modes(None, asked=True) == TRIED
+    assert comm_modes(" PowerSGD,none,localsgd:8,powersgd", asked=True) == ("powersgd", "localsgd:8")
+    script = tmp_path / "t.py"
+    script.write_text("print(1)\n")
+    for flags, said in ((["--comm", "--comm-modes", "fp16,zstd"], "--comm-modes: unknown gradient compression 'zstd'"),
+                        (["--comm-modes", "fp16"], "--comm-modes needs --comm")):
+        result = disttrain("bench", *flags, str(script))
+        assert result.returncode == 2 and said in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
 def test_environment_gives_prepare_its_defaults_and_arguments_win():
     env = WorkerEnv.from_environ({"DISTTRAIN_GRAD_COMPRESSION": "fp16", "DISTTRAIN_BUCKET_MB": "5"})
     assert comm.CommSettings.resolve(env=env) == comm.CommSettings(compression="fp16", bucket_mb=5.0)
@@ -179,11 +193,15 @@ BUDGET = {"wire": ("--samples", "576", "--epochs", "1"),  # 36 steps of 16 sampl
           "compute": ("--samples", "1024", "--epochs", "20")}  # 2 steps of 256 samples an epoch
 
 
+# The modes each test's assertions read (every mode is a launch across the two hosts).
+MODES = {"wire": "powersgd", "compute": "fp16"}
+
+
 def bench_split(cluster, kind: str) -> dict:
     hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
     ssh = cluster.cli_ssh_args()
     argv = [sys.executable, "-m", "disttrain", "bench", "--hosts", hosts, "-n", "1", "--no-preflight",
-            *ssh, "--env", "OMP_NUM_THREADS=1", "--comm", "--link-gbit", "0.05", "--steps", "4",
+            *ssh, "--env", "OMP_NUM_THREADS=1", "--comm", "--comm-modes", MODES[kind], "--link-gbit", "0.05", "--steps", "4",
             "--warmup", "2", "--global-batch", "16", "--repeat", "1", "--json", str(SCRIPTS / "comm_bound.py"),
             "--", "--kind", kind, *BUDGET[kind]]
     result = cluster.run_in("node0", argv, timeout=520, cwd=ROOT)

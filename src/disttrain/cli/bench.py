@@ -22,6 +22,7 @@ from pathlib import Path
 from ..config.launch import LaunchSpec, parse_env
 from ..errors import UsageError
 from ..plotfile import plot_path
+from ..runtime.comm import parse_compression
 from ..scaling import comm, plot, report
 from ..scaling.bench import (
     BenchSpec,
@@ -93,6 +94,9 @@ def _add_options(p: argparse.ArgumentParser, default) -> None:
                    help="also split each multi-process step into compute and communication (a run "
                    "without gradient sync), run gradient compressions, local SGD and DiLoCo to the script's "
                    "end (throughput and validation accuracy), and say which mode to use")
+    p.add_argument("--comm-modes", default=default(None), metavar="LIST",
+                   help="with --comm: the modes to try beside plain DDP, e.g. powersgd,localsgd:8 "
+                   f"(default {','.join(comm.TRIED)})")
     p.add_argument("--link-gbit", type=float, default=default(None), metavar="G",
                    help="with --comm: the link's rate in Gbit/s, to compare with the all-reduce bound")
     p.add_argument("-m", "--module", action="store_true", default=default(False),
@@ -171,6 +175,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
 def handle(args: argparse.Namespace) -> int:
     args = finish_parsing(args)
     spec = spec_from_args(args)
+    args.comm_modes = comm_modes(args.comm_modes, asked=args.comm)
     if args.plot:
         plot.require_matplotlib()
         plot_path(args.plot)  # a place that cannot take it fails now, not after the measuring
@@ -196,12 +201,31 @@ def handle(args: argparse.Namespace) -> int:
     return code
 
 
+def comm_modes(raw: str | None, *, asked: bool) -> tuple[str, ...]:
+    """``--comm-modes``: the modes ``bench --comm`` tries beside plain DDP, each a ``--grad-compression``
+    value (checked, in its lower-case spelling, once each; ``none`` is plain DDP, always measured)."""
+    if raw is None:
+        return comm.TRIED
+    if not asked:
+        raise UsageError("--comm-modes needs --comm (it names the modes that --comm tries)")
+    modes = []
+    for word in raw.split(","):
+        try:
+            name, _ = parse_compression(word)
+        except UsageError as err:
+            raise UsageError(f"--comm-modes: {err}") from None
+        mode = word.strip().lower()
+        if name != "none" and mode not in modes:
+            modes.append(mode)
+    return tuple(modes)
+
+
 def _measure(args: argparse.Namespace, spec: BenchSpec, tracked: Sink | None) -> int:
     notes = context_notes(busy=None if spec.hosts else busy_before())
     if args.link_gbit is not None and not args.link_gbit > 0:
         raise UsageError(f"--link-gbit must be more than 0, got {args.link_gbit:g}")
     measurements = run_all(spec)
-    comm_results = comm.measure(spec, link_gbit=args.link_gbit, plain={
+    comm_results = comm.measure(spec, link_gbit=args.link_gbit, tried=args.comm_modes, plain={
         m.nproc: m.samples_per_s for m in measurements if m.ok}) if args.comm else []
     rows = report.scaling(measurements)
     cpus, gpus = machine_facts(measurements, local=not spec.hosts)

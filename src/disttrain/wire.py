@@ -21,6 +21,7 @@ each serialised by its own methods).
 =================  ===============  ======================================================
 kind               type             hop
 =================  ===============  ======================================================
+probe.hello        ProbeHello       a host's probe session -> the launcher: started (before torch's import)
 probe.facts        ProbeFacts       a host's probe session -> the launcher (facts, listeners)
 probe.connect      ConnectTargets   launcher -> probe session (what to connect to)
 probe.reached      ConnectResults   probe session -> launcher (what it reached)
@@ -295,6 +296,15 @@ class Listening(Record):
 
     ports: tuple[int, ...] = ()
     error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeHello(Message):
+    """A probe session's first line, said before anything slow: the host was reached and its
+    Python runs disttrain. Its facts follow once torch is imported (seconds; a minute or more on
+    a loaded host), so an unreachable host and a slow one are told apart."""
+
+    kind: ClassVar[str] = "probe.hello"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -591,7 +601,7 @@ class InstanceEnv(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.kind: m for m in (
-    ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Alive, Beats, HangReport, NodeDone,
+    ProbeHello, ProbeFacts, ConnectTargets, ConnectResults, PlanMessage, DumpRequest, Alive, Beats, HangReport, NodeDone,
     Regroup, StopRequest, AttemptStarted, Outcome, BatchStep, BatchStepEnded,
     RunClient, JobClient, RunSpec, FitRequest, SyncOffer, SyncWanted, InstanceEnv)}
 

@@ -8,7 +8,7 @@ the flags and calls :func:`agent_main`, which never returns.
 
 1. the kernel's parent-death signal is armed before anything slow (torch's import), so a
    launcher SIGKILLed meanwhile is not missed (:func:`disttrain.agent.lifeline.follow_parent`);
-2. the probe round: the host's facts out, what to connect to in, what it reached out;
+2. the probe round: a hello (before torch's import), the host's facts out, what to connect to in, what it reached out;
 3. the plan is read, then stdin is watched for the rest of the run: a line is a request (the
    hang dump) or the launcher's keep-alive, EOF asks the node to stop (SIGTERM to itself, which
    torch's agent turns into stopping its workers), and so does silence: no line for
@@ -45,6 +45,7 @@ from ..wire import (
     NodeDone,
     PlanMessage,
     ProbeFacts,
+    ProbeHello,
     Regroup,
     StopRequest,
     WireError,
@@ -125,6 +126,7 @@ def agent_main(*, master: str, port: int | None, paths: Sequence[str] = (), cwd:
         # importing torch (seconds), so that a launcher dying meanwhile is not missed.
         parent = os.getppid()
         armed = follow_parent(signal.SIGTERM, parent=parent)
+        print(ProbeHello().to_line(), flush=True)
         facts = node_facts(master=master, port=port, paths=list(paths), cwd=cwd)
         socks, listening = reach.open_listeners(list(listen)) if listen else ([], Listening())
         print(ProbeFacts(facts=facts, listen=listening).to_line(), flush=True)

@@ -5,7 +5,8 @@ started through a :class:`Transport` -- ssh to a host, srun to a node of a Slurm
 or a plain process on this machine -- and spoken to with :mod:`disttrain.wire`'s messages on
 its stdin and stdout:
 
-1. it says its facts (:class:`~disttrain.wire.ProbeFacts`), listening on the ports it was given;
+1. it says hello (:class:`~disttrain.wire.ProbeHello`) as soon as its Python runs, then its facts
+   (:class:`~disttrain.wire.ProbeFacts`, torch imported), listening on the ports it was given;
 2. it is told what to connect to (:class:`~disttrain.wire.ConnectTargets`) and says what it
    reached (:class:`~disttrain.wire.ConnectResults`);
 3. it is sent its plan (:class:`~disttrain.wire.PlanMessage`) and becomes that node's agent --
@@ -53,7 +54,9 @@ from ..wire import (
     Outcome,
     PlanMessage,
     ProbeFacts,
+    ProbeHello,
     WireError,
+    one_of,
 )
 from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import AgentLauncher, Events, Facts, LaunchContext
@@ -61,7 +64,8 @@ from .elastic import Membership, Ready, starting_hosts
 from .flow import run_agents, start, stop
 from .rendezvous_store import LauncherStore, launcher_address
 
-PROBE_TIMEOUT_S = 30
+PROBE_TIMEOUT_S = 30  # for a node's hello: the transport's connect, a Python start, disttrain's import
+FACTS_TIMEOUT_S = 180  # then for its facts: torch's import, which a loaded host can stretch past a minute
 
 M = TypeVar("M", bound=Message)
 
@@ -183,18 +187,32 @@ class ProbeSession:
     def name(self) -> str:
         return self.transport.name
 
-    def read(self, kind: type[M], timeout: float, what: str) -> M:
-        """The next message; an error naming the node when it does not come in time, is not
-        ``kind``, or the session ended (with the transport's or the command's own last words)."""
+    def read(self, kind: type[M], timeout: float, what: str, *, late: str | None = None) -> M:
+        """The next message; an error naming the node when it does not come in time (``late``
+        says why, if given), is not ``kind``, or the session ended (with the transport's or the
+        command's own last words)."""
+        return self._read((kind,), timeout, what, late=late)
+
+    def read_facts(self, hello_s: float) -> ProbeFacts:
+        """The node's hello within ``hello_s``, then its facts. An agent of a disttrain without
+        the hello says its facts first: they are taken, and the version check says the rest."""
+        said = self._read((ProbeHello, ProbeFacts), hello_s, "the probe")
+        if isinstance(said, ProbeFacts):
+            return said
+        return self.read(ProbeFacts, max(hello_s, FACTS_TIMEOUT_S), "its facts",
+                         late=f"its Python started, but its facts (torch's import) took over {FACTS_TIMEOUT_S} s: "
+                              "is the host overloaded, or its disk slow?")
+
+    def _read(self, kinds: tuple[type[Message], ...], timeout: float, what: str, *, late: str | None = None):
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout)
         if reader.is_alive():
-            raise DisttrainError(f"{self.name}: no answer {self.transport.over} within {timeout:.0f} s ({what})")
+            raise DisttrainError(f"{self.name}: {late or f'no answer {self.transport.over} within {timeout:.0f} s ({what})'}")
         if line and line[0].strip():
             try:
-                return kind.from_line(line[0])
+                return one_of(line[0], *kinds)
             except WireError as err:
                 raise DisttrainError(f"{self.name}: unexpected answer to {what}: {err}") from None
         code = self.proc.wait()
@@ -248,8 +266,9 @@ def _each(sessions: Sequence[ProbeSession], call) -> list:
 
 
 def ask_facts(sessions: Sequence[ProbeSession], timeout: float = PROBE_TIMEOUT_S) -> list[ProbeFacts | DisttrainError]:
-    """Every node's first answer, in node order; a node that failed gives its error."""
-    return _each(sessions, lambda s: s.read(ProbeFacts, timeout, "the probe"))
+    """Every node's facts, in node order; a node that failed gives its error. ``timeout`` is for
+    its hello: a node that said it runs is slow, not lost, and gets :data:`FACTS_TIMEOUT_S` more."""
+    return _each(sessions, lambda s: s.read_facts(timeout))
 
 
 def reach_round(sessions: Sequence[ProbeSession], hosts: Sequence[Host], facts: Sequence[HostFacts],
@@ -394,7 +413,7 @@ class SessionLauncher(AgentLauncher):
         (session,) = open_sessions([transport], python=self.session_python(ctx), master=facts.master_addr,
                                    port=facts.master_port, cwd=ctx.cwd, paths=self.probe_paths(ctx), reach=False)
         try:
-            said = session.read(ProbeFacts, self.probe_timeout_s, "the probe").facts
+            said = session.read_facts(self.probe_timeout_s).facts
             hosts = [Host(name=start.transports[0].name), Host(name=transport.name)]
             failure = first_failure(fact_checks(hosts, [start.master_facts, said], master_port=facts.master_port))
             if failure is not None and failure.host == transport.name:

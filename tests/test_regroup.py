@@ -114,7 +114,25 @@ def test_the_survivors_go_on_in_place_as_the_same_processes(tmp_path, loss):
     for rank in (0, 1):
         before, after = workers.start_of(0, rank), workers.start_of(1, rank)
         assert after["pid"] == before["pid"] and after["world_size"] == 2
+        assert after["started"] > before["started"]  # the fallback: the script from its top
         assert after["resumed_from"] == accounting["attempts"][1]["first_step"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("loop", [(), ("--trainer",)], ids=["resume", "trainer"])
+def test_a_decorated_main_is_entered_again_and_the_script_is_not_run_again(tmp_path, loop):
+    """@disttrain.elastic: the same processes call main() a second time in the new world; the
+    module's top (its imports, its start time) does not run again, and nothing is trained twice."""
+    workers = Workers(tmp_path, args=("--entry", *loop))
+    assert workers.lose_rank2(8, signal.SIGKILL) == [0, 0], workers.stderr()
+    accounting = bench.account(workers.out, 120)
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
+    assert accounting["redone_steps"] <= (1 if loop else 0), accounting
+    assert [a["world_size"] for a in accounting["attempts"]] == [3, 2]
+    for rank in (0, 1):
+        before, after = workers.start_of(0, rank), workers.start_of(1, rank)
+        assert (after["pid"], after["started"], after["calls"]) == (before["pid"], before["started"], 2)
+    assert "Traceback" not in workers.stderr()
 
 
 @pytest.mark.timeout(240)
@@ -177,6 +195,47 @@ def test_a_sharded_model_goes_on_in_place_from_the_newest_checkpoint(tmp_path):
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     assert accounting["attempts"][1]["first_step"] % 4 == 0  # a checkpoint's step
     assert [workers.start_of(1, r)["pid"] for r in (0, 1)] == [workers.start_of(0, r)["pid"] for r in (0, 1)]
+
+
+IN_FLIGHT = """
+import sys, time
+import torch, torch.distributed as dist
+from disttrain import torchcompat
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0), rank=rank,
+                        world_size=2)
+dist.all_reduce(torch.ones(1))
+if rank == 1:
+    time.sleep(60)  # never joins the next collective
+work = dist.all_reduce(torch.ones(1), async_op=True)
+torchcompat.abandon_process_groups()
+del work
+import gc; gc.collect()
+print("dropped", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_world_dropped_with_a_collective_in_flight_is_not_waited_for(tmp_path):
+    """The cause of a survivor that never joined the new group (1 regroup in about 20 under load): a
+    collective of the old group still in flight when the old world was dropped. gloo's group
+    destructor waits for it, for the group's whole timeout, in whichever thread frees the group last
+    (there: the garbage collector's). The groups of a world gone are kept, never destroyed."""
+    script = tmp_path / "in_flight.py"
+    script.write_text(IN_FLIGHT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(port)], stdout=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    try:
+        out, _ = ranks[0].communicate(timeout=30)
+        assert ranks[0].returncode == 0 and out == "dropped\n"
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
 
 
 # --------------------------------------------------------------------------- the launcher's and agents' parts

@@ -36,6 +36,7 @@ _EXPORTS = {
     "Accumulator": "runtime.accumulate",
     "clip_grad_norm_": "runtime.accumulate",
     "Trainer": "trainer",
+    "elastic": "runtime.regroup",
     "Job": "jobs",
 }
 
@@ -70,6 +71,7 @@ if TYPE_CHECKING:  # pragma: no cover
         reduce_sum,
         topk_correct,
     )
+    from .runtime.regroup import elastic
     from .runtime.resume import TrainingState, resume
     from .runtime.strategies import unwrap
     from .runtime.track import log

@@ -157,9 +157,19 @@ def require_fsdp(device_type: str) -> None:
 def abandon_process_groups() -> None:
     """Drop every process group of a world that lost a member, without waiting on it: torch's
     ``_abort_process_group``, which on an older torch (2.6) aborts NCCL's groups only and leaves the
-    others registered -- those are then destroyed (their sockets were already shut down)."""
+    others registered -- those are then destroyed (their sockets were already shut down).
+
+    The groups themselves are never freed (one reference each is leaked): gloo's destructor waits for
+    every collective in flight, and one that waits for the member gone would hold whichever thread
+    drops the last reference -- the garbage collector's anywhere in the script, or the interpreter's
+    at exit -- for the group's whole timeout."""
+    import ctypes
+
     import torch.distributed as dist
 
+    world = getattr(dist.distributed_c10d, "_world", None)
+    for group in list(getattr(world, "pg_names", None) or ()):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
     with contextlib.suppress(Exception):
         dist.distributed_c10d._abort_process_group()
     if dist.is_initialized():

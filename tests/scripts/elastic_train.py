@@ -3,7 +3,7 @@ samples with the step's index, so that tests/test_elastic.py (and bench/elastic.
 for every sample across attempts.
 
 Usage: elastic_train.py --out OUT [--ckpt CKPT] --samples N --epochs E --batch-size B --every K [--pause S]
-                        [--strategy fsdp] [--stop-after N] [--final WEIGHTS]
+                        [--strategy fsdp] [--stop-after N] [--final WEIGHTS] [--trainer] [--entry]
 (CKPT: default $DISTTRAIN_CHECKPOINT_DIR, a job's checkpoint folder)
 Writes OUT/attempt<A>_rank<R>.jsonl: one line per finished step (the line precedes the step's
 checkpoint, so a step logged may be re-done after a loss; one checkpointed is always logged), and
@@ -23,8 +23,12 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import disttrain  # noqa: E402
 
+calls = 0  # of main() in this process: a regroup that re-enters @disttrain.elastic calls it again
+
 
 def main() -> None:
+    global calls
+    calls += 1
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ckpt", default=None)
@@ -37,6 +41,7 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int, default=0, help="save after this step and end (0: never)")
     parser.add_argument("--final", type=Path, help="where rank 0 saves the model's weights at the end")
     parser.add_argument("--trainer", action="store_true", help="train with disttrain.Trainer (its loss logs)")
+    parser.add_argument("--entry", action="store_true", help="main() is @disttrain.elastic's (read in __main__)")
     args = parser.parse_args()
 
     imported = time.time()
@@ -59,7 +64,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.start").write_text(json.dumps({
         "started": started, "imported": imported, "joined": joined, "prepared": prepared, "loaded": loaded,
-        "resumed_from": state.resumed_from, "world_size": ctx.world_size, "pid": os.getpid(),
+        "resumed_from": state.resumed_from, "world_size": ctx.world_size, "pid": os.getpid(), "calls": calls,
     }))
     with open(args.out / f"{name}.jsonl", "a") as log:
         for epoch in state.epochs(args.epochs):
@@ -98,7 +103,8 @@ def trainer_main(args, imported: float) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.start").write_text(json.dumps({
         "started": started, "imported": imported, "joined": time.time(), "prepared": time.time(),
-        "loaded": time.time(), "resumed_from": None, "world_size": ctx.world_size, "pid": os.getpid()}))
+        "loaded": time.time(), "resumed_from": None, "world_size": ctx.world_size, "pid": os.getpid(),
+        "calls": calls}))
     with open(args.out / f"{name}.jsonl", "a") as log:
         def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             state = current()
@@ -114,4 +120,6 @@ def trainer_main(args, imported: float) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    (disttrain.elastic(main) if "--entry" in sys.argv else main)()

@@ -14,14 +14,22 @@ the restart. What happens when the launcher decides a regroup:
    ever comes, gloo would wait out its timeout, and its own ``abort()`` does not end a blocked
    collective -- fails at once; a rank between collectives fails at its next one, or at the
    step's end (:func:`check`).
-3. The failure leaves the script as an uncaught exception. This module's ``excepthook`` takes
-   the state the loop stood at (:class:`Carry`: the objects given to ``resume()``, the step,
-   the epoch's samples consumed, this rank's generators), drops the old group, forms the new one
-   on the launcher's store within :data:`JOIN_TIMEOUT_S`, and runs the script again in the same
-   process: Python, torch, CUDA and the page cache stay warm, only the script's own setup runs
-   again. A worker that fails before the agent's word (a peer's reset) waits
-   :data:`SETTLE_S` for it.
-4. ``resume()`` in the second run takes the state from memory (:func:`adopt`): the ranks agree on
+3. The failure leaves the loop. Where it comes back in:
+
+   - a function decorated with :func:`elastic` (the script's ``main``): the failure reaches the
+     decorator, which asks one question of it -- was a round announced (at once, or within
+     :data:`SETTLE_S`)? -- and not what its text says. If so it takes the state the loop stood at
+     (:class:`Carry`: the objects given to ``resume()``, the step, the epoch's samples consumed,
+     this rank's generators), drops the old group, forms the new one on the launcher's store
+     within :data:`JOIN_TIMEOUT_S` and calls the function again: the imports, the module's data,
+     open files and trackers stay as they are;
+   - any other script (the fallback): the failure leaves it as an uncaught exception, and this
+     module's ``excepthook`` does the same and then runs the whole script again in the same
+     process (``runpy``), for errors whose text names the process group. Python, torch, CUDA and
+     the page cache stay warm; the script's own setup runs again.
+
+   A worker that fails before the agent's word (a peer's reset) waits :data:`SETTLE_S` for it.
+4. ``resume()`` in the function's (or script's) second run takes the state from memory (:func:`adopt`): the ranks agree on
    the last step every survivor completed, the rank(s) holding it send it to those that do not,
    and the epoch goes on from the samples consumed, re-cut for the new world size.
 
@@ -36,15 +44,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import os
 import runpy
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -87,6 +97,9 @@ _carry: Carry | None = None  # set for the second run's resume()
 _second_run = False
 _final = False  # the script's last run failed for good: the excepthook only reports
 _training: Any = None  # the TrainingState armed (what a regroup carries)
+_entry = False  # a function decorated with elastic() runs: it is where a regroup re-enters
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Regrouping(BaseException):
@@ -104,7 +117,7 @@ def arm(training: Any) -> bool:
     folder = os.environ.get(REGROUP_SOCKET)
     path = socket_path(folder, os.environ.get("LOCAL_RANK", "0")) if folder else None
     runnable = os.path.isfile(sys.argv[0]) or "-m" in getattr(sys, "orig_argv", [])[1:]  # not python -c
-    if not (path and runnable and dist.is_initialized() and groupsockets.known()) \
+    if not (path and (runnable or _entry) and dist.is_initialized() and groupsockets.known()) \
             or threading.current_thread() is not threading.main_thread():
         return False
     _training = training
@@ -120,7 +133,8 @@ def arm(training: Any) -> bool:
         return False
     _armed = _Armed(sock=sock, path=path)
     threading.Thread(target=_listen, args=(_armed,), name="disttrain-regroup", daemon=True).start()
-    sys.excepthook = _Hook(sys.excepthook)
+    if not _entry:  # the fallback's way back in; a decorated function is its own
+        sys.excepthook = _Hook(sys.excepthook)
     atexit.register(_disarm)
     return True
 
@@ -150,6 +164,46 @@ def check() -> None:
         raise Regrouping
 
 
+def elastic(function: F) -> F:
+    """The function an in-place regroup re-enters: called again in the same process, in the new
+    world, with the state its ``resume()`` loop stood at.
+
+    Put in it what depends on the world -- ``disttrain.init()``, ``prepare()``, ``resume()`` and the
+    loop; leave outside it what does not (imports, reading the dataset, a tracker). Outside an
+    elastic launch it is a plain call. A failure is taken as the regroup's only when a round was
+    announced; anything else is raised as it came (after :data:`SETTLE_S`, in an elastic job, for
+    the agent's word).
+    """
+
+    @functools.wraps(function)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        global _entry
+        outer, _entry = _entry, True
+        try:
+            while True:
+                try:
+                    return function(*args, **kwargs)
+                except (Exception, Regrouping) as err:
+                    if not _announced(err):
+                        raise
+                    err.__traceback__ = None
+                    del err
+                _rejoin()
+        finally:
+            _entry = outer
+
+    return entry  # type: ignore[return-value]
+
+
+def _announced(err: BaseException) -> bool:
+    """Whether ``err`` is the regroup's: raised at a step's end for it, or a failure while a round is
+    announced (the agent's word may follow a peer's reset by a moment)."""
+    armed = _armed
+    if armed is None or _final:
+        return False
+    return isinstance(err, Regrouping) or armed.arrived.wait(SETTLE_S)
+
+
 # -- the second run ----------------------------------------------------------------------------
 
 
@@ -166,8 +220,7 @@ class _Hook:
         self.previous = previous
 
     def __call__(self, kind, value, tb) -> None:
-        armed = _armed
-        if armed is None or _final or not _distributed_failure(value) or not armed.arrived.wait(SETTLE_S):
+        if _entry or not _distributed_failure(value) or not _announced(value):
             self.previous(kind, value, tb)
             return
         value.__traceback__ = None
@@ -264,27 +317,33 @@ def _run_script() -> int:
         return 1
 
 
-def _run_again() -> None:
-    """Carry the state over, join the new world, run the script again (and again, while regroups
-    come); then end the process as the interpreter would, with the script's exit code."""
-    global _carry, _second_run, _final
+def _rejoin() -> None:
+    """The state carried over, the old world dropped, the new one joined: what a second run needs."""
+    global _carry, _second_run
     from . import context
 
     backend = context.last_backend or "gloo"
+    armed = _armed
+    plan, armed.plan = armed.plan, None
+    armed.arrived.clear()
+    carry = _take_carry() or _carry
+    _drop_old_world(_training)
+    gc.collect()
+    _join(plan, backend)
+    _carry, _second_run = carry, True
+
+
+def _run_again() -> None:
+    """The fallback: join the new world and run the script again (and again, while regroups come);
+    then end the process as the interpreter would, with the script's exit code."""
+    global _final
     while True:
-        armed = _armed
-        plan, armed.plan = armed.plan, None
-        armed.arrived.clear()
-        carry = _take_carry() or _carry
-        _drop_old_world(_training)
-        gc.collect()
-        _join(plan, backend)
-        _carry, _second_run = carry, True
+        _rejoin()
         try:
             code = _run_script()
             break
         except BaseException as err:  # noqa: BLE001 -- as the interpreter would treat it
-            if _distributed_failure(err) and armed.arrived.wait(SETTLE_S):
+            if _distributed_failure(err) and _announced(err):
                 err.__traceback__ = None
                 continue
             _final = True  # the hooks say it as for any failure; no more running again

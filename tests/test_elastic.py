@@ -315,8 +315,9 @@ def test_a_host_that_loses_power_is_left_behind_and_every_sample_is_trained_once
 def test_a_host_down_at_the_start_joins_when_it_comes_back(cluster3, tmp_path):
     # Twice the others' samples: at a load of 8-12 the host's boot, preflight and torch import took
     # 25 s, longer than 120 samples' training -- the job ended before the round with it trained.
+    # main() is @disttrain.elastic's here: the survivors call it again (the loss above runs the script again).
     cluster3.power_off("node2")
-    proc, out, ckpt = start_job(cluster3, tmp_path, job=[*JOB[:1], "240", *JOB[2:]])
+    proc, out, ckpt = start_job(cluster3, tmp_path, job=[*JOB[:1], "240", *JOB[2:], "--entry"])
     wait_for(proc, lambda: bench.step_of(out) >= 4, timeout=240)
     cluster3.power_on("node2")
     code, err = finish(proc, timeout=300)
@@ -335,9 +336,12 @@ def test_a_host_down_at_the_start_joins_when_it_comes_back(cluster3, tmp_path):
     assert "regrouped in place" in line, line
     # the two hosts that ran on are the processes they were; the new one took the state from them
     first, last = accounting["attempts"][0]["attempt"], record[1]["attempt"]
-    assert [json.loads((out / f"attempt{last}_rank{r}.start").read_text())["pid"] for r in (0, 1)] == \
-        [json.loads((out / f"attempt{first}_rank{r}.start").read_text())["pid"] for r in (0, 1)]
-    assert json.loads((out / f"attempt{last}_rank2.start").read_text())["resumed_from"] == record[1]["resumed_from"]
+    starts = {(a, r): json.loads((out / f"attempt{a}_rank{r}.start").read_text()) for a, r in
+              ((first, 0), (first, 1), (last, 0), (last, 1), (last, 2))}
+    for r in (0, 1):
+        after, before = starts[last, r], starts[first, r]
+        assert (after["pid"], after["started"], after["calls"]) == (before["pid"], before["started"], 2)
+    assert starts[last, 2]["resumed_from"] == record[1]["resumed_from"] and starts[last, 2]["calls"] == 1
     cluster3.assert_nothing_left()
 
 

@@ -147,6 +147,9 @@ def evaluate(model, loader):
     return (correct / total if total else float("nan")), total
 
 
+# Under `--nnodes MIN:MAX`, a host lost (or joining) calls main() again in the same process,
+# with the state from memory: docs/elastic.md. Elsewhere a plain call.
+@disttrain.elastic
 def main():
     args = get_args_parser().parse_args()
 

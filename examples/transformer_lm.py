@@ -153,6 +153,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Under `--nnodes MIN:MAX`, a host lost (or joining) calls main() again in the same process,
+# with the state from memory: docs/elastic.md. Elsewhere a plain call.
+@disttrain.elastic
 def main() -> None:
     args = get_args_parser().parse_args()
     ctx = disttrain.init()

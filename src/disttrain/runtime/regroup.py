@@ -220,7 +220,7 @@ class _Hook:
         self.previous = previous
 
     def __call__(self, kind, value, tb) -> None:
-        if _entry or not _distributed_failure(value) or not _announced(value):
+        if not _distributed_failure(value) or not _announced(value):
             self.previous(kind, value, tb)
             return
         value.__traceback__ = None

@@ -93,12 +93,13 @@ def account(out: Path, samples: int) -> dict:
     attempt (work lost); the rest count. With every epoch's order from the same seed, no sample
     may be missing, and one may be trained twice only where the runtime says so: resuming an epoch
     part-way on another world size W re-trains ``consumed % W`` samples (DistributedSampler's
-    positions are cut per rank)."""
+    positions are cut per rank), as padding at the epoch's end -- so only by the last attempt that
+    resumed part-way into that epoch (an earlier one was cut before its end)."""
     attempts = read_attempts(out)
     order = [a for a in sorted(attempts) if any(attempts[a]["ranks"].values())]
     per_epoch: dict[int, Counter] = {}
     redone: dict[int, int] = {}
-    overlap = 0
+    padding: dict[int, int] = {}  # epoch -> the samples its last part-way resume trains twice
     summary = []
     for i, attempt in enumerate(order):
         records = [r for rs in attempts[attempt]["ranks"].values() for r in rs]
@@ -112,7 +113,7 @@ def account(out: Path, samples: int) -> dict:
         if i > 0:  # this attempt resumed part-way into an epoch on (maybe) another world size
             first = min(records, key=lambda r: r["step"])
             consumed = sum(per_epoch.get(first["epoch"], Counter()).values())
-            overlap += consumed % world if consumed % samples else 0
+            padding[first["epoch"]] = consumed % world if consumed % samples else 0
         for r in counted:
             per_epoch.setdefault(r["epoch"], Counter()).update(r["samples"])
         steps = sorted({r["step"] for r in records})
@@ -121,7 +122,7 @@ def account(out: Path, samples: int) -> dict:
     missing = {e: [s for s in range(samples) if counts[s] == 0] for e, counts in per_epoch.items()}
     extra = {e: sum(counts.values()) - samples + len(missing[e]) for e, counts in per_epoch.items()}
     return {"attempts": summary, "epochs": sorted(per_epoch), "missing": {e: m for e, m in missing.items() if m},
-            "extra": sum(extra.values()), "expected_extra": overlap, "redone_steps": sum(redone.values())}
+            "extra": sum(extra.values()), "expected_extra": sum(padding.values()), "redone_steps": sum(redone.values())}
 
 
 # --------------------------------------------------------------------------- one trial

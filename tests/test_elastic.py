@@ -596,3 +596,35 @@ def test_a_job_spec_takes_the_range_as_instance_count_or_a_minimum(tmp_path):
                             "framework": "tensorflow"}, "needs every instance")):
         with pytest.raises(UsageError, match=words):
             spec(**fields)
+
+
+@pytest.mark.timeout(500)
+def test_a_flapping_host_leaves_and_joins_again_twice_and_every_sample_is_trained_once(cluster3, tmp_path):
+    """node2 loses power, comes back, loses it again and comes back again, while the job trains (each
+    time once the round with it trained: a loss while its join is pending is said with that join)."""
+    proc, out, ckpt = start_job(cluster3, tmp_path, job=[*JOB[:1], "600", *JOB[2:]])
+    flapping = cluster3.nodes[2].ip
+
+    def changes() -> list[dict]:
+        try:
+            return record_of(tmp_path)
+        except (OSError, ValueError):
+            return []
+
+    wait_for(proc, lambda: bench.step_of(out) >= 6, timeout=240)
+    for cycle in range(2):
+        cluster3.power_off("node2")
+        wait_for(proc, lambda: len(changes()) >= 2 + 2 * cycle, timeout=120)
+        cluster3.power_on("node2")
+        joined = 2 + 2 * cycle
+        wait_for(proc, lambda: len(changes()) > joined and changes()[joined]["world_size"] == 3, timeout=180)
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    record = changes()
+    assert [(c["change"], c["host"], c["world_size"]) for c in record] == [
+        ("start", None, 3), ("left", flapping, 2), ("joined", flapping, 3), ("left", flapping, 2),
+        ("joined", flapping, 3)], record
+    accounting = bench.account(out, 600)
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
+    assert [a["world_size"] for a in accounting["attempts"]][-1] == 3
+    cluster3.assert_nothing_left()

@@ -123,6 +123,25 @@ def test_a_join_where_every_running_node_kept_its_workers_is_in_place(tmp_path):
         "joined", "in place", ["a", "b", "c"], 3)
 
 
+def test_a_join_no_round_trained_with_has_no_path_and_says_what_came_first(tmp_path):
+    """c is let in, and lost before the round with it trains: its join is said with the loss, and
+    recorded without a path or a world (none trained), never as "in place"."""
+    m, said = membership(tmp_path, running=(0, 1))
+    round_of(m, 0, {0: ("a", False, ""), 1: ("b", False, "")})
+    trains(m, 0, "a")
+    m._joined.put((2, object()))
+    assert len(m.joined()) == 1
+    lose(m, 2, "ssh failed: the connection was lost (exit 255)")
+    round_of(m, 2, {0: ("a", True, ""), 1: ("b", True, "")})
+    trains(m, 0, "a")
+    m.close()
+    joined, left = record(tmp_path)[1:]
+    assert (joined["change"], joined["path"], joined["world_size"]) == ("joined", None, None)
+    assert joined["path_why"] == "c left before a round trained with this change"
+    assert (left["change"], left["path"], left["world_size"]) == ("left", "in place", 2)
+    assert "c joined" in said[-1] and "c left" in said[-1], said
+
+
 def test_hosts_are_the_rounds_and_the_others_wait(tmp_path):
     """4 agents run (-n 1 each) but the round that trained has 2 nodes: "2 hosts, world size 2",
     the other two named as waiting, never "4 hosts, world size 2"."""

@@ -68,7 +68,7 @@ class Change:
     regrouped: float | None = None  # seconds from the change to the next round's workers starting
     backoff: float | None = None  # a host lost soon after it joined: seconds before it may be tried again
     path: str | None = None  # how the round after it formed: "in place" (no worker process restarted) or "restart"
-    path_why: str | None = None  # a restart: why the workers could not stay
+    path_why: str | None = None  # a restart: why the workers could not stay; no path: why no round trained
     waiting: tuple[str, ...] = ()  # hosts whose agent ran but which were not in that round (the next one takes them)
 
 
@@ -189,7 +189,7 @@ class Membership:
                 # seen were their old world's (the job ended before the regroup took effect).
                 self._said_round(self._trained[0] if self._trained else None, self._round[1])
             for change, at, formed, *_ in self._pending:  # no round trained after them: recorded, not said
-                self._settle(change, at, formed, None, say=False)
+                self._settle(change, at, formed, None, say=False, untrained="the job ended before a round trained")
             self._pending = []
         self._write()
 
@@ -328,8 +328,12 @@ class Membership:
         settled = [entry for entry in self._pending if entry[3] <= started]
         # Several changes before one round (a host lost, then back before the round formed): the
         # round's world is the last one's; the earlier ones are said with it, their counts kept.
-        for change, at, formed, *_ in settled[:-1]:  # the start has the world it started with
-            self._settle(change, at, formed if change.change == "start" else None, None, say=False)
+        for (change, at, formed, *_), (later, *_) in zip(settled[:-1], settled[1:]):
+            if change.change == "start":  # the start has the world it started with
+                self._settle(change, at, formed, None, say=False)
+            else:
+                self._settle(change, at, None, None, say=False,
+                             untrained=f"{later.host} {later.change} before a round trained with this change")
         if settled:
             change, at, formed, *_ = settled[-1]
             self._settle(change, at, formed, trained_at if trained_at is not None else started,
@@ -339,7 +343,9 @@ class Membership:
             self._write()
 
     def _settle(self, change: Change, at: float, formed: float | None, when: float | None, *,
-                steps: bool = True, say: bool = True, earlier: Sequence[Change] = ()) -> None:
+                steps: bool = True, say: bool = True, earlier: Sequence[Change] = (),
+                untrained: str | None = None) -> None:
+        """``untrained``: no round trained after the change, and why (its ``path`` is then none)."""
         attempt = world = None
         hosts, waiting = change.hosts, change.waiting
         if self._round is not None and formed is not None:
@@ -350,6 +356,8 @@ class Membership:
         done = dataclasses.replace(change, attempt=attempt, world_size=world, resumed_from=self._resumed,
                                    seconds=seconds, regrouped=None if formed is None else round(formed - at, 2),
                                    hosts=hosts, waiting=waiting)
+        if untrained is not None:
+            done = dataclasses.replace(done, path=None, path_why=untrained)
         self.changes.append(done)
         if say and (change.change != "start" or earlier):
             self.say(membership_line(done, steps=steps, earlier=earlier))

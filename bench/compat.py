@@ -57,7 +57,9 @@ IN_COMPAT = "tests/test_compat.py::"
 CHECKS: dict[str, Check] = {
     "run -n 2": Check(("tests/test_run_local.py::test_torchrun_script_runs_unchanged_with_prefixed_output_and_logs",)),
     "c10d by hand": Check(("tests/test_torchrun_run.py::test_by_hand_recipe_forms_a_job_across_two_hosts",)),
-    "regroup in place": Check(("tests/test_regroup.py::test_the_survivors_go_on_in_place_as_the_same_processes[killed]",)),
+    "regroup in place": Check(("tests/test_regroup.py::test_the_survivors_go_on_in_place_as_the_same_processes[killed]",
+                               "tests/test_regroup.py::test_a_decorated_main_is_entered_again_and_the_script_is_not_run_again[resume]",
+                               "tests/test_regroup.py::test_a_world_dropped_with_a_collective_in_flight_is_not_waited_for")),
     "nnodes 2:3 join in place": Check(("tests/test_elastic.py::test_a_host_down_at_the_start_joins_when_it_comes_back",)),
     "hang verdict": Check(("tests/test_hangs.py::test_a_collective_mismatch_ends_in_a_verdict_naming_both_ranks_and_ops",),
                           (IN_COMPAT + "test_a_hang_watch_without_the_recorder_of_gloo_says_what_it_sees",)),

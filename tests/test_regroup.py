@@ -27,6 +27,7 @@ import torch.distributed as dist
 from conftest import elastic_bench
 from disttrain.inplace import FALLBACK_EXIT, Plan, socket_path
 from disttrain.launch.elastic import Membership
+from disttrain.net import free_port
 from disttrain.wire import AttemptStarted, InPlace, Regroup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,15 +219,13 @@ print("dropped", flush=True)
 
 @pytest.mark.timeout(60)
 def test_a_world_dropped_with_a_collective_in_flight_is_not_waited_for(tmp_path):
-    """The cause of a survivor that never joined the new group (1 regroup in about 20 under load): a
+    """The cause of a survivor that never joined the new group (2 regroups in about 45 under load): a
     collective of the old group still in flight when the old world was dropped. gloo's group
     destructor waits for it, for the group's whole timeout, in whichever thread frees the group last
     (there: the garbage collector's). The groups of a world gone are kept, never destroyed."""
     script = tmp_path / "in_flight.py"
     script.write_text(IN_FLIGHT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(port)], stdout=subprocess.PIPE, text=True)
              for rank in (0, 1)]
     try:

@@ -353,11 +353,10 @@ class Membership:
             world = said.world_size
             hosts, waiting = self._round_hosts(said, hosts)
         seconds = None if when is None else round(max(0.0, when - at), 2)
+        path, path_why = (change.path, change.path_why) if untrained is None else (None, untrained)
         done = dataclasses.replace(change, attempt=attempt, world_size=world, resumed_from=self._resumed,
                                    seconds=seconds, regrouped=None if formed is None else round(formed - at, 2),
-                                   hosts=hosts, waiting=waiting)
-        if untrained is not None:
-            done = dataclasses.replace(done, path=None, path_why=untrained)
+                                   hosts=hosts, waiting=waiting, path=path, path_why=path_why)
         self.changes.append(done)
         if say and (change.change != "start" or earlier):
             self.say(membership_line(done, steps=steps, earlier=earlier))

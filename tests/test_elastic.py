@@ -20,7 +20,8 @@ import pytest
 
 from conftest import elastic_bench
 from disttrain.config.launch import LaunchSpec
-from disttrain.launch.elastic import Change, Membership, membership_line, starting_hosts
+from disttrain.launch.elastic import Membership, starting_hosts
+from disttrain.launch.membership_record import Change, membership_line
 from disttrain.launch.supervision import AgentState
 from disttrain.plan.launch import NodeFacts, make_plan
 from disttrain.wire import AttemptStarted, Beats, HostFacts

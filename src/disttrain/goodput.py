@@ -14,7 +14,7 @@ The records (:func:`compute` takes them as lists, so that tests construct them):
 ``track.jsonl`` in the run folder -- ``start`` (time, hosts), the workers' track lines stamped
 with the launcher's clock (``metrics`` at a step, ``checkpoint`` with its seconds), ``resumed``
 (rank 0's resume line), ``end`` (time, exit code, whether the hang verdict stopped it) -- and
-``membership.json`` (:mod:`disttrain.launch.elastic`). Steps are known where the script reports
+``membership.json`` (:mod:`disttrain.launch.membership_record`). Steps are known where the script reports
 them (``disttrain.log``, ``disttrain.resume``'s checkpoints, the Trainer's epochs); between two
 reported steps the rate is taken as even, which places a round's first step before its first
 report. Pure computation: no clock, no files but in :func:`from_run_dir`.

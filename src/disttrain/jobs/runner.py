@@ -23,7 +23,7 @@ from ..checkpoint_check import check_location
 from ..errors import DisttrainError
 from ..home import disttrain_home
 from ..launch import Events, Facts, Launcher, Outcome
-from ..launch.elastic import load_record
+from ..launch.membership_record import load_record
 from ..plan.launch import LaunchPlan
 from ..private import private_opener, write_private
 from ..store import JobRecord, JobState, JobStore, TransitionError

@@ -20,56 +20,33 @@ decides who is a member, because it alone sees a host vanish:
 
 Each change is one line when the next round trains again -- which host left or joined, the
 new world size, the step the workers resumed from (``disttrain.resume()``'s own line), the
-seconds it took -- and an entry of ``membership.json`` in the run folder (:class:`Change`).
+seconds it took -- and an entry of ``membership.json`` in the run folder
+(:mod:`~disttrain.launch.membership_record`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import queue
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..atomic import write_atomic
 from ..config.hosts import Host
 from ..errors import DisttrainError, UsageError
 from ..preflight.checks import check_facts, fact_checks, first_failure
 from ..wire import AttemptStarted, Beats, HostFacts, InPlace, WireError
 from ..workerenv import RESUMED_MARKER
+from .membership_record import Change, membership_line, write_record
 from .supervision import Agents, AgentState, exit_cause
 
-RECORD = "membership.json"  # in the run folder: every change, as a JSON list of Change
 RETRY_S = 3.0  # a host not running is tried again this often: its first RETRY_AT_FIRST tries,
 RETRY_AT_FIRST = 5  # then twice as long after each try that failed,
 RETRY_MAX_S = 30.0  # up to this
 RESUME_LINE_WAIT_S = 3.0  # after a round's first step, for rank 0's "resuming from step N" line
 FIRST_STEP_WAIT_S = 60.0  # a round whose ranks report no steps is said once its workers started, after this
-
-
-@dataclass(frozen=True, kw_only=True)
-class Change:
-    """One change of the job's membership, as ``membership.json`` keeps it."""
-
-    time: float  # seconds since the epoch, when it happened (the host lost, the host joined)
-    change: str  # "start", "left", "joined"
-    host: str | None
-    why: str
-    hosts: tuple[str, ...]  # the members after the change
-    attempt: int | None = None  # the round that trained next
-    world_size: int | None = None  # its world size
-    resumed_from: int | None = None  # the step its workers resumed from (disttrain.resume()), if said
-    seconds: float | None = None  # from the change to the round's first step (or its workers' start)
-    noticed: float | None = None  # a host lost: seconds from its last word to the launcher's verdict
-    regrouped: float | None = None  # seconds from the change to the next round's workers starting
-    backoff: float | None = None  # a host lost soon after it joined: seconds before it may be tried again
-    path: str | None = None  # how the round after it formed: "in place" (no worker process restarted) or "restart"
-    path_why: str | None = None  # a restart: why the workers could not stay; no path: why no round trained
-    waiting: tuple[str, ...] = ()  # hosts whose agent ran but which were not in that round (the next one takes them)
 
 
 @dataclass(frozen=True)
@@ -103,7 +80,7 @@ class Membership:
         self.kept_alive = kept_alive
         self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.say: Callable[[str], None] = print
-        self._record_path = Path(run_dir) / RECORD
+        self._run_dir = run_dir
         self._join = join
         self._own_failure = own_failure or (lambda _index, _code, _last, _quiet: None)
         self._retry_s = retry_s
@@ -529,12 +506,7 @@ class Membership:
     # -- the record -------------------------------------------------------------------------
 
     def _write(self) -> None:
-        entries = [dataclasses.asdict(c) for c in self.changes]
-        entries += [dataclasses.asdict(entry[0]) for entry in self._pending]
-        try:
-            write_atomic(self._record_path, json.dumps(entries, indent=1) + "\n")
-        except OSError:
-            pass  # the run folder went away: the lines on the terminal remain
+        write_record(self._run_dir, [*self.changes, *(entry[0] for entry in self._pending)])
 
 
 def _dismiss(proc: subprocess.Popen) -> None:
@@ -545,34 +517,6 @@ def _dismiss(proc: subprocess.Popen) -> None:
     except (OSError, subprocess.TimeoutExpired):
         proc.kill()
         proc.wait()
-
-
-def membership_line(change: Change, *, steps: bool = True, earlier: Sequence[Change] = ()) -> str:
-    """``disttrain: membership: 10.0.0.3 left (...) -> 2 hosts, world size 4, resumed from step 12, 6.1 s``;
-    with ``earlier`` changes the same round answers: ``c left (...), then c joined (...) -> ...``."""
-    said = [f"{c.host} {c.change} ({c.why})" for c in (*earlier, change) if c.change != "start"]
-    parts = [f"{len(change.hosts)} host{'s' if len(change.hosts) != 1 else ''}"
-             + (f" ({len(change.waiting)} more waiting for the next round)" if change.waiting else "")]
-    if change.world_size is not None:
-        parts.append(f"world size {change.world_size}")
-    parts.append(f"resumed from step {change.resumed_from}" if change.resumed_from is not None
-                 else "no disttrain.resume() step said")
-    if change.path == "in place":
-        parts.append("regrouped in place")
-    elif change.path == "restart" and change.path_why:
-        parts.append(f"restarted ({change.path_why})")
-    if change.seconds is not None:
-        parts.append(f"training again {change.seconds:.1f} s later" if steps
-                     else f"workers started {change.seconds:.1f} s later (the script reports no steps)")
-    return f"disttrain: membership: {', then '.join(said)} -> {', '.join(parts)}"
-
-
-def load_record(run_dir: str | Path) -> list[dict]:
-    """``membership.json`` of a run folder; [] when the run was not elastic."""
-    try:
-        return json.loads((Path(run_dir) / RECORD).read_text())
-    except (OSError, ValueError):
-        return []
 
 
 def starting_hosts(hosts: Sequence[Host], facts: Sequence[HostFacts | Exception], *, master_port: int,

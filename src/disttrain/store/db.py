@@ -106,7 +106,7 @@ class JobRecord:
     runner_pid: int | None
     runner_started: float | None
     slurm_job_id: str | None = None  # launcher: slurm, once submitted
-    membership: list | None = None  # an elastic job: every change (disttrain.launch.elastic.Change)
+    membership: list | None = None  # an elastic job: every change (disttrain.launch.membership_record.Change)
     goodput: dict | None = None  # where the job's host-seconds went (disttrain.goodput)
     events: tuple[tuple[str, float], ...] = field(default=())
 

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from .. import goodput, trackline
 from ..agent.watchdog import HANG_EXIT
 from ..atomic import write_atomic
-from ..launch.elastic import load_record
+from ..launch.membership_record import load_record
 from ..linetap import Tapped
 from ..private import private_opener, redact_urls
 from ..workerenv import RESUMED_MARKER

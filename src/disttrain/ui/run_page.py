@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import goodput
 from ..checkpoint_layout import CheckpointLayout, check_file, read_marker
-from ..launch.elastic import load_record
+from ..launch.membership_record import load_record
 from ..tracking.follower import FAILURE_FILE, HANG_FILE
 from ..workerenv import CHECKPOINT_DIR
 from .runs_list import RunRow, json_of, number_of, read_row, text_of

@@ -10,6 +10,8 @@ machine that loses power (its link drops every packet, every process in it dies)
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -655,4 +657,39 @@ def test_a_host_lost_while_it_joins_leaves_the_others_training(cluster3, tmp_pat
     accounting = bench.account(out, 360)
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     assert accounting["attempts"][-1]["world_size"] == 2
+    cluster3.assert_nothing_left()
+
+
+def worker_of(cluster, node) -> int:
+    """The pid of the training worker on ``node`` (its script's process under the agent)."""
+    import psutil
+
+    for pid in cluster.processes_in(node):
+        try:
+            if str(WORKER) in " ".join(psutil.Process(pid).cmdline()):
+                return pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no worker on {node}")
+
+
+@pytest.mark.timeout(500)
+def test_a_stopped_worker_takes_its_host_out_and_it_joins_again(cluster3, tmp_path):
+    """SIGSTOP of node2's worker: its agent lives and beats, its rank neither steps nor ends, and every
+    other rank waits in a collective for it. The host leaves (its rank named), the two others go on in
+    place; the host is tried again and joins. Nothing is trained twice or lost."""
+    proc, out, ckpt = start_job(cluster3, tmp_path, job=[*JOB[:1], "480", *JOB[2:]])
+    wait_for(proc, lambda: bench.step_of(out) >= 6, timeout=240)
+    os.kill(worker_of(cluster3, "node2"), signal.SIGSTOP)
+    stopped = cluster3.nodes[2].ip
+    wait_for(proc, lambda: len(record_so_far(tmp_path)) > 2 and record_so_far(tmp_path)[2]["world_size"] == 3,
+             timeout=240)
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    record = record_so_far(tmp_path)
+    assert [(c["change"], c["host"], c["world_size"], c["path"]) for c in record] == [
+        ("start", None, 3, None), ("left", stopped, 2, "in place"), ("joined", stopped, 3, "in place")], record
+    assert record[1]["why"].startswith("its rank 2 stopped by a signal (SIGSTOP) for "), record[1]
+    accounting = bench.account(out, 480)
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     cluster3.assert_nothing_left()

@@ -314,3 +314,59 @@ def test_the_silence_limit_follows_the_measured_jitter():
     decisions = advance(sup, clock, 3, but=("c",))
     (regroup,) = [d for d in decisions if isinstance(d, RegroupWithout)]
     assert regroup.lost == ("c",) and "said nothing for 9 s" in regroup.reason
+
+
+# ---------------------------------------------------------------------------------- a stopped rank
+
+
+def beat_held(sup: Supervisor, clock: Clock, seconds: int, held: dict[str, tuple[int, ...]]) -> list:
+    """``seconds`` of ticks: every agent beats; the ranks of ``held`` (host -> ranks) are stopped
+    by a signal, so no rank anywhere progresses."""
+    out = []
+    for _ in range(seconds):
+        clock.now += 1
+        for row in sup.agents.live():
+            sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot, held=held.get(row.host, ())))
+        out += sup.tick()
+    return out
+
+
+def test_a_rank_stopped_by_a_signal_takes_its_host_out_of_an_elastic_job():
+    """SIGSTOP: the agent lives and speaks, its rank neither runs nor ends. Its host leaves after
+    HELD_S, named with the rank, and the others regroup."""
+    sup, clock = elastic(("a", "b", "c"))
+    running(sup, clock)
+    assert not beat_held(sup, clock, 9, {"c": (2,)})
+    decisions = beat_held(sup, clock, 2, {"c": (2,)})
+    (regroup,) = [d for d in decisions if isinstance(d, RegroupWithout)]
+    assert regroup.lost == ("c",) and regroup.members == ("a", "b")
+    assert "c: its rank 2 stopped by a signal (SIGSTOP) for 10 s" == regroup.reason
+    assert sup.agents[2].state is S.LOST
+
+
+def test_a_rank_that_runs_again_in_time_keeps_its_host():
+    sup, clock = elastic(("a", "b", "c"))
+    running(sup, clock)
+    beat_held(sup, clock, 8, {"c": (2,)})
+    assert not beat_held(sup, clock, 30, {})  # kill -CONT: its host stays, and the clock starts again
+    assert not beat_held(sup, clock, 9, {"c": (2,)})
+    assert sup.agents[2].state is S.RUNNING
+
+
+def test_a_whole_job_suspended_waits_as_one_and_says_so_once():
+    """Every host's ranks stopped (a suspend of the whole job): nobody is left behind."""
+    sup, clock = elastic(("a", "b"))
+    running(sup, clock)
+    decisions = beat_held(sup, clock, 40, {"a": (0,), "b": (1,)})
+    assert [type(d).__name__ for d in decisions] == ["Held"]
+    assert [row.state for row in sup.agents.rows] == [S.RUNNING, S.RUNNING]
+
+
+def test_without_a_range_a_stopped_rank_is_said_once_and_waited_for():
+    clock = Clock()
+    sup = Supervisor(("a", "b"), policies=[FailFast(), HangWatch(0.0)], clock=clock)
+    running(sup, clock)
+    decisions = beat_held(sup, clock, 60, {"b": (3, 1)})
+    (held,) = decisions
+    assert (held.host, held.ranks, held.held_s) == ("b", (3, 1), 10.0)
+    assert [row.state for row in sup.agents.rows] == [S.RUNNING, S.RUNNING]

@@ -71,6 +71,7 @@ EXAMPLES = [
     PlanMessage(node_rank=0, plan=_plan()),
     DumpRequest(),
     Beats(host="10.0.0.2", ranks={0: (12, 0.25), 3: (11, 1.5)}),
+    Beats(host="10.0.0.2", ranks={0: (12, 0.25), 3: (11, 9.0)}, stopped=(3,)),
     Regroup(lost=("10.0.0.3",)),
     StopRequest(why="the job stopped: 10.0.0.3 was lost, below the minimum of --nnodes 2:3"),
     AttemptStarted(host="10.0.0.2", attempt=2, nodes=2, world_size=4, ranks=(2, 3)),

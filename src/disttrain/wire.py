@@ -372,6 +372,7 @@ class Beats(Message):
 
     host: str
     ranks: dict[int, tuple[int, float]]  # rank -> (steps, seconds since its last progress)
+    stopped: tuple[int, ...] = ()  # ranks whose process is stopped by a signal (SIGSTOP, SIGTSTP), not running
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -89,6 +89,19 @@ def worker_children() -> dict[int, int]:
     return out
 
 
+def stopped_ranks() -> tuple[int, ...]:
+    """This agent's workers stopped by a signal (SIGSTOP, SIGTSTP, a suspend): alive, not running. A
+    debugger's stop (tracing) is not among them: someone is looking at that rank."""
+    out = []
+    for rank, pid in worker_children().items():
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                out.append(rank)
+        except psutil.Error:
+            continue
+    return tuple(sorted(out))
+
+
 def freshest(beats: list[Beat]) -> float | None:
     """The most recent progress of any rank (None when none beat yet: the watchdog is not armed)."""
     return max((b.mtime for b in beats), default=None)
@@ -101,9 +114,10 @@ def stalled(last_progress: float, now: float, timeout_s: float) -> float | None:
     return quiet if timeout_s and quiet >= timeout_s else None
 
 
-def beats_line(host: str, beats: list[Beat], now: float) -> str:
+def beats_line(host: str, beats: list[Beat], now: float, stopped: tuple[int, ...] = ()) -> str:
     """What the launcher needs from this node each second (:class:`~disttrain.wire.Beats`)."""
-    return Beats(host=host, ranks={b.rank: (b.steps, round(now - b.mtime, 2)) for b in beats}).to_line()
+    return Beats(host=host, ranks={b.rank: (b.steps, round(now - b.mtime, 2)) for b in beats},
+                 stopped=stopped).to_line()
 
 
 class Attempt:
@@ -187,7 +201,7 @@ class Watchdog:
                     return
                 beats = self.beats()
                 if self._report is not None:
-                    self._report(beats_line(self.host, beats, time.time()))  # also when empty: still here
+                    self._report(beats_line(self.host, beats, time.time(), stopped_ranks()))  # also when empty
                     continue
                 last = freshest(beats)
                 if last is None or stalled(last, time.time(), self.timeout_s) is None:

@@ -60,6 +60,7 @@ from .supervision import (
     EventKind,
     FailFast,
     HangWatch,
+    Held,
     Join,
     RegroupWithout,
     Slow,
@@ -226,7 +227,8 @@ class _Supervised:
             except WireError:
                 beats = None
             progress = max((now - age for _, age in beats.ranks.values()), default=None) if beats else None
-            self.post(Event(EventKind.HEARD, at=now, slot=agent, progress=progress))
+            self.post(Event(EventKind.HEARD, at=now, slot=agent, progress=progress,
+                            held=beats.stopped if beats else None))
         else:
             self.post(Event(EventKind.HEARD, at=now, slot=agent))
         try:
@@ -393,6 +395,12 @@ class _Supervised:
             if isinstance(decision, Slow):
                 self.say(f"disttrain: {decision.host} is slow: no word from its agent for {decision.silent_s:.0f} s, "
                          f"its connection up; it is waited for up to {decision.limit_s:.0f} s")
+            if isinstance(decision, Held):
+                ranks = ", ".join(map(str, decision.ranks))
+                self.say(f"disttrain: {decision.host}: rank{'s' if len(decision.ranks) > 1 else ''} {ranks} stopped by a "
+                         f"signal (SIGSTOP) {decision.held_s:.0f} s ago; no rank can step without "
+                         f"{'them' if len(decision.ranks) > 1 else 'it'} (kill -CONT resumes"
+                         + (", --hang-timeout ends the job)" if self.plan.hang_timeout_s else ")"))
             if isinstance(decision, Join):  # each says its line as its agent is relayed (membership.joined)
                 self.membership.go(decision.hosts)
             if isinstance(decision, RegroupWithout):

@@ -45,6 +45,7 @@ LATE_S = 2.0  # an agent this long without a word: its ranks' progress is unknow
 FLAP_WINDOW_S = 60.0  # a host lost within this long of joining is flapping
 BACKOFF_FIRST_S = 10.0  # the wait before admitting a flapping host again: this, doubled each flap,
 BACKOFF_MAX_S = 120.0  # up to this
+HELD_S = 10.0  # a rank stopped by a signal this long: its host leaves an elastic job (said, without a range)
 REGROUP_MARGIN_S = 15.0  # a regroup forms within the rendezvous timeout plus this, or the job stops
 # Hosts that answer the preflight are let in together, as torch's last_call_timeout batches the
 # nodes of a rendezvous: a batch goes once no other host answered for JOIN_QUIET_S (or for twice
@@ -113,6 +114,9 @@ class Agent:
     why: str | None = None  # a final state's cause, as the record says it
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAPS_KEPT))  # between its recent words
     slow_said: bool = False  # its lateness was said (once per silence)
+    held: tuple[int, ...] = ()  # its ranks stopped by a signal (SIGSTOP), as its last beats said
+    held_since: float | None = None  # the launcher's clock: since when some of its ranks are stopped
+    held_said: bool = False
 
 
 class Agents:
@@ -168,6 +172,7 @@ class Event:
     progress: float | None = None
     steps: dict[int, int] | None = None
     attempt: int | None = None
+    held: tuple[int, ...] | None = None  # HEARD: its ranks stopped by a signal (None: the line says nothing of it)
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,17 @@ class Slow:
 
 
 @dataclass(frozen=True)
+class Held:
+    """Agent ``slot``'s ranks ``ranks`` on ``host`` have been stopped by a signal (SIGSTOP) for
+    ``held_s``: no rank anywhere can step past them. Said once; a job without a range waits for them."""
+
+    slot: int
+    host: str
+    ranks: tuple[int, ...]
+    held_s: float
+
+
+@dataclass(frozen=True)
 class Join:
     """The hosts ``hosts`` (ready: they answered the preflight) get their plans now, together: the
     next round takes them all."""
@@ -226,7 +242,12 @@ class Join:
     reason: str
 
 
-Decision = Stop | RegroupWithout | Dump | Admit | Join | Slow
+Decision = Stop | RegroupWithout | Dump | Admit | Join | Slow | Held
+
+
+def held(row: Agent, now: float) -> Held:
+    row.held_said = True
+    return Held(slot=row.slot, host=row.host, ranks=row.held, held_s=round(now - row.held_since, 1))
 
 
 def exit_cause(code: int) -> str | None:
@@ -249,6 +270,8 @@ class FailFast:
     """Without a range: an agent that ends otherwise than well (lost or failed) ends the job."""
 
     def decide(self, sup: Supervisor, event: Event) -> Decision | None:
+        if event.kind is EventKind.TICK:
+            return next((held(row, event.at) for row in sup.held(event.at) if not row.held_said), None)
         if event.kind is not EventKind.EXITED or event.code == 0:
             return None
         return Stop(code=event.code or 1, reason=event.cause or "its workers failed", slot=event.slot)
@@ -375,6 +398,16 @@ class Elastic:
                         ", its connection up (stuck)" if self.slow_s is not None else ""))
                     self.backoff.lost(row.host, joined=row.joined, now=event.at)
                 return self._regroup(sup, tuple(silent), event)
+            stopped = sup.held(event.at)
+            if stopped and len(stopped) < len(sup.agents.live()):  # a whole job suspended waits as one
+                for row in stopped:
+                    ranks = ", ".join(map(str, row.held))
+                    sup.agents.move(row.slot, AgentState.LOST, f"its rank{'s' if len(row.held) > 1 else ''} {ranks} "
+                                    f"stopped by a signal (SIGSTOP) for {event.at - row.held_since:.0f} s")
+                    self.backoff.lost(row.host, joined=row.joined, now=event.at)
+                return self._regroup(sup, tuple(stopped), event)
+            if stopped and not stopped[0].held_said:
+                return held(stopped[0], event.at)
             slow = next((row for row in late if not row.slow_said), None)
             if slow is not None:
                 slow.slow_said = True
@@ -491,6 +524,10 @@ class Supervisor:
         gaps = [gap for row in self.agents.live() for gap in row.gaps]
         return max(self.silent_s, JITTER_FACTOR * max(gaps, default=0.0))
 
+    def held(self, now: float) -> list[Agent]:
+        """The live agents some of whose ranks have been stopped by a signal for :data:`HELD_S`."""
+        return [row for row in self.agents.live() if row.held_since is not None and now - row.held_since >= HELD_S]
+
     def late(self, now: float | None = None) -> bool:
         """Whether the ranks' rates say nothing now: a live agent's word is late (:data:`LATE_S`), or
         the job ended (the rates of a host lost or stopped are frozen at their last value)."""
@@ -525,6 +562,12 @@ class Supervisor:
                 row.progress = event.progress if row.progress is None else max(row.progress, event.progress)
             if event.steps:
                 row.steps.update(event.steps)
+            if event.held is not None:
+                if not event.held:
+                    row.held_since, row.held_said = None, False
+                elif row.held_since is None:
+                    row.held_since = event.at
+                row.held = event.held
         elif event.kind is EventKind.ROUND:
             row.progress, row.steps = None, {}
             if row.state is not AgentState.HUNG:

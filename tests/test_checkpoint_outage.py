@@ -18,7 +18,7 @@ import pytest
 
 from conftest import cli_env
 from disttrain.checkpoint_layout import MARKER
-from disttrain.checkpoint_retry import StoreRetry, is_transient
+from disttrain.checkpoint_retry import DEFAULT_RETRY_S, StoreRetry, is_transient
 
 # -- in process: the rules ------------------------------------------------------------------------
 
@@ -90,6 +90,23 @@ def test_an_outage_within_the_bound_is_waited_out_with_one_line_each_way():
                     "Connection refused); retrying for up to 60 s while training goes on (--checkpoint-retry-s)",
                     "disttrain: checkpoint store s3://b/run back after 18 s"]
     assert retry.call(lambda: "again") == "again" and len(said) == 2  # no outage, nothing said
+
+
+def test_the_default_bound_rides_out_a_60_s_outage_with_a_slow_store():
+    """The issue's 60 s outage under the default bound, each failed try itself slow (a connect that
+    times out after 10 s): the store is back within the bound. The same outage runs for real, 60 s of
+    wall time, under `pytest -m field` (the real upload test's [60])."""
+    clock = FakeClock()
+    retry = StoreRetry("s3://b/run", clock=clock, sleep=clock.sleep, say=lambda line: None)
+    down_until = clock.now + 60
+
+    def upload() -> str:
+        if clock.now < down_until:
+            clock.now += 10
+            raise ConnectionRefusedError(111, "Connection refused")
+        return "stored"
+
+    assert retry.call(upload) == "stored" and clock.now - (down_until - 60) < DEFAULT_RETRY_S
 
 
 def test_an_outage_past_the_bound_raises_and_mistakes_are_not_retried():
@@ -263,7 +280,9 @@ def start_saver(s3, s3_endpoint: str, tmp_path: Path, *flags_before: str):
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("outage_s", [10, 60])
+# 60 s is the issue's goal, measured (docs/measured.md) and run under `pytest -m field`; the suite runs the
+# same path with 10 s and checks the default bound against 60 s on a fake clock (above).
+@pytest.mark.parametrize("outage_s", [10, pytest.param(60, marks=pytest.mark.field)])
 def test_an_outage_at_an_upload_is_ridden_out_and_every_reported_checkpoint_is_whole(s3, s3_endpoint, tmp_path,
                                                                                      outage_s):
     fs, bucket, relay, proc, flags, url = start_saver(s3, s3_endpoint, tmp_path)

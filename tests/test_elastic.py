@@ -661,12 +661,13 @@ def test_a_host_lost_while_it_joins_leaves_the_others_training(cluster3, tmp_pat
 
 
 def worker_of(cluster, node) -> int:
-    """The pid of the training worker on ``node`` (its script's process under the agent)."""
+    """The pid of the training worker on ``node``: the process running the script (its agent's
+    command line names the script too)."""
     import psutil
 
     for pid in cluster.processes_in(node):
         try:
-            if str(WORKER) in " ".join(psutil.Process(pid).cmdline()):
+            if str(WORKER) in psutil.Process(pid).cmdline()[1:3]:
                 return pid
         except psutil.Error:
             continue
@@ -674,22 +675,30 @@ def worker_of(cluster, node) -> int:
 
 
 @pytest.mark.timeout(500)
-def test_a_stopped_worker_takes_its_host_out_and_it_joins_again(cluster3, tmp_path):
+def test_a_stopped_worker_takes_its_host_out_and_a_stopped_agent_does_not_hold_the_end(cluster3, tmp_path):
     """SIGSTOP of node2's worker: its agent lives and beats, its rank neither steps nor ends, and every
     other rank waits in a collective for it. The host leaves (its rank named), the two others go on in
-    place; the host is tried again and joins. Nothing is trained twice or lost."""
+    place; the host is tried again and joins. Then node2's new agent is SIGSTOPped: its worker trains on
+    to the end with the others, whose nodes end without waiting for it (torch's exit barrier would
+    have held them until the launcher, 60 s on, took the end for a regroup that never formed).
+    Nothing is trained twice or lost, and the job ends 0; the stopped agent, continued, ends too."""
     proc, out, ckpt = start_job(cluster3, tmp_path, job=[*JOB[:1], "480", *JOB[2:]])
     wait_for(proc, lambda: bench.step_of(out) >= 6, timeout=240)
     os.kill(worker_of(cluster3, "node2"), signal.SIGSTOP)
     stopped = cluster3.nodes[2].ip
     wait_for(proc, lambda: len(record_so_far(tmp_path)) > 2 and record_so_far(tmp_path)[2]["world_size"] == 3,
              timeout=240)
+    agent = agent_of(cluster3, "node2")
+    os.kill(agent, signal.SIGSTOP)
     code, err = finish(proc, timeout=300)
+    os.kill(agent, signal.SIGCONT)  # its connection is gone: once it runs, it ends by itself
     assert code == 0, err[-4000:]
     record = record_so_far(tmp_path)
     assert [(c["change"], c["host"], c["world_size"], c["path"]) for c in record] == [
-        ("start", None, 3, None), ("left", stopped, 2, "in place"), ("joined", stopped, 3, "in place")], record
+        ("start", None, 3, None), ("left", stopped, 2, "in place"), ("joined", stopped, 3, "in place"),
+        ("left", stopped, None, None)], record
     assert record[1]["why"].startswith("its rank 2 stopped by a signal (SIGSTOP) for "), record[1]
+    assert record[3]["why"] == "its agent said nothing for 60 s, its connection up (stuck)", record[3]
     accounting = bench.account(out, 480)
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     cluster3.assert_nothing_left()

@@ -136,6 +136,13 @@ class ElasticNodeAgent(LocalElasticAgent):
             self._peer_lost, self._restart_why = False, ""
         return RunResult(state=WorkerState.HEALTHY)
 
+    def _exit_barrier(self) -> None:
+        """Not waited. torch's agents wait here for each other so that the one hosting the rendezvous
+        store outlives the rest; an elastic job's store is the launcher's (rendezvous_store.py). The
+        wait would only keep a node whose workers are done from ending while another host's agent is
+        stuck (its round's barrier never fills): the launcher would then take the job's end for a
+        regroup that never forms."""
+
     def _not_kept(self, worker_group: WorkerGroup) -> str:
         """Why this node's workers cannot stay for a new round."""
         if self._sockets is None:

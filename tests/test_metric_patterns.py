@@ -34,6 +34,8 @@ def test_only_a_lines_tail_is_matched():
 
 
 LONG_LINE_SCRIPT = """\
+import time
+
 print("step 0 loss=1.0", flush=True)
 print("a" * 1_000_000, flush=True)
 print("after the long line loss=0.5", flush=True)

@@ -66,6 +66,7 @@ from .supervision import (
     Slow,
     Stop,
     Supervisor,
+    ranks_said,
 )
 
 
@@ -396,8 +397,7 @@ class _Supervised:
                 self.say(f"disttrain: {decision.host} is slow: no word from its agent for {decision.silent_s:.0f} s, "
                          f"its connection up; it is waited for up to {decision.limit_s:.0f} s")
             if isinstance(decision, Held):
-                ranks = ", ".join(map(str, decision.ranks))
-                self.say(f"disttrain: {decision.host}: rank{'s' if len(decision.ranks) > 1 else ''} {ranks} stopped by a "
+                self.say(f"disttrain: {decision.host}: {ranks_said(decision.ranks)} stopped by a "
                          f"signal (SIGSTOP) {decision.held_s:.0f} s ago; no rank can step without "
                          f"{'them' if len(decision.ranks) > 1 else 'it'} (kill -CONT resumes"
                          + (", --hang-timeout ends the job)" if self.plan.hang_timeout_s else ")"))

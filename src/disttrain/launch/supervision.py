@@ -245,7 +245,13 @@ class Join:
 Decision = Stop | RegroupWithout | Dump | Admit | Join | Slow | Held
 
 
-def held(row: Agent, now: float) -> Held:
+def ranks_said(ranks: Sequence[int]) -> str:
+    """``rank 2`` or ``ranks 2, 3``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def held_notice(row: Agent, now: float) -> Held:
+    """The once-said notice of ``row``'s stopped ranks."""
     row.held_said = True
     return Held(slot=row.slot, host=row.host, ranks=row.held, held_s=round(now - row.held_since, 1))
 
@@ -271,7 +277,7 @@ class FailFast:
 
     def decide(self, sup: Supervisor, event: Event) -> Decision | None:
         if event.kind is EventKind.TICK:
-            return next((held(row, event.at) for row in sup.held(event.at) if not row.held_said), None)
+            return next((held_notice(row, event.at) for row in sup.held(event.at) if not row.held_said), None)
         if event.kind is not EventKind.EXITED or event.code == 0:
             return None
         return Stop(code=event.code or 1, reason=event.cause or "its workers failed", slot=event.slot)
@@ -401,13 +407,12 @@ class Elastic:
             stopped = sup.held(event.at)
             if stopped and len(stopped) < len(sup.agents.live()):  # a whole job suspended waits as one
                 for row in stopped:
-                    ranks = ", ".join(map(str, row.held))
-                    sup.agents.move(row.slot, AgentState.LOST, f"its rank{'s' if len(row.held) > 1 else ''} {ranks} "
-                                    f"stopped by a signal (SIGSTOP) for {event.at - row.held_since:.0f} s")
+                    sup.agents.move(row.slot, AgentState.LOST, f"its {ranks_said(row.held)} stopped by a signal "
+                                    f"(SIGSTOP) for {event.at - row.held_since:.0f} s")
                     self.backoff.lost(row.host, joined=row.joined, now=event.at)
                 return self._regroup(sup, tuple(stopped), event)
             if stopped and not stopped[0].held_said:
-                return held(stopped[0], event.at)
+                return held_notice(stopped[0], event.at)
             slow = next((row for row in late if not row.slow_said), None)
             if slow is not None:
                 slow.slow_said = True

@@ -4,6 +4,7 @@ DDP's after the same samples, recorded with the machine's load.
 
     python bench/comm_modes.py --link 20mbit     # 2 namespace hosts x 1 process, tbf-shaped veth
     python bench/comm_modes.py --link loopback   # 2 processes on this machine
+    python bench/comm_modes.py --busy 2          # with 2 busy loops beside the job (a loaded machine)
 
 The comparison with the plain PyTorch way is inside the bench's own JSON: plain DDP is one of the
 modes, in the same run. Prints one JSON object and writes it to
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,8 +37,6 @@ def bench_argv(args: argparse.Namespace, where: list[str], link_gbit: float | No
 
 
 def run_loopback(args: argparse.Namespace) -> tuple[int, str, str]:
-    import subprocess
-
     proc = subprocess.run(bench_argv(args, ["-n", "2"], None), capture_output=True, text=True,
                           timeout=args.timeout, cwd=ROOT)
     return proc.returncode, proc.stdout, proc.stderr
@@ -63,8 +63,9 @@ def main() -> int:
     parser.add_argument("--link", default="20mbit", help="a tbf rate (20mbit, 1gbit) or loopback")
     parser.add_argument("--samples", type=int, default=12000, help="training images: the budget of every mode")
     parser.add_argument("--global-batch", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=64, help="timed steps (whole periods of localsgd/diloco:16)")
     parser.add_argument("--timeout", type=float, default=1500)
+    parser.add_argument("--busy", type=int, default=0, help="busy loops to run beside the job (a loaded machine)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -72,7 +73,13 @@ def main() -> int:
 
     started = time.time()
     load_before = os.getloadavg()
-    outcome = run_loopback(args) if args.link == "loopback" else run_shaped(args)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        outcome = run_loopback(args) if args.link == "loopback" else run_shaped(args)
+    finally:
+        for loop in busy:
+            loop.kill()
+            loop.wait()
     if isinstance(outcome, str):
         print(json.dumps({"skipped": outcome}))
         return 0
@@ -82,7 +89,7 @@ def main() -> int:
         "link": args.link, "model": "MNIST ConvNet (examples/mnist_convnet.py, generated digits)",
         "samples": args.samples, "global_batch": args.global_batch, "steps": args.steps,
         "arch": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "busy_loops": args.busy, "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "wall_s": round(time.time() - started, 1), "exit_code": code,
     }
     try:
@@ -91,7 +98,7 @@ def main() -> int:
         record["error"] = stderr[-3000:]
     print(json.dumps(record, indent=2))
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
-        f"comm-modes-{args.link}-{time.strftime('%Y-%m-%d', time.gmtime(started))}-"
+        f"comm-modes-{args.link}{f'-busy{args.busy}' if args.busy else ''}-{time.strftime('%Y-%m-%d', time.gmtime(started))}-"
         f"{platform.machine()}-{os.cpu_count()}cpu.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"comm_modes: written to {out}", file=sys.stderr)

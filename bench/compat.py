@@ -64,6 +64,7 @@ CHECKS: dict[str, Check] = {
     "hang verdict": Check(("tests/test_hangs.py::test_a_collective_mismatch_ends_in_a_verdict_naming_both_ranks_and_ops",),
                           (IN_COMPAT + "test_a_hang_watch_without_the_recorder_of_gloo_says_what_it_sees",)),
     "bit-exact resume": Check(("tests/test_sharded.py::test_sigkill_mid_epoch_then_resume_is_bit_exact[ddp]",)),
+    "local SGD / DiLoCo": Check(("tests/test_periodic.py::test_sigkilled_mid_period_and_resumed_ends_bit_exact[diloco:4]",)),
     "FSDP2 + DCP": Check(("tests/test_sharded.py::test_sigkill_mid_epoch_then_resume_is_bit_exact[fsdp]",),
                          (IN_COMPAT + "test_fsdp_where_cpu_streams_cannot_record_events_is_one_line",)),
     "SageMaker v3 job": Check(("tests/test_sagemaker_v3.py::test_source_code_command_torchrun_master_addr_algo_1",)),

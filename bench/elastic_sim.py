@@ -36,6 +36,7 @@ from disttrain.launch.supervision import (  # noqa: E402
 
 TICK_S = 0.5
 FORM_S = (2.0, 8.0)  # a round forms this long after it is asked for
+STEP_S = 3.0  # and its ranks step this long after it formed (workers arming: imports, init, resume)
 
 
 def simulate(*, hosts: int = 256, start: int = 16, spread_s: float = 60.0, losses: int = 8, seed: int = 1,
@@ -88,9 +89,10 @@ def simulate(*, hosts: int = 256, start: int = 16, spread_s: float = 60.0, losse
             rounds[forming or "other"] += 1
             attempt += 1
             forming = None
-        else:  # tick: every live agent spoke this second
+        else:  # tick: every live agent spoke this second, with its ranks' steps once its round stepped
             for row in sup.agents.live():
-                sup.handle(Event(EventKind.HEARD, at=t, slot=row.slot))
+                stepped = row.round_at is not None and t - row.round_at >= STEP_S
+                sup.handle(Event(EventKind.HEARD, at=t, slot=row.slot, progress=t if stepped else None))
             out = sup.tick()
         for decision in out:
             decisions[type(decision).__name__] += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,12 @@ import psutil
 import pytest
 
 SCRIPTS = Path(__file__).parent / "scripts"
+
+# A suite started as `make test &` from a shell without job control inherits SIGINT ignored (bash does
+# that to background commands), and so would every job it starts: the Ctrl-C tests need it as a
+# terminal gives it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True, scope="session")

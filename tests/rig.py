@@ -56,6 +56,7 @@ Usage::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import re
@@ -63,6 +64,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -773,6 +775,18 @@ class Cluster:
         if (NETNS_DIR / nd.netns).exists():
             _run(self.ns_exec(nd, ["iptables", "-w", "-F", "INPUT"]))
         self._rules.pop(nd.name, None)
+
+
+@contextlib.contextmanager
+def cpu_hog(n: int):
+    """``n`` busy loops beside whatever runs in the block (a loaded machine), ended and reaped after it."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 @atexit.register

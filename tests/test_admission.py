@@ -11,6 +11,7 @@ from pathlib import Path
 
 from disttrain.launch.elastic import Membership, Ready
 from disttrain.launch.supervision import (
+    TRAINS_WITHIN_S,
     AgentState,
     Elastic,
     Event,
@@ -39,9 +40,12 @@ def job(hosts=("a", "b"), max_nnodes=6):
     return sup, clock
 
 
-def formed(sup: Supervisor, clock: Clock) -> None:
+def formed(sup: Supervisor, clock: Clock, *, trained: bool = True) -> None:
+    """Every live agent's workers start a round; ``trained``: and their ranks step at once."""
     for row in sup.agents.live():
         sup.handle(Event(EventKind.ROUND, at=clock.now, slot=row.slot, attempt=0))
+        if trained:
+            sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot, progress=clock.now))
 
 
 def run_for(sup: Supervisor, clock: Clock, seconds: float, arrivals=()) -> list:
@@ -109,6 +113,37 @@ def test_a_host_that_answers_while_a_round_forms_waits_for_the_next():
     formed(sup, clock)
     clock.now += 0.5
     assert [d.hosts for d in sup.tick() if isinstance(d, Join)] == [("d",)]
+
+
+def test_a_host_that_answers_before_the_last_round_stepped_waits_for_its_steps():
+    """The field case: c's round started (its agent said so) while its workers still imported torch;
+    d, let in then, would have found them unable to regroup in place and restarted everyone."""
+    sup, clock = job(("a", "b", "c"))
+    formed(sup, clock, trained=False)
+    sup.handle(Event(EventKind.READY, at=clock.now, host="d"))
+    for _ in range(20):  # 10 s: no rank has stepped in the round yet
+        clock.now += 0.5
+        for row in sup.agents.live():
+            sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot))
+        assert not [d for d in sup.tick() if isinstance(d, Join)]
+    for row in sup.agents.live():
+        sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot, progress=clock.now))
+    clock.now += 0.5
+    assert [d.hosts for d in sup.tick() if isinstance(d, Join)] == [("d",)]
+
+
+def test_a_round_whose_ranks_never_report_a_step_holds_no_host_past_the_bound():
+    sup, clock = job(("a", "b"))
+    formed(sup, clock, trained=False)  # a script whose ranks report no step
+    sup.handle(Event(EventKind.READY, at=clock.now, host="c"))
+    joined_at = None
+    while joined_at is None and clock.now < 60:
+        clock.now += 0.5
+        for row in sup.agents.live():
+            sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot))
+        if [d for d in sup.tick() if isinstance(d, Join)]:
+            joined_at = clock.now
+    assert joined_at == TRAINS_WITHIN_S
 
 
 def test_a_batch_takes_no_more_than_the_room_below_max():

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,48 @@ def test_nested_operations_retry_only_at_the_outermost():
 
     assert retry.call(outer) == "stored"
     assert (outer_calls["n"], inner_calls["n"]) == (2, 2)  # the whole upload again, not the read alone
+
+
+def test_dcp_shard_writes_ride_out_an_outage_and_land_whole():
+    """A sharded model's files are DCP's to write, through fsspec: its writer retries them like the
+    checkpoint's own files. A store whose first three file writes fail with a reset connection (an
+    fsspec memory store here; the same retry as S3's) ends with every shard written once, whole."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from fsspec import register_implementation
+    from fsspec.implementations.memory import MemoryFileSystem
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from disttrain.checkpoint_url import RemotePath
+    from disttrain.runtime.strategies.dcp import _writer
+
+    class FlakyStore(MemoryFileSystem):
+        protocol = "flakystore"
+        failures = 3
+
+        def _open(self, path, mode="rb", **kwargs):
+            if "w" in mode and FlakyStore.failures > 0:
+                FlakyStore.failures -= 1
+                raise ConnectionResetError(104, "Connection reset by peer")
+            return super()._open(path, mode=mode, **kwargs)
+
+    register_implementation("flakystore", FlakyStore, clobber=True)
+    clock, said = FakeClock(), []
+    retry = StoreRetry("flakystore://ckpt", 60, clock=clock, sleep=clock.sleep, say=said.append)
+    store = FlakyStore()
+    folder = RemotePath(store, "/dcp-outage/step_1/sharded", retry)
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}}
+    with warnings.catch_warnings():  # DCP's own: no process group, a world of one
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=_writer(folder))
+    assert FlakyStore.failures == 0 and said[0].startswith(
+        "disttrain: checkpoint store flakystore://ckpt unreachable (ConnectionResetError")
+    assert said[1].startswith("disttrain: checkpoint store flakystore://ckpt back after")
+    loaded = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(5)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(loaded, storage_reader=FsspecReader(str(folder)))
+    assert all(torch.equal(loaded["model"][k], state["model"][k]) for k in state["model"])
 
 
 # -- for real: a store that goes away in the middle of an upload ---------------------------------

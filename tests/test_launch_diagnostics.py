@@ -43,3 +43,18 @@ def test_a_slow_rank_is_named_once_and_steps_per_second_are_summed_up(cluster):
     assert len(summary) == 1 and cluster.nodes[0].ip in summary[0] and b in summary[0]
     assert "disttrain-beats" not in err + result.stdout  # the agents' heartbeats are for the launcher only
     cluster.assert_nothing_left()
+
+
+def test_the_summary_says_when_a_host_fell_silent_before_the_end():
+    from disttrain.launch.diagnostics import Diagnostics
+    from disttrain.wire import Beats
+
+    now = [0.0]
+    diag = Diagnostics(say=print, clock=lambda: now[0])
+    for second in range(0, 61):
+        now[0] = float(second)
+        diag.consume(Beats(host="a", ranks={0: (4 * second, 0.1)}).to_line())
+        if second <= 20:  # b's agent is stopped after 20 s: its beats end, its rank's rate is of those 20 s
+            diag.consume(Beats(host="b", ranks={1: (4 * second, 0.1)}).to_line())
+    assert diag.summary() == ("disttrain: steps/s per host (each rank's mean): a 4.00 (rank 0), "
+                              "b 4.00 (rank 1; no beat in the last 40 s)")

@@ -231,7 +231,7 @@ def test_goodput_says_no_share_for_a_run_that_trained_nothing_it_showed():
 def test_an_in_place_round_is_said_to_train_only_once_its_workers_say_they_went_on(tmp_path):
     """Kept workers' steps count on from their old world: a step seen after the round's start is
     theirs until rank 0's resume line says the regroup took effect. A job that ends first does not
-    claim the round trained."""
+    claim the round trained, nor a world of 3 that never stepped."""
     m, said = membership(tmp_path, running=(0, 1))
     round_of(m, 0, {0: ("a", False, ""), 1: ("b", False, "")})
     trains(m, 0, "a")
@@ -246,4 +246,6 @@ def test_an_in_place_round_is_said_to_train_only_once_its_workers_say_they_went_
     m.close()
     joined = record(tmp_path)[-1]
     assert joined["change"] == "joined" and joined["seconds"] is None and joined["resumed_from"] is None
+    assert (joined["attempt"], joined["path"], joined["world_size"]) == (1, None, None)
+    assert joined["path_why"] == "the job ended before a round trained"
     assert not any("membership:" in line for line in said)

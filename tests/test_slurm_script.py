@@ -4,6 +4,7 @@ learns from a Slurm environment, the flags that carry a run into the allocation,
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 
 import pytest
@@ -13,7 +14,8 @@ from conftest import SCRIPTS, cli_env, disttrain
 from disttrain.cli import launchers as slurm_run
 from disttrain.config.launch import AgentOptions, LaunchSpec
 from disttrain.errors import UsageError
-from disttrain.launch.slurm import SlurmOptions, parse_status, render_sbatch, with_requeue_checkpoints
+from disttrain.launch import slurm as slurm_launch
+from disttrain.launch.slurm import SlurmJob, SlurmOptions, parse_status, render_sbatch, with_requeue_checkpoints
 from disttrain.launch.slurm_env import SlurmAllocation, expand_counts, expand_hostlist, gpus_from
 
 GOLDEN = "\n".join([
@@ -211,3 +213,32 @@ def test_without_slurm_commands_submitting_says_so(tmp_path):
     assert result.stderr.strip() == ("disttrain: error: sbatch not found: run on a machine with the Slurm client "
                                      "commands (a login node), or install slurm-client")
     assert not (tmp_path / "runs").exists()  # nothing half-made
+
+
+class _ScriptedJob(SlurmJob):
+    """A job whose `scontrol show job` answers come from a list: the last one repeats."""
+
+    def __init__(self, run_dir, states):
+        super().__init__(job_id="7", run_dir=run_dir)
+        self.states = list(states)
+
+    def status(self):
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+
+def test_a_job_seen_completing_is_reported_with_its_final_state_and_reason(tmp_path, monkeypatch):
+    """Under load, `scontrol` may catch a job whose launch failed in COMPLETING (its epilog runs):
+    the one line names the state and reason it ends with."""
+    monkeypatch.setattr(slurm_launch, "POLL_S", 0.01)
+    monkeypatch.setattr(slurm_launch, "STATUS_EVERY_S", (0.01, 0.01))
+    failed = parse_status("JobState=FAILED Reason=JobLaunchFailure ExitCode=0:53 NodeList=node0")
+    completing = dataclasses.replace(failed, state="COMPLETING")
+    job = _ScriptedJob(tmp_path, [parse_status("JobState=RUNNING Reason=None"), completing, completing, failed])
+    err = io.StringIO()
+    assert job.follow(out=io.StringIO(), err=err, stop_on_signals=False) == 128 + 53
+    assert "Slurm job 7 ended FAILED (JobLaunchFailure) without any output in" in err.getvalue()
+
+    monkeypatch.setattr(slurm_launch, "SETTLE_S", 0.05)  # a node gone: COMPLETING for SlurmdTimeout
+    err = io.StringIO()
+    assert _ScriptedJob(tmp_path, [completing]).follow(out=io.StringIO(), err=err, stop_on_signals=False) == 181
+    assert "Slurm job 7 ended COMPLETING (JobLaunchFailure)" in err.getvalue()

@@ -58,6 +58,39 @@ def test_time_between_epochs_is_not_a_step():
         clock.now += 1000.0  # evaluation, checkpointing...
     (result,) = reports
     assert result["seconds"] == 4.0 and result["samples"] == 8
+    assert result["step_ms"] == [1000.0] * 4  # the evaluation is in no step of the timeline
+
+
+def test_the_timeline_splits_out_the_wait_on_a_synchronisation():
+    timer, clock, reports = make_timer(steps=4, warmup=1)
+    synced = []
+    timer.waited = lambda: synced.pop() if synced else 0.0
+    for i, _ in enumerate(timer.wrap(batches(6))):
+        clock.now += 0.025
+        if i % 2 == 0:  # a periodic sync at the end of every other step takes 5 ms
+            synced.append(0.005)
+            clock.now += 0.005
+    (result,) = reports
+    assert result["step_ms"] == [25.0, 30.0, 25.0, 30.0] and result["sync_blocked_ms"] == [0.0, 5.0, 0.0, 5.0]
+
+
+def test_the_comm_reference_splits_each_step_from_the_synced_one_beside_it(monkeypatch):
+    """bench --comm's reference: the machine's load doubles halfway through the run, and the
+    split still finds the 3 ms each synced step adds, because each pair ran under one load."""
+    from disttrain.workerenv import BENCH_NO_SYNC
+
+    monkeypatch.setenv(BENCH_NO_SYNC, "1")
+    timer, clock, reports = make_timer(steps=8, warmup=1)
+    synced = [False]
+    timer.took_sync = lambda: synced[-1]
+    for i, _ in enumerate(timer.wrap(batches(10, size=8))):
+        sync = i % 2 == 0  # the timed steps alternate from a step without sync
+        synced.append(sync)
+        clock.now += (0.1 if i < 5 else 0.2) + (0.003 if sync else 0.0)
+    (result,) = reports
+    assert result["paired"] == {"pairs": 4, "compute_ms": pytest.approx(150.0), "comm_ms": pytest.approx(3.0)}
+    # The reference's rate is its steps without sync: 8 samples in the median 150 ms.
+    assert result["samples_per_s"] == pytest.approx(8 / 0.150)
 
 
 def test_stops_the_run_when_done():

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS
-from disttrain.store import FINAL, TRANSITIONS, JobState, JobStore, TransitionError
+from disttrain.errors import UsageError
+from disttrain.store import FINAL, TRANSITIONS, JobState, JobStore, TransitionError, db
 
 HAPPY_PATH = (JobState.STAGING, JobState.RUNNING, JobState.UPLOADING, JobState.COMPLETED)
 
@@ -55,7 +56,8 @@ def test_store_is_in_wal_mode(tmp_path):
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
-def _writer(path: str, prefix: str, count: int) -> None:
+def _writer(path: str, prefix: str, count: int, start_at: float = 0.0) -> None:
+    time.sleep(max(0.0, start_at - time.time()))  # the writers open the new store at once: a race for its WAL switch
     with JobStore(path) as store:
         for i in range(count):
             job = store.create(name=f"{prefix}-{i}", spec={"i": i}, job_dir=f"/jobs/{prefix}-{i}")
@@ -63,11 +65,36 @@ def _writer(path: str, prefix: str, count: int) -> None:
                 store.transition(job.id, state, **({"exit_code": 0} if state is JobState.COMPLETED else {}))
 
 
+class _RefusedWal(sqlite3.Connection):
+    """SQLite's answer to the loser of two processes switching one new file into WAL."""
+
+    refusals = 0
+
+    def execute(self, sql, *args):
+        if sql == "PRAGMA journal_mode=WAL" and _RefusedWal.refusals:
+            _RefusedWal.refusals -= 1
+            raise sqlite3.OperationalError("database is locked")
+        return super().execute(sql, *args)
+
+
+def test_a_store_refused_its_switch_into_wal_tries_again_within_the_busy_timeout(tmp_path, monkeypatch):
+    connect = db._Connection._connect
+    monkeypatch.setattr(db._Connection, "_connect", staticmethod(lambda *a, **kw: connect(*a, factory=_RefusedWal, **kw)))
+    monkeypatch.setattr(_RefusedWal, "refusals", 3)
+    with JobStore(tmp_path / "a.db") as store:
+        assert store.list() == [] and _RefusedWal.refusals == 0
+    monkeypatch.setattr(_RefusedWal, "refusals", 10**6)
+    monkeypatch.setattr(db, "BUSY_TIMEOUT_S", 0.2)
+    with pytest.raises(UsageError, match=r"cannot open the job store .*b\.db: database is locked"):
+        JobStore(tmp_path / "b.db")
+
+
 @pytest.mark.timeout(60)
 def test_concurrent_writers_keep_the_store_intact(tmp_path):
     path = str(tmp_path / "jobs.db")
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
-    procs = [ctx.Process(target=_writer, args=(path, f"w{k}", 25)) for k in range(4)]
+    start_at = time.time() + 3  # after the spawned interpreters' imports
+    procs = [ctx.Process(target=_writer, args=(path, f"w{k}", 25, start_at)) for k in range(4)]
     for proc in procs:
         proc.start()
     for proc in procs:

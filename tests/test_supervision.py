@@ -293,11 +293,58 @@ def test_a_late_agent_whose_connection_is_up_is_slow_not_lost():
 
 
 def test_a_stuck_agent_whose_connection_is_up_is_lost_after_the_slow_limit():
+    """c's agent and its ranks are stuck: the others' ranks wait for them, nobody steps."""
     sup, clock = kept_alive()
     running(sup, clock)
-    decisions = advance(sup, clock, 62, but=("c",))
+    decisions = advance(sup, clock, 62, progress=False, but=("c",))
     (regroup,) = [d for d in decisions if isinstance(d, RegroupWithout)]
     assert regroup.lost == ("c",) and "said nothing for 60 s, its connection up (stuck)" in regroup.reason
+
+
+def test_a_stuck_agent_whose_round_steps_stays_until_the_others_end():
+    """c's agent alone is stopped: the others' ranks keep stepping in c's round, which they could not
+    without c's ranks. c stays (said once) while they step; once they are done, it is lost."""
+    sup, clock = kept_alive()
+    running(sup, clock, attempt=3)
+    decisions = advance(sup, clock, 120, but=("c",))
+    assert not [d for d in decisions if isinstance(d, RegroupWithout)], decisions
+    carried = [d for d in decisions if isinstance(d, Slow) and d.training]
+    assert [(d.host, d.limit_s) for d in carried] == [("c", 60.0)] and carried[0].silent_s > 60
+    assert sup.agents[2].state is S.RUNNING
+    exited(sup, clock, 0, 0)
+    exited(sup, clock, 1, 0)
+    advance(sup, clock, 1, but=("c",))
+    assert sup.agents[2].state is S.LOST and "said nothing for 60 s" in sup.agents[2].why
+
+
+def test_a_host_let_in_whose_agent_stopped_before_its_first_word_of_a_step_is_not_taken_for_untrained():
+    """d joined the others' round; its agent was stopped before it said its ranks stepped. The
+    others' steps in that round were its ranks' too: at the end d is lost (its silence), not stopped
+    as a host whose round never trained."""
+    sup, clock = kept_alive()
+    running(sup, clock, attempt=3)
+    advance(sup, clock, 5)
+    sup.handle(Event(EventKind.JOINED, at=clock.now, host="d"))
+    for slot in (0, 1, 2, 3):
+        sup.handle(Event(EventKind.ROUND, at=clock.now, slot=slot, attempt=4))
+    advance(sup, clock, 30, but=("d",))
+    exited(sup, clock, 0, 0)
+    assert sup.agents[3].state is S.RUNNING
+    for slot in (1, 2):
+        exited(sup, clock, slot, 0)
+    advance(sup, clock, 31, but=("d",))
+    assert (sup.agents[3].state, sup.agents[3].why) == (S.LOST, "its agent said nothing for 60 s, its connection up (stuck)")
+
+
+def test_a_stuck_agent_is_not_carried_by_a_round_it_is_not_in():
+    """The others step in a round c's workers never started (c was let in, its round not begun)."""
+    sup, clock = kept_alive()
+    running(sup, clock, attempt=3)
+    for slot in (0, 1):
+        sup.handle(Event(EventKind.ROUND, at=clock.now, slot=slot, attempt=4))
+    decisions = advance(sup, clock, 62, but=("c",))
+    (regroup,) = [d for d in decisions if isinstance(d, RegroupWithout)]
+    assert regroup.lost == ("c",)
 
 
 def test_the_silence_limit_follows_the_measured_jitter():
@@ -370,3 +417,29 @@ def test_without_a_range_a_stopped_rank_is_said_once_and_waited_for():
     (held,) = decisions
     assert (held.host, held.ranks, held.held_s) == ("b", (3, 1), 10.0)
     assert [row.state for row in sup.agents.rows] == [S.RUNNING, S.RUNNING]
+
+
+def test_a_host_let_in_whose_round_never_stepped_is_stopped_when_the_job_finishes():
+    """d came back as the others trained their last steps: its workers wait for ranks that are done.
+    The job's end stops it; its later failure to connect is not the job's."""
+    sup, clock = elastic(("a", "b", "c"))
+    running(sup, clock)
+    advance(sup, clock, 5)
+    sup.handle(Event(EventKind.JOINED, at=clock.now, host="d"))
+    sup.handle(Event(EventKind.ROUND, at=clock.now, slot=3, attempt=1))
+    clock.now += 1
+    assert exited(sup, clock, 0, 0) == []
+    assert (sup.agents[3].state, sup.agents[3].why) == (S.STOPPED, "the job finished before its round trained")
+    assert [sup.agents[slot].state for slot in (1, 2)] == [S.RUNNING, S.RUNNING]  # they end on their own
+    assert exited(sup, clock, 3, 1) == []
+    for slot in (1, 2):
+        assert exited(sup, clock, slot, 0) == []
+    assert all(row.state.final for row in sup.agents.rows) and sup.ended is None
+
+
+def test_hosts_whose_ranks_report_no_step_are_left_to_end_on_their_own():
+    sup, clock = elastic(("a", "b"))
+    for row in sup.agents.live():
+        sup.handle(Event(EventKind.ROUND, at=clock.now, slot=row.slot, attempt=0))
+    clock.now += 5
+    assert exited(sup, clock, 0, 0) == [] and sup.agents[1].state is S.RUNNING

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +14,7 @@ import pytest
 
 from conftest import SCRIPTS, assert_all_gone, cli_env, descendants
 from disttrain.agent.stacks import where
-from disttrain.agent.watchdog import HANG_EXIT, Beat, freshest, stalled
+from disttrain.agent.watchdog import HANG_EXIT, Beat, freshest, stalled, stopped_ranks, worker_children
 
 SLEEP_LINE = next(i for i, line in enumerate((SCRIPTS / "hang_rank1.py").read_text().splitlines(), 1)
                   if "time.sleep(600)" in line)
@@ -73,3 +75,20 @@ def test_uneven_batches_do_not_hang_a_prepared_ddp_loop(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["steps"] for r in ranks] == [3, 2]
     assert ranks[0]["weights"] == ranks[1]["weights"]  # still one model: the shadowed step is shared
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_stopped_by_a_signal_is_named_by_its_rank_and_a_running_one_is_not():
+    workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                env={**os.environ, "RANK": str(rank)}) for rank in (4, 5)]
+    try:
+        os.kill(workers[1].pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while stopped_ranks() != (5,) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stopped_ranks() == (5,)
+        assert {4: workers[0].pid, 5: workers[1].pid}.items() <= worker_children().items()
+    finally:
+        for worker in workers:
+            worker.kill()  # SIGKILL ends a stopped process too
+            worker.wait()

@@ -30,7 +30,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -70,9 +70,11 @@ class RemotePath:
 
     fs: Any
     path: str
+    # the store's retry (checkpoint_retry.StoreRetry), for writers that reach it by other means: DCP's
+    retry: Any = field(default=None, compare=False, repr=False)
 
     def __truediv__(self, name: str) -> RemotePath:
-        return RemotePath(self.fs, f"{self.path.rstrip('/')}/{name}")
+        return RemotePath(self.fs, f"{self.path.rstrip('/')}/{name}", self.retry)
 
     @property
     def name(self) -> str:
@@ -80,7 +82,7 @@ class RemotePath:
 
     @property
     def parent(self) -> RemotePath:
-        return RemotePath(self.fs, self.path.rstrip("/").rsplit("/", 1)[0])
+        return RemotePath(self.fs, self.path.rstrip("/").rsplit("/", 1)[0], self.retry)
 
     def __str__(self) -> str:
         return self.fs.unstrip_protocol(self.path)
@@ -182,11 +184,11 @@ class RemoteLayout:
     _retries: dict[tuple[str, float], StoreRetry] = {}
 
     def __init__(self, root: RemotePath, *, retry_s: float | None = None) -> None:
-        self.root = root
         self.fs = root.fs
         bound = DEFAULT_RETRY_S if retry_s is None else retry_s
         key = (str(root), bound)
         self.retry = self._retries.get(key) or self._retries.setdefault(key, StoreRetry(str(root), bound))
+        self.root = RemotePath(root.fs, root.path, self.retry)
         # What load reads whole (rank 0's file, a rank file): fetched once, for its digest check
         # and for torch.load both, which run on two threads at once.
         self._fetched: dict[str, bytes] = {}

@@ -33,7 +33,7 @@ import torch
 
 from .checkpoint_url import join, location
 from .errors import UsageError
-from .runtime import checkpoint, periodic, strategies, track
+from .runtime import checkpoint, periodic, regroup, strategies, track
 from .runtime.accumulate import Accumulator
 from .runtime.context import context
 from .runtime.data import prepare
@@ -91,20 +91,12 @@ class Trainer:
         if loss_fn is None:
             raise UsageError("Trainer(loss_fn=...): give the loss, e.g. torch.nn.functional.cross_entropy")
         self.metrics = _metrics(metrics)  # before prepare(): a typo should cost nothing
-        ctx = context()
-        env = ctx.env
-        loaders = [train_loader] + ([val_loader] if val_loader is not None else [])
-        self.ddp_model, self.optimizer, *prepared = prepare(
-            model, optimizer, *loaders, strategy=strategy, mixed_precision=mixed_precision, comm=comm)
-        self.step = Accumulator(self.ddp_model, self.optimizer, accumulate,
-                                clip_grad_norm=clip_grad_norm)
-        # DDP: validated unwrapped (see EvalShardSampler). FSDP: every forward gathers the
-        # shards from all ranks, so validation runs the sharded model on every rank.
-        strategy_used = strategies.of(self.ddp_model, ctx)
-        self.sharded = strategy_used.collective_forward
-        self.model = strategy_used.eval_model(self.ddp_model)
-        self.train_loader = prepared[0]
-        self.val_loader = prepared[1] if val_loader is not None else None
+        # What prepare() is given, kept: an in-place regroup prepares it again for the new world.
+        self._given = (model, optimizer, train_loader, val_loader,
+                       {"strategy": strategy, "mixed_precision": mixed_precision, "comm": comm},
+                       {"steps": accumulate, "clip_grad_norm": clip_grad_norm})
+        self._prepare()
+        env = context().env
         self.loss_fn, self.scheduler = loss_fn, scheduler
         directory = checkpoint_dir or env.checkpoint_dir
         self.checkpoint_dir = location(directory) if directory else None  # a local Path or a URL
@@ -116,11 +108,37 @@ class Trainer:
         self._writer: Any = None
         self._state: Any = None  # fit()'s loop position (runtime.resume.counting)
 
+    def _prepare(self) -> None:
+        model, optimizer, train_loader, val_loader, options, stepping = self._given
+        ctx = context()
+        loaders = [train_loader] + ([val_loader] if val_loader is not None else [])
+        self.ddp_model, self.optimizer, *prepared = prepare(model, optimizer, *loaders, **options)
+        self.step = Accumulator(self.ddp_model, self.optimizer, stepping["steps"],
+                                clip_grad_norm=stepping["clip_grad_norm"])
+        # DDP: validated unwrapped (see EvalShardSampler). FSDP: every forward gathers the
+        # shards from all ranks, so validation runs the sharded model on every rank.
+        strategy_used = strategies.of(self.ddp_model, ctx)
+        self.sharded = strategy_used.collective_forward
+        self.model = strategy_used.eval_model(self.ddp_model)
+        self.train_loader = prepared[0]
+        self.val_loader = prepared[1] if val_loader is not None else None
+
     # -- the loop ------------------------------------------------------------------------
 
     def fit(self, epochs: int) -> list[dict[str, Any]]:
         """Train until ``epochs`` epochs are done (counting those a checkpoint holds);
-        return one record per epoch run now."""
+        return one record per epoch run now.
+
+        In an elastic job, an in-place regroup re-enters here: the same model, optimizer and
+        loaders are prepared for the new world and the loop goes on from the step it stood at.
+        A sharded model cannot be prepared twice: its regroup re-enters the script
+        (``@disttrain.elastic``, or the script from its top)."""
+        ran: list[dict[str, Any]] = []
+        if self.sharded:
+            return self._fit(epochs, ran)
+        return regroup.reentered(lambda: self._fit(epochs, ran), rejoined=self._prepare)
+
+    def _fit(self, epochs: int, ran: list[dict[str, Any]]) -> list[dict[str, Any]]:
         # The loop's position, for a regroup in place: after one, the state comes from the other ranks.
         self._state = counting(model=self.ddp_model, optimizer=self.optimizer, **self._extra_objects(),
                                disk_between_epochs=self.checkpoint_dir is not None,
@@ -128,7 +146,6 @@ class Trainer:
                                if self.step.steps > 1 else "")
         start = self._state.epoch if self._state.resumed_from is not None else self._resume()
         self._state.epoch = start
-        ran = []
         try:
             for epoch in self._state.epochs(epochs):
                 record = {"epoch": epoch, **self.train_epoch(epoch)}

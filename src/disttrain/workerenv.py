@@ -55,8 +55,8 @@ TF_FIRST_TASK = "DISTTRAIN_TF_FIRST_TASK"
 BENCH_STEPS = "DISTTRAIN_BENCH_STEPS"
 BENCH_WARMUP = "DISTTRAIN_BENCH_WARMUP"
 BENCH_EXIT = "DISTTRAIN_BENCH_EXIT"
-# Set by ``disttrain bench --comm``: DDP exchanges no gradients (torch's no-op hook), to time
-# the same steps without communication.
+# Set by ``disttrain bench --comm`` for its compute reference: DDP exchanges no gradients every
+# other step (torch's no-op hook), to time the same steps with and without communication side by side.
 BENCH_NO_SYNC = "DISTTRAIN_BENCH_NO_SYNC"
 # Set by ``disttrain bench --comm`` for its compute reference: denormal floats flushed to zero,
 # the fastest the same arithmetic can go (see disttrain.scaling.comm).

@@ -88,34 +88,45 @@ def main() -> None:
 
 def trainer_main(args, imported: float) -> None:
     """The same job under disttrain.Trainer: its loss function logs each step's samples (before the
-    step's backward: a step cut short is logged, and done again)."""
+    step's backward: a step cut short is logged, and done again). A regroup in place goes on inside
+    the same fit() call, in a new world: each attempt's log is opened at its first step."""
     from disttrain.runtime.resume import current
 
-    ctx = disttrain.init()
+    disttrain.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     indices = torch.arange(args.samples)
     loader = DataLoader(TensorDataset(indices.float().unsqueeze(1) / args.samples, indices),
                         batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(1))
-    attempt = int(os.environ.get("DISTTRAIN_ATTEMPT", "0"))
-    name = f"attempt{attempt}_rank{ctx.rank}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.start").write_text(json.dumps({
-        "started": started, "imported": imported, "joined": time.time(), "prepared": time.time(),
-        "loaded": time.time(), "resumed_from": None, "world_size": ctx.world_size, "pid": os.getpid(),
-        "calls": calls}))
-    with open(args.out / f"{name}.jsonl", "a") as log:
-        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            state = current()
-            log.write(json.dumps({"step": state.step, "epoch": state.epoch, "world_size": ctx.world_size,
-                                  "samples": target.tolist(), "time": time.time()}) + "\n")
-            log.flush()
-            time.sleep(args.pause)
-            return output.pow(2).mean()
+    logs = {}
 
-        disttrain.Trainer(model, optimizer, loader, loss_fn=loss_fn, checkpoint_dir=args.ckpt, metrics=(),
-                          progress=False).fit(args.epochs)
+    def log_of_this_attempt():
+        ctx = disttrain.context()
+        name = f"attempt{os.environ.get('DISTTRAIN_ATTEMPT', '0')}_rank{ctx.rank}"
+        if name not in logs:
+            now = time.time()
+            (args.out / f"{name}.start").write_text(json.dumps({
+                "started": started, "imported": imported, "joined": now, "prepared": now, "loaded": now,
+                "resumed_from": current().resumed_from, "world_size": ctx.world_size, "pid": os.getpid(),
+                "calls": calls}))
+            logs[name] = open(args.out / f"{name}.jsonl", "a")
+        return logs[name], ctx.world_size
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        state = current()
+        log, world_size = log_of_this_attempt()
+        log.write(json.dumps({"step": state.step, "epoch": state.epoch, "world_size": world_size,
+                              "samples": target.tolist(), "time": time.time()}) + "\n")
+        log.flush()
+        time.sleep(args.pause)
+        return output.pow(2).mean()
+
+    disttrain.Trainer(model, optimizer, loader, loss_fn=loss_fn, checkpoint_dir=args.ckpt, metrics=(),
+                      progress=False).fit(args.epochs)
+    for log in logs.values():
+        log.close()
     disttrain.shutdown()
 
 

@@ -69,37 +69,34 @@ def merged(beats: list[Beat], recorded: dict[int, tuple[int, object, float]], st
     return [out[rank] for rank in sorted(out)]
 
 
-def worker_children() -> dict[int, int]:
-    """rank -> pid of this agent's workers still running: its children with a ``RANK`` (the
+def _workers() -> list[tuple[int, int, str]]:
+    """(rank, pid, process status) of this agent's live workers: its children with a ``RANK`` (the
     lifeline wrapper execs the worker in its own place, so each worker is a child)."""
-    out = {}
+    out = []
     try:
         children = psutil.Process().children()
     except psutil.Error:
         return out
     for child in children:
         try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            rank = child.environ().get("RANK")
+            status = child.status()
+            rank = child.environ().get("RANK") if status != psutil.STATUS_ZOMBIE else None
         except psutil.Error:
             continue
         if rank is not None and rank.isdigit():
-            out[int(rank)] = child.pid
+            out.append((int(rank), child.pid, status))
     return out
+
+
+def worker_children() -> dict[int, int]:
+    """rank -> pid of this agent's workers still running."""
+    return {rank: pid for rank, pid, _status in _workers()}
 
 
 def stopped_ranks() -> tuple[int, ...]:
     """This agent's workers stopped by a signal (SIGSTOP, SIGTSTP, a suspend): alive, not running. A
     debugger's stop (tracing) is not among them: someone is looking at that rank."""
-    out = []
-    for rank, pid in worker_children().items():
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
-                out.append(rank)
-        except psutil.Error:
-            continue
-    return tuple(sorted(out))
+    return tuple(sorted(rank for rank, _pid, status in _workers() if status == psutil.STATUS_STOPPED))
 
 
 def freshest(beats: list[Beat]) -> float | None:

@@ -18,6 +18,9 @@ from ..wire import Beats, WireError
 STRAGGLER_FACTOR = 1.3  # a rank this much slower than the median step time is named
 WINDOW_S = 20.0  # step rates are measured over this much recent time
 MIN_WINDOW_S = 6.0  # and judged only once this much is seen
+# A host whose beats stopped this long before the summary (its agent stopped or cut off): its rate
+# covers only the time it was heard, which the summary says beside it.
+SILENT_S = 10.0
 
 
 class Diagnostics:
@@ -25,8 +28,9 @@ class Diagnostics:
     hang) is the supervisor's rule (:class:`~disttrain.launch.supervision.HangWatch`); ``late()``
     says whether an agent's word is late, which freezes its ranks' rates (the supervisor's clock)."""
 
-    def __init__(self, *, say, late=lambda: False) -> None:
+    def __init__(self, *, say, late=lambda: False, clock=time.monotonic) -> None:
         self.say = say
+        self.clock = clock
         self.hosts: dict[int, str] = {}  # rank -> host
         self.history: dict[int, deque[tuple[float, int]]] = {}  # rank -> (time, steps)
         self.first: dict[int, tuple[float, int]] = {}
@@ -48,7 +52,7 @@ class Diagnostics:
             beats = Beats.from_line(line)
         except WireError:  # not ours after all (another version's): shown to the user as it came
             return False
-        now = time.monotonic()
+        now = self.clock()
         for rank, (steps, _age) in beats.ranks.items():
             self.hosts[rank] = beats.host
             hist = self.history.setdefault(rank, deque())
@@ -92,6 +96,7 @@ class Diagnostics:
         """``steps/s per host: a 3.91 (ranks 0-1), b 3.88 (ranks 2-3)``; None without heartbeats."""
         per_host: dict[str, list[float]] = {}
         ranks_of: dict[str, list[int]] = {}
+        heard: dict[str, float] = {}  # host -> when its last beat came
         for rank, (t0, s0) in sorted(self.first.items()):
             t1, s1 = self.history[rank][-1]
             if t1 - t0 <= 0:
@@ -99,8 +104,12 @@ class Diagnostics:
             host = self.hosts[rank]
             per_host.setdefault(host, []).append((s1 - s0) / (t1 - t0))
             ranks_of.setdefault(host, []).append(rank)
+            heard[host] = max(heard.get(host, t1), t1)
         if not per_host:
             return None
+        now = self.clock()
         parts = [f"{host} {statistics.mean(rates):.2f} (rank{'s' if len(ranks_of[host]) > 1 else ''} "
-                 f"{','.join(map(str, ranks_of[host]))})" for host, rates in per_host.items()]
+                 f"{','.join(map(str, ranks_of[host]))}"
+                 f"{f'; no beat in the last {now - heard[host]:.0f} s' if now - heard[host] >= SILENT_S else ''})"
+                 for host, rates in per_host.items()]
         return "disttrain: steps/s per host (each rank's mean): " + ", ".join(parts)

@@ -327,7 +327,7 @@ class Membership:
         hosts, waiting = change.hosts, change.waiting
         if self._round is not None and formed is not None:
             attempt, _, said = self._round
-            world = said.world_size
+            world = said.world_size if untrained is None else None  # no world of that size ever stepped
             hosts, waiting = self._round_hosts(said, hosts)
         seconds = None if when is None else round(max(0.0, when - at), 2)
         path, path_why = (change.path, change.path_why) if untrained is None else (None, untrained)
@@ -372,6 +372,9 @@ class Membership:
             self.restart_why = f"the store at {self.store} did not answer"
             return None
         self.restart_why = None
+        with self._lock:  # decided here: a loss before the agents' word of this round regroups from it
+            for slot, old in members:
+                self._ranks[slot] = (attempt, tuple(ranks[rank] for rank in sorted(old)))
         return InPlace(attempt=attempt, ranks=ranks, group_ranks=group_ranks, world_size=new, store=self.store)
 
     # -- hosts that end ---------------------------------------------------------------------

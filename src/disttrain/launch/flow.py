@@ -28,6 +28,7 @@ from typing import TextIO
 
 from ..agent.verdict import verdict, warm
 from ..agent.watchdog import HANG_EXIT
+from ..errors import UsageError
 from ..plan.launch import LaunchPlan
 from ..wire import (
     ALIVE_EVERY_S,
@@ -159,6 +160,21 @@ class _Solo:
     def in_place(self, slots) -> None: return None
 
 
+def slow_limit() -> float:
+    """How long an agent kept alive by ssh may be silent, its round not stepping, before its host is
+    lost: ``DISTTRAIN_SLOW_S`` or :data:`SLOW_S`."""
+    given = os.environ.get("DISTTRAIN_SLOW_S")
+    if given is None:
+        return SLOW_S
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise UsageError(f"DISTTRAIN_SLOW_S={given!r} is not a number of seconds above 0 (the default is {SLOW_S:g})")
+    return seconds
+
+
 class _Supervised:
     """One launch's agents: their processes, streams and stdins, the supervisor that decides, and
     what carries its decisions out."""
@@ -171,7 +187,7 @@ class _Supervised:
         policies = [Elastic(min_nnodes=membership.min_nnodes, max_nnodes=membership.max_nnodes,
                             regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S,
                             store=f"{plan.master_addr}:{plan.master_port}",
-                            slow_s=SLOW_S if membership.kept_alive else None)] if membership is not None \
+                            slow_s=slow_limit() if membership.kept_alive else None)] if membership is not None \
             else [FailFast()]
         # An elastic launch's table is its membership's (who is a member is recorded once).
         self.sup = Supervisor(tuple(n.name for n in plan.nodes), policies=[*policies, HangWatch(plan.hang_timeout_s)],
@@ -393,7 +409,11 @@ class _Supervised:
                 for slot in decision.slots:
                     self.stdins.send(self.procs[slot], DumpRequest().to_line())
                 return None
-            if isinstance(decision, Slow):
+            if isinstance(decision, Slow) and decision.training:
+                self.say(f"disttrain: {decision.host}: no word from its agent for {decision.silent_s:.0f} s, "
+                         f"its connection up, but its round steps, so its ranks do: it stays while they do "
+                         f"(its agent is stuck, not its training)")
+            elif isinstance(decision, Slow):
                 self.say(f"disttrain: {decision.host} is slow: no word from its agent for {decision.silent_s:.0f} s, "
                          f"its connection up; it is waited for up to {decision.limit_s:.0f} s")
             if isinstance(decision, Held):

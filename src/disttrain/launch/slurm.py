@@ -36,6 +36,7 @@ SLURM_TIMEOUT_S = 60  # any one sbatch/scontrol/scancel call
 POLL_S = 0.5  # the output files
 STATUS_EVERY_S = (0.5, 3.0)  # scontrol: often in the first minute, then gently on slurmctld
 LOST_CONTROLLER_S = 120  # scontrol failing this long ends `follow` with an error
+SETTLE_S = 10  # a job seen COMPLETING: how long to wait for its final state and reason
 GONE_WAIT_S = 120  # after scancel: until the job's processes are gone (KillWait is 30 s by default)
 STILL_PENDING_EVERY_S = 300
 # States after which a job never runs again (REQUEUED/REQUEUE_HOLD are on the way back to PENDING).
@@ -309,10 +310,23 @@ class SlurmJob:
             note = "" if gone else f" (still in the queue after {GONE_WAIT_S} s: check `squeue -j {self.job_id}`)"
             print(f"disttrain: got {name}, cancelled Slurm job {self.job_id}{note}", file=err, flush=True)
             return 128 + caught[0]
-        time.sleep(POLL_S)  # the last lines may reach a shared filesystem after the job's end
+        status = self._settled(status)
         for follower in followers:
             follower.pump(final=True)
         return self._outcome(status, followers, err)
+
+    def _settled(self, status: JobStatus | None) -> JobStatus | None:
+        """The final state of a job last seen COMPLETING (its epilog running): FAILED and its reason
+        come within seconds -- or after SlurmdTimeout where a node is gone, hence SETTLE_S."""
+        deadline = time.monotonic() + SETTLE_S
+        time.sleep(POLL_S)  # also: the last lines may reach a shared filesystem after the job's end
+        while status is not None and status.state == "COMPLETING" and time.monotonic() < deadline:
+            try:
+                status = self.status() or status  # forgotten already: what it ended with is still known
+            except DisttrainError:
+                break
+            time.sleep(POLL_S)
+        return status
 
     def _watch(self, followers, caught: list[int], err: TextIO, pending_timeout_s: float | None) -> JobStatus | None:
         pending_since = said_at = started = time.monotonic()

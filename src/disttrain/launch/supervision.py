@@ -13,7 +13,7 @@ policies, each of which may return a decision:
 - :class:`Dump`: no rank anywhere moved for ``--hang-timeout``: every agent reports its ranks;
 - :class:`Admit`: a host may be tried again (elastic range, room left, its backoff over);
 - :class:`Join`: the hosts that answered the preflight meanwhile get their plans, together: one
-  round for all of them (:class:`JoinWindow`), never while a round forms;
+  round for all of them (:class:`JoinWindow`), never while a round forms (until its ranks step);
 - :class:`Slow`: an agent is late, but its connection is up (ssh's keep-alives): said once, not lost;
 - nothing: go on.
 
@@ -56,6 +56,10 @@ REGROUP_MARGIN_S = 15.0  # a regroup forms within the rendezvous timeout plus th
 JOIN_QUIET_S = 2.0
 JOIN_PACE_MAX_S = 12.0
 JOIN_HOLD_S = 30.0
+# A round forms until its ranks step: a batch let in before would find workers still starting, not
+# yet able to take a regroup in place, and restart everyone. Not waited for past this (a script
+# whose ranks never report a step).
+TRAINS_WITHIN_S = 30.0
 
 
 class AgentState(str, Enum):
@@ -109,11 +113,15 @@ class Agent:
     state: AgentState = AgentState.STARTING
     heard: float = 0.0  # the launcher's clock: its last line
     joined: float = 0.0  # when it got its plan
+    round_at: float | None = None  # when its workers started their current round
+    attempt: int | None = None  # its workers' current round
+    stepped: bool = False  # its ranks have stepped, in some round
     progress: float | None = None  # the launcher's clock: its ranks' freshest progress
     steps: dict[int, int] = field(default_factory=dict)  # rank -> steps, in the current round
     why: str | None = None  # a final state's cause, as the record says it
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAPS_KEPT))  # between its recent words
     slow_said: bool = False  # its lateness was said (once per silence)
+    carried_said: bool = False  # past the limit, its round stepping without its word, was said (once per silence)
     held: tuple[int, ...] = ()  # its ranks stopped by a signal (SIGSTOP), as its last beats said
     held_since: float | None = None  # the launcher's clock: since when some of its ranks are stopped
     held_said: bool = False
@@ -220,6 +228,7 @@ class Slow:
     host: str
     silent_s: float
     limit_s: float
+    training: bool = False  # past ``limit_s``: its round's other ranks step, so its own do
 
 
 @dataclass(frozen=True)
@@ -376,9 +385,13 @@ class Elastic:
         self.regroup_since: float | None = None
 
     def forming(self, sup: Supervisor) -> bool:
-        """A round forms: an agent regroups, or has its plan and no round yet (a batch let in)."""
+        """A round forms: an agent regroups, has its plan and no round yet (a batch let in), or its
+        round's ranks have not stepped yet (:data:`TRAINS_WITHIN_S`)."""
+        now = sup.clock()
         return bool(sup.agents.in_state(AgentState.REGROUPING)) or any(
-            sup.clock() - row.joined < self.regroup_s for row in sup.agents.in_state(AgentState.STARTING))
+            now - row.joined < self.regroup_s for row in sup.agents.in_state(AgentState.STARTING)) or any(
+            row.progress is None and row.round_at is not None and now - row.round_at < TRAINS_WITHIN_S
+            for row in sup.agents.in_state(AgentState.RUNNING))
 
     def decide(self, sup: Supervisor, event: Event) -> Decision | None:
         if event.kind is EventKind.ROUND and not sup.agents.in_state(AgentState.REGROUPING):
@@ -386,6 +399,14 @@ class Elastic:
         if event.kind is EventKind.READY:
             if not sup.finished and event.host not in {row.host for row in sup.agents.live()}:
                 self.joins.arrived(event.host, event.at)
+            return None
+        if event.kind is EventKind.EXITED and event.code == 0:
+            # The job's training is done: a host let in while it trained, whose round never stepped,
+            # waits for ranks that are gone -- its failure to connect would fail a finished job.
+            for row in sup.agents.live():
+                if not row.stepped and sup.trained_at is not None and row.joined > sup.trained_at and not any(
+                        mate.progress is not None for mate in sup.round_mates(row)):
+                    sup.agents.move(row.slot, AgentState.STOPPED, "the job finished before its round trained")
             return None
         if event.kind is EventKind.EXITED and event.code != 0:
             row = sup.agents[event.slot]
@@ -398,6 +419,9 @@ class Elastic:
             late = [row for row in sup.agents.live() if event.at - row.heard > limit]
             cut = limit if self.slow_s is None else max(self.slow_s, limit)
             silent = [row for row in late if event.at - row.heard > cut]
+            # Connection up and its round stepping: its ranks train, only its agent is stuck.
+            carried = [row for row in silent if self.slow_s is not None and sup.steps_without(row, event.at)]
+            silent = [row for row in silent if row not in carried]
             if silent:
                 for row in silent:
                     sup.agents.move(row.slot, AgentState.LOST, f"its agent said nothing for {cut:.0f} s" + (
@@ -418,6 +442,11 @@ class Elastic:
                 slow.slow_said = True
                 return Slow(slot=slow.slot, host=slow.host, silent_s=round(event.at - slow.heard, 1),
                             limit_s=max(self.slow_s, limit))
+            stuck = next((row for row in carried if not row.carried_said), None)
+            if stuck is not None:
+                stuck.carried_said = True
+                return Slow(slot=stuck.slot, host=stuck.host, silent_s=round(event.at - stuck.heard, 1),
+                            limit_s=cut, training=True)
             room = self.max_nnodes - len(sup.agents.live())
             why = self.joins.due(event.at, room)
             if why is not None and not sup.finished and not self.forming(sup):
@@ -495,6 +524,7 @@ class Supervisor:
         self.silent_s = silent_s
         self.policies = list(policies)
         self.finished = False  # an agent ended well: the job is done, nobody is admitted or regrouped
+        self.trained_at: float | None = None  # when a rank first stepped (None: no rank reports steps)
         self.ended: Stop | None = None  # the decision that ended the job
         if agents is None:
             agents = Agents()
@@ -529,6 +559,20 @@ class Supervisor:
         gaps = [gap for row in self.agents.live() for gap in row.gaps]
         return max(self.silent_s, JITTER_FACTOR * max(gaps, default=0.0))
 
+    def round_mates(self, row: Agent) -> list[Agent]:
+        """The other agents whose workers are in ``row``'s round. Every step waits for all of a
+        round's ranks: when theirs step, ``row``'s do, whatever its own agent says."""
+        return [other for other in self.agents.rows
+                if other is not row and row.attempt is not None and other.attempt == row.attempt]
+
+    def steps_without(self, row: Agent, now: float) -> bool:
+        """Whether ``row``'s round steps without a word from its agent: a mate of it that still runs
+        said its ranks stepped after ``row``'s last word, within the silence limit."""
+        limit = self.silence_limit()
+        return any(other.state is AgentState.RUNNING and other.progress is not None
+                   and other.progress > row.heard and now - other.progress <= limit
+                   for other in self.round_mates(row))
+
     def held(self, now: float) -> list[Agent]:
         """The live agents some of whose ranks have been stopped by a signal for :data:`HELD_S`."""
         return [row for row in self.agents.live() if row.held_since is not None and now - row.held_since >= HELD_S]
@@ -558,13 +602,16 @@ class Supervisor:
         if event.kind is not EventKind.EXITED:  # its exit is not a word: a lost host's record dates from its last
             if event.at > row.heard:
                 row.gaps.append(event.at - row.heard)
-                row.slow_said = False
+                row.slow_said = row.carried_said = False
             row.heard = max(row.heard, event.at)
         if event.kind is EventKind.HEARD:
             if event.progress is not None and row.state is AgentState.STARTING:
                 self.agents.move(row.slot, AgentState.RUNNING)  # its ranks move (a job without rounds)
             if event.progress is not None:
                 row.progress = event.progress if row.progress is None else max(row.progress, event.progress)
+                row.stepped = True
+                if self.trained_at is None:
+                    self.trained_at = event.at
             if event.steps:
                 row.steps.update(event.steps)
             if event.held is not None:
@@ -574,7 +621,7 @@ class Supervisor:
                     row.held_since = event.at
                 row.held = event.held
         elif event.kind is EventKind.ROUND:
-            row.progress, row.steps = None, {}
+            row.progress, row.steps, row.round_at, row.attempt = None, {}, event.at, event.attempt
             if row.state is not AgentState.HUNG:
                 self.agents.move(row.slot, AgentState.RUNNING)
         elif event.kind is EventKind.EXITED:

@@ -136,7 +136,7 @@ class CommSettings:
     powersgd_rank: int = 0
     period: int = 0  # localsgd / diloco: optimizer steps between synchronisations
     bucket_mb: float | None = None  # None: DDP's own default (25 MB)
-    # disttrain bench's compute-only run: no gradient is exchanged at all (torch's no-op hook)
+    # disttrain bench's compute reference: every other step exchanges no gradient (torch's no-op hook)
     bench_no_sync: bool = False
 
     @classmethod
@@ -188,17 +188,18 @@ def attach(ddp: Any, settings: CommSettings, *, dist_backend: str | None, optimi
     """Register ``settings``' communication hook on the DDP model ``ddp`` (and, for local SGD
     and DiLoCo, their synchronisation after each step of ``optimizer``: :mod:`.periodic`).
 
-    Under ``disttrain bench --comm``'s compute-only run, torch's no-op hook goes in instead
-    (no gradient is exchanged), so that the same steps are timed without communication.
+    Under ``disttrain bench --comm``'s compute reference, every other step's backward pass
+    exchanges no gradient (torch's no-op hook) and the others all-reduce as plain DDP does, so
+    that the step timer times steps with and without communication side by side in one run.
     """
-    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
 
     global _gradient_bytes
     _gradient_bytes = gradient_bytes(getattr(ddp, "module", ddp))
     if settings.bench_no_sync:
-        ddp.register_comm_hook(None, debugging_hooks.noop_hook)
+        ddp.register_comm_hook({"backward": 0}, _every_other_step)
         return
     if settings.compression == "none":
         return
@@ -419,6 +420,40 @@ def state_bytes() -> int:
             total += sum(t.numel() * t.element_size() for t in memory.values())
     periodic = sys.modules.get(f"{__package__}.periodic")  # loaded only where a mode uses it
     return total + (periodic.state_bytes() if periodic is not None else 0)
+
+
+# Whether a gradient all-reduce ran since the step timer last asked (bench --comm's reference).
+_synced = False
+
+
+def _every_other_step(state, bucket):  # unannotated: DDP rejects a hook whose annotations are not its types
+    """DDP hook: the odd backward passes all-reduce (torch's own hook), the even send nothing.
+    Every rank counts the same passes, so all of them sync on the same steps."""
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+
+    global _synced
+    sync = state["backward"] % 2 == 1
+    if bucket.is_last():
+        state["backward"] += 1
+    if not sync:
+        return debugging_hooks.noop_hook(None, bucket)
+    _synced = True
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def take_synced() -> bool:
+    """Whether gradients were all-reduced since the last call (the step timer's paired steps)."""
+    global _synced
+    synced, _synced = _synced, False
+    return synced
+
+
+def sync_waited() -> float:
+    """Seconds local SGD / DiLoCo spent synchronising since the last call (the step timer's timeline)."""
+    import sys
+
+    periodic = sys.modules.get(f"{__package__}.periodic")
+    return periodic.take_waited() if periodic is not None else 0.0
 
 
 def gradient_bytes(model: torch.nn.Module) -> int:

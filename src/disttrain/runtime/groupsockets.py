@@ -14,6 +14,7 @@ import socket
 import sys
 
 _group_fds: set[int] = set()
+_forming: set[int] | None = None  # while a group forms: the sockets open before it began
 store = None  # the (prefixed) store the runtime made the group on, when it made it on one
 
 
@@ -31,22 +32,29 @@ def _sockets() -> set[int]:
 @contextlib.contextmanager
 def tracking():
     """Around the making of the default process group: the sockets it opened are its connections."""
-    global _group_fds
+    global _group_fds, _forming
     if not sys.platform.startswith("linux"):
         yield
         return
-    before = _sockets()
+    _group_fds = set()  # the old group's were cut when it was left; the new one may reuse their numbers
+    before = _forming = _sockets()
     try:
         yield
     finally:
+        _forming = None
         _group_fds = _sockets() - before
 
 
 def cut() -> None:
     """Shut the group's TCP connections down: every collective on them fails now, none waits for a
     peer that lost power. Listening sockets are left (gloo aborts the process when its listener
-    fails); so is the store's connection, made before the group."""
-    for fd in sorted(_group_fds):
+    fails). A group still forming loses the connections it made so far, its store's among them:
+    a wait for a member lost meanwhile fails now (any other thread's socket opened meanwhile too)."""
+    fds = set(_group_fds)
+    forming = _forming
+    if forming is not None:
+        fds |= _sockets() - forming
+    for fd in sorted(fds):
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:

@@ -16,13 +16,15 @@ the restart. What happens when the launcher decides a regroup:
    step's end (:func:`check`).
 3. The failure leaves the loop. Where it comes back in:
 
-   - a function decorated with :func:`elastic` (the script's ``main``): the failure reaches the
-     decorator, which asks one question of it -- was a round announced (at once, or within
-     :data:`SETTLE_S`)? -- and not what its text says. If so it takes the state the loop stood at
+   - a re-entry point (:func:`reentered`: ``Trainer.fit``, or a function decorated with
+     :func:`elastic`, the script's ``main``): the failure reaches it, and it asks one question of
+     it -- was a round announced (at once, or within :data:`SETTLE_S`)? -- and not what its text
+     says. If so it takes the state the loop stood at
      (:class:`Carry`: the objects given to ``resume()``, the step, the epoch's samples consumed,
      this rank's generators), drops the old group, forms the new one on the launcher's store
-     within :data:`JOIN_TIMEOUT_S` and calls the function again: the imports, the module's data,
-     open files and trackers stay as they are;
+     within :data:`JOIN_TIMEOUT_S` and calls the function again (the Trainer first prepares its
+     model, optimizer and loaders for the new world): the imports, the module's data, open files
+     and trackers stay as they are;
    - any other script (the fallback): the failure leaves it as an uncaught exception, and this
      module's ``excepthook`` does the same and then runs the whole script again in the same
      process (``runpy``), for errors whose text names the process group. Python, torch, CUDA and
@@ -97,9 +99,10 @@ _carry: Carry | None = None  # set for the second run's resume()
 _second_run = False
 _final = False  # the script's last run failed for good: the excepthook only reports
 _training: Any = None  # the TrainingState armed (what a regroup carries)
-_entry = False  # a function decorated with elastic() runs: it is where a regroup re-enters
+_entry = False  # a re-entry point runs (reentered()): a regroup comes back in there
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 class Regrouping(BaseException):
@@ -177,22 +180,31 @@ def elastic(function: F) -> F:
 
     @functools.wraps(function)
     def entry(*args: Any, **kwargs: Any) -> Any:
-        global _entry
-        outer, _entry = _entry, True
-        try:
-            while True:
-                try:
-                    return function(*args, **kwargs)
-                except (Exception, Regrouping) as err:
-                    if not _announced(err):
-                        raise
-                    err.__traceback__ = None
-                    del err
-                _rejoin()
-        finally:
-            _entry = outer
+        return reentered(functools.partial(function, *args, **kwargs))
 
     return entry  # type: ignore[return-value]
+
+
+def reentered(call: Callable[[], T], *, rejoined: Callable[[], None] | None = None) -> T:
+    """``call()``; after each in-place regroup it ends with, ``rejoined()`` and ``call()`` again, in
+    the new world: a worker's one re-entry point (:func:`elastic`'s, ``Trainer.fit``'s). The
+    innermost one running takes the regroup."""
+    global _entry
+    outer, _entry = _entry, True
+    try:
+        while True:
+            try:
+                return call()
+            except (Exception, Regrouping) as err:
+                if not _announced(err):
+                    raise
+                err.__traceback__ = None
+                del err
+            _rejoin()
+            if rejoined is not None:
+                rejoined()
+    finally:
+        _entry = outer
 
 
 def _announced(err: BaseException) -> bool:
@@ -257,10 +269,12 @@ def _drop_old_world(training: Any) -> None:
     preemption.uninstall()
 
 
-def _join(plan: Plan, backend: str) -> None:
-    """The new group, on the launcher's store under the attempt's own prefix. Not formed within
-    :func:`_join_timeout_s` (a member lost meanwhile, one not told): one line and
-    :data:`FALLBACK_EXIT` -- gloo's own wait for its peers is the group's timeout, minutes."""
+def _join(plan: Plan, backend: str) -> bool:
+    """The new group, on the launcher's store under the attempt's own prefix; False when a newer round
+    was announced while it formed (a member lost meanwhile: the word cut the forming group's
+    connections), to be joined instead. Not formed within :func:`_join_timeout_s` (a member lost, and
+    no newer word): one line and :data:`FALLBACK_EXIT` -- gloo's own wait for its peers is the
+    group's timeout, minutes."""
     os.environ.update(plan.env)
     limit = _join_timeout_s()
     formed = threading.Event()
@@ -271,17 +285,23 @@ def _join(plan: Plan, backend: str) -> None:
 
     threading.Thread(target=watch, name="disttrain-regroup-join", daemon=True).start()
     try:
-        store = dist.TCPStore(plan.env["MASTER_ADDR"], int(plan.env["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=limit))
-        prefixed = dist.PrefixStore(f"/disttrain/attempt_{plan.attempt}", store)
-        prefixed.set(IN_PLACE_KEY, "1")  # for new workers of the round (a host joining): take the state from us
-        groupsockets.store = prefixed
-        with groupsockets.tracking():
+        with groupsockets.tracking():  # the store's connection too: a newer word cuts a wait on it
+            if _armed is not None and _armed.plan is not None:
+                raise RuntimeError("a newer round was announced before this one formed")
+            store = dist.TCPStore(plan.env["MASTER_ADDR"], int(plan.env["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=limit))
+            prefixed = dist.PrefixStore(f"/disttrain/attempt_{plan.attempt}", store)
+            prefixed.set(IN_PLACE_KEY, "1")  # for new workers of the round (a host joining): take the state from us
+            groupsockets.store = prefixed
             dist.init_process_group(backend, store=prefixed, rank=plan.rank, world_size=plan.world_size,
                                     timeout=timedelta(seconds=WorkerEnv.from_environ().pg_timeout_s))
-    except Exception as err:  # noqa: BLE001 -- any failure to form: the restart path
+    except Exception as err:  # noqa: BLE001 -- any failure to form: a newer round, else the restart path
+        formed.set()
+        if _armed is not None and _armed.plan is not None:
+            return False
         _fall_back(plan, str(err).splitlines()[0] if str(err) else type(err).__name__)
     formed.set()
+    return True
 
 
 def _fall_back(plan: Plan, why: str) -> None:
@@ -324,12 +344,15 @@ def _rejoin() -> None:
 
     backend = context.last_backend or "gloo"
     armed = _armed
-    plan, armed.plan = armed.plan, None
-    armed.arrived.clear()
     carry = _take_carry() or _carry
     _drop_old_world(_training)
     gc.collect()
-    _join(plan, backend)
+    while True:
+        plan, armed.plan = armed.plan, None
+        armed.arrived.clear()
+        if _join(plan, backend):
+            break
+        torchcompat.abandon_process_groups()  # whatever of the group the failed join made
     _carry, _second_run = carry, True
 
 

@@ -102,14 +102,23 @@ class StepTimer:
         self._paused_since: float | None = None
         self._paused = 0.0  # time outside the loop (between epochs) inside the window
         self._opening = False
+        self._step_start: float | None = None
+        self.step_ms: list[float] = []  # each timed step of this rank, in ms
+        self.blocked_ms: list[float] = []  # of which spent in a periodic synchronisation
+        self.synced: list[bool] = []  # whether each timed step all-reduced (bench --comm's reference)
+        self.waited = comm.sync_waited  # seconds a synchronisation took since last asked (tests replace it)
+        self.took_sync = comm.take_synced
 
     def wrap(self, batches: Iterable[T]) -> Iterator[T]:
         """``batches``, with the time between consecutive requests counted as steps."""
         if self._paused_since is not None:
-            self._paused += self.clock() - self._paused_since
+            paused = self.clock() - self._paused_since
+            self._paused += paused
+            if self._step_start is not None:
+                self._step_start += paused
             self._paused_since = None
         if self.settings.warmup == 0 and self._window_start is None:
-            self._window_start = self._synced_clock()
+            self._window_start = self._step_start = self._synced_clock()
         self._opening = True  # a loader that times itself inside this one is not timed twice
         try:
             iterator = iter(batches)
@@ -128,11 +137,18 @@ class StepTimer:
 
     def _step_done(self, batch_len: int) -> None:
         self.steps_run += 1
+        blocked, synced = self.waited(), self.took_sync()
         warmup, steps = self.settings.warmup, self.settings.steps
         if self.steps_run == warmup:
-            self._window_start = self._synced_clock()
+            self._window_start = self._step_start = self._synced_clock()
         elif self.steps_run > warmup:
             self._samples += batch_len
+            if self._step_start is not None and not self.reported:
+                now = self.clock()
+                self.step_ms.append(round((now - self._step_start) * 1e3, 2))
+                self.blocked_ms.append(round(blocked * 1e3, 2))
+                self.synced.append(synced)
+                self._step_start = now
             if self.steps_run == warmup + steps and not self.reported:
                 self._finish()
 
@@ -153,12 +169,37 @@ class StepTimer:
         # All ranks get here at the same step, so these collectives match up.
         slowest = float(reduce_max(float(seconds)))
         samples = int(reduce_sum(self._samples))
+        split = self._paired_split(reduce_max) if WorkerEnv.from_environ().bench_no_sync else None
         self.reported = True
         ctx = context()
-        self.report(self._result(samples=samples, seconds=slowest, steps=self.settings.steps,
-                                 world_size=ctx.world_size, complete=True))
+        result = self._result(samples=samples, seconds=slowest, steps=self.settings.steps,
+                              world_size=ctx.world_size, complete=True)
+        if split:
+            # The reference's rate is its steps without communication; the split comes with it.
+            result.update(paired=split, samples_per_s=samples / self.settings.steps / split["compute_ms"] * 1e3)
+        self.report(result)
         if self.settings.exit_when_done:
             raise SystemExit(0)
+
+    def _paired_split(self, slowest: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any] | None:
+        """bench --comm's reference: each step without communication beside the synced step after
+        it, the two timed a moment apart under the same load (runs minutes apart are not: a busy
+        machine once read 40 % of an arithmetic-bound step as communication). Compute: the slowest
+        rank's median no-sync step (ranks that never wait for each other, as in a run without sync).
+        Communication: the median of what each pair takes beyond twice that step's slowest rank.
+        ``slowest``: the elementwise max over ranks (a collective)."""
+        alone, pairs = [], []
+        for i in range(len(self.synced) - 1):
+            if not self.synced[i] and self.synced[i + 1]:
+                alone.append(self.step_ms[i])
+                pairs.append(self.step_ms[i] + self.step_ms[i + 1])
+        if not alone:
+            return None
+        own = torch.tensor(alone, dtype=torch.float64)
+        compute_ms = slowest(own.quantile(0.5).reshape(1))
+        comm_ms = (slowest(torch.tensor(pairs, dtype=torch.float64)) - 2 * slowest(own)).clamp(min=0)
+        return {"pairs": len(alone), "compute_ms": round(float(compute_ms), 3),
+                "comm_ms": round(float(comm_ms.quantile(0.5)), 3)}
 
     def partial(self) -> dict[str, Any] | None:
         """What this rank measured when the run ended before the timed steps did (no
@@ -199,6 +240,9 @@ class StepTimer:
             "complete": complete,
             "gradient_bytes": comm.gradient_bytes_seen(),
             "comm_state_bytes": comm.state_bytes(),
+            # rank 0's timeline: each timed step, and what of it waited on a periodic sync
+            "step_ms": self.step_ms[:steps],
+            "sync_blocked_ms": self.blocked_ms[:steps],
         }
 
 

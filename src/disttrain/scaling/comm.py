@@ -3,12 +3,15 @@ gradient compression is worth turning on.
 
 ``disttrain bench --comm`` times each multi-process count, through the same step timer, as
 asked, with each compression, and its compute reference: the same count with DDP exchanging
-no gradients at all (torch's no-op communication hook: the same steps, the same ranks sharing
-the same cores, no wire), with denormal floats flushed to zero, the better of OpenMP's two ways
-of waiting. From them:
+no gradients every other step (torch's no-op communication hook: the same steps, the same ranks
+sharing the same cores, no wire) and all-reducing on the others, with denormal floats flushed to
+zero, the better of OpenMP's two ways of waiting. From it:
 
-- compute time per step = the reference's step; communication = what the synchronous step
-  adds to it (what the all-reduce adds after overlapping with the backward pass);
+- compute time per step = the reference's steps without sync; communication = what the synced
+  step right after each adds to it (what the all-reduce adds after overlapping with the backward
+  pass), medians over :data:`PAIRS` pairs or more. Both come from one run, a moment apart: two runs
+  minutes apart on a busy machine once differed by 40 % for an arithmetic-bound job, which a split
+  between runs read as communication;
 - the bus bandwidth that communication time implies for the gradient size, against the
   ring all-reduce's bound 2(N-1)/N * S / B when the link rate B is given;
 - each mode's convergence: every run but the references goes on to the end of the script
@@ -29,7 +32,8 @@ rank 2 threads, so with all ranks computing at once 4 threads spun for 2 cores (
 waiting: 132 -> 859 samples/s); and the exact gradients of a model near convergence drive the
 arithmetic into denormal floats, the CPU's slow path, which fp16's rounding and PowerSGD's
 approximation never take (flushed: 859 -> 2,012, above PowerSGD's 1,886). Should a run still
-beat the reference (noise), the split is not given rather than given wrong.
+beat the reference's rate (noise between runs), its speed-up is flagged and never the reason
+to choose it; the split, made within the reference run, stands.
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ WORTH = 1.05
 COMM_BOUND = 0.2
 # A run at most this much faster than the compute reference ran at the same speed, measured twice:
 # a compute-bound job's plain DDP is within noise of the reference. Faster still: the reference was
-# no upper bound (noise), and no split is made from it.
+# no upper bound (noise between runs): measured again, and never a reason to choose that mode.
 REFERENCE_NOISE = 0.05
+# The reference times at least this many steps without sync, each beside a synced one.
+PAIRS = 8
 
 
 # A mode's validation accuracy may be this far below plain DDP's (absolute: 0.01 = 1 point)
@@ -185,6 +191,10 @@ class CommResult:
     convergence: dict[str, Convergence] = field(default_factory=dict)
     # bytes of the state a mode keeps beside plain DDP's, per rank (measured in the worker)
     state_bytes: dict[str, int] = field(default_factory=dict)
+    # share of a localsgd/diloco run's timed steps that rank 0 spent waiting on a synchronisation
+    sync_wait: dict[str, float] = field(default_factory=dict)
+    # the reference run's steps with and without sync side by side: {"compute_ms", "comm_ms", "pairs"}
+    paired: dict[str, float] | None = None
 
     @property
     def beaten_by(self) -> tuple[str, float] | None:
@@ -198,17 +208,20 @@ class CommResult:
 
     @property
     def split(self) -> Split | None:
-        if not self.plain or not self.compute_only or self.beaten_by:
+        if not self.paired:
             return None
-        return Split(step_s=step_seconds(self.plain, self.global_batch),
-                     compute_s=step_seconds(self.compute_only, self.global_batch),
+        compute_s = self.paired["compute_ms"] / 1e3
+        return Split(step_s=compute_s + self.paired["comm_ms"] / 1e3, compute_s=compute_s,
                      gradient_bytes=self.gradient_bytes, world_size=self.world_size)
 
     @property
     def choice(self) -> Choice | None:
         if not self.plain:
             return None
-        choice = recommend_mode(self.plain, self.compressed, self.convergence)
+        # A rate above the reference's is noise, no reason to choose a mode: it counts as the reference's.
+        ceiling = self.compute_only or math.inf
+        choice = recommend_mode(self.plain, {name: min(rate, ceiling) for name, rate in self.compressed.items()},
+                                self.convergence)
         beaten = self.beaten_by
         if beaten and choice.name != "none":  # said, not hidden: the accuracy rule still holds
             choice = Choice(choice.name, choice.speedup, f"{choice.reason}; but {beaten[0]} beat the compute "
@@ -227,6 +240,7 @@ class CommResult:
                 "step_ms": step_seconds(rate, self.global_batch) * 1e3 if rate else None,
                 "train_loss": end.train_loss, "val_accuracy": end.val_accuracy,
                 "state_bytes": self.state_bytes.get(name),
+                "sync_wait_share": self.sync_wait.get(name),
             }
         return out
 
@@ -240,6 +254,7 @@ class CommResult:
             "samples_per_s": {"plain": self.plain, "compute_reference": self.compute_only, **self.compressed},
             "reference": "no gradient sync, denormals flushed, the better OpenMP wait (an upper bound)",
             "reference_beaten_by": {"run": beaten[0], "samples_per_s": beaten[1]} if beaten else None,
+            "paired_steps": self.paired.get("pairs") if self.paired else None,
             "gradient_bytes": self.gradient_bytes,
             "step_s": split.step_s if split else None,
             "compute_s": split.compute_s if split else None,
@@ -262,15 +277,16 @@ class CommResult:
         split, choice = self.split, self.choice
         head = f"communication, {self.world_size} processes:"
         beaten = self.beaten_by
-        if beaten:
-            out = [f"{head} no split: {beaten[0]} ran at {beaten[1]:,.0f} samples/s, above the compute "
-                   f"reference's {self.compute_only:,.0f} (no gradient sync), which should bound every run: the "
-                   "machine's noise; run it again on a quiet machine"]
-        elif split is None:
+        if split is None and not self.plain:
             return [f"{head} not measured ({'; '.join(self.errors) or 'no throughput'})"]
-        else:
-            out = [f"{head} step {split.step_s * 1e3:,.0f} ms = compute {split.compute_s * 1e3:,.0f} ms "
-                   f"+ communication {split.comm_s * 1e3:,.0f} ms ({split.comm_fraction:.0%}): {split.bound}-bound"]
+        out = [f"{head} step {split.step_s * 1e3:,.0f} ms = compute {split.compute_s * 1e3:,.0f} ms "
+               f"+ communication {split.comm_s * 1e3:,.0f} ms ({split.comm_fraction:.0%}): {split.bound}-bound"
+               if split else f"{head} no split: the compute reference timed no step beside a synced one "
+               f"({'; '.join(self.errors) or 'its loader was not timed'})"]
+        if beaten:
+            out.append(f"  {beaten[0]} ran at {beaten[1]:,.0f} samples/s, above the compute reference's "
+                       f"{self.compute_only:,.0f} (no gradient sync), which should bound every run: the machine's "
+                       "noise between runs; its speed-ups are not to be trusted, run it again on a quiet machine")
         if self.gradient_bytes and split:
             detail = f"  gradients {self.gradient_bytes / 1e6:,.1f} MB per step"
             bus = split.bus_gbit()
@@ -308,62 +324,87 @@ def measure(spec, *, link_gbit: float | None = None, tried: tuple[str, ...] = TR
     """Each count of ``spec`` (a :class:`~.bench.BenchSpec`) with two or more processes:
     plain, each mode in ``tried``, and the compute reference (see the module), one
     ``disttrain run`` after the other, ``spec.repeat`` rounds with the order rotated, the best
-    run of each kept (with that run's convergence). ``plain``: samples/s per count already
+    run of each kept (with that run's convergence). A run faster than the reference (beyond
+    :data:`REFERENCE_NOISE`) is measured once more, with the reference and plain DDP; the mode keeps
+    its slower rate (it is not recommended for beating an upper bound), the two ends of the split
+    their faster. ``plain``: samples/s per count already
     measured (the bench's own runs, which stop after the timed steps): plain DDP runs again to
     the end for its accuracy only, its rate staying the one measured."""
+    hosts = max(1, len(spec.hosts))
+    return [_measure_count(spec, n, n * hosts, known=(plain or {}).get(n), link_gbit=link_gbit, tried=tried)
+            for n in spec.counts if n * hosts >= 2]
+
+
+def _measure_count(spec, n: int, world: int, *, known: float | None, link_gbit: float | None,
+                   tried: tuple[str, ...]) -> CommResult:
     no_sync = {BENCH_NO_SYNC: "1", BENCH_FLUSH_DENORMAL: "1"}
     # OpenMP threads busy-wait between parallel regions: fastest on free cores, far slower when
     # other threads hold them; the reference takes the better of both ways of waiting.
     references = {"reference": no_sync, "reference, passive wait": {**no_sync, "OMP_WAIT_POLICY": "PASSIVE"}}
-    hosts = max(1, len(spec.hosts))
-    results = []
-    for n in spec.counts:
-        world = n * hosts
-        if world < 2:
-            continue
-        known = (plain or {}).get(n)
-        variants = ["plain", *references, *tried]
-        rates: dict[str, float] = {"plain": known} if known else {}
-        ends: dict[str, Convergence] = {}
-        state: dict[str, int] = {}
-        kept: dict[str, float] = {}  # the rate of the run each convergence comes from
-        errors: dict[str, str] = {}
-        grad_bytes = None
-        for k in range(spec.repeat):
-            shift = k % len(variants)
-            for name in variants[shift:] + variants[:shift]:
-                print(f"disttrain bench: {world} processes, {name}"
-                      f"{f' (run {k + 1} of {spec.repeat})' if spec.repeat > 1 else ''} ...", file=sys.stderr, flush=True)
-                # PowerSGD sends plain all-reduces for its first steps: time it after them (and the
-                # reference as late: a model's steps can get cheaper as it trains).
-                late = name == "powersgd" or (name in references and "powersgd" in tried)
-                warmup = max(spec.warmup, POWERSGD_START + 1) if late else spec.warmup
-                # Every run but the references goes on to the script's end, for its accuracy.
-                fields = ({"env": references[name]} if name in references else
-                          {"env": {BENCH_EXIT: "0"}} if name == "plain" else
-                          {"env": {BENCH_EXIT: "0"}, "grad_compression": name})
-                count_run = runner.run_count(
-                    spec.command(), spec.count(n, warmup=warmup, steps=period_steps(name, spec.steps), **fields),
-                    timeout_s=spec.timeout_s)
-                parsed = runner.parse_output(count_run.stdout) if count_run.returncode == 0 else None
-                rate = parsed[1].get("samples_per_s") if parsed else None
-                if not rate:
-                    errors[name] = f"{name}: exit {count_run.returncode}, no measurement"
-                    continue
-                grad_bytes = grad_bytes or parsed[1].get("gradient_bytes")
-                key = "reference" if name in references else name
-                label = "none" if key == "plain" else key
-                if key != "reference" and rate > kept.get(label, 0.0):  # the best run's convergence
-                    kept[label] = rate
-                    end = runner.parse_summary(count_run.stdout)
-                    ends[label] = Convergence(train_loss=end.get("train_loss"), val_accuracy=end.get("val_accuracy"))
-                    state[label] = parsed[1].get("comm_state_bytes") or 0
-                if not (key == "plain" and known):  # the bench's own plain runs give its rate, as before
-                    rates[key] = max(rate, rates.get(key, 0.0))
-        results.append(CommResult(
-            nproc=n, world_size=world, global_batch=spec.global_batch, plain=rates.get("plain"),
-            compute_only=rates.get("reference"), compressed={k: rates[k] for k in tried if k in rates},
-            gradient_bytes=grad_bytes, link_gbit=link_gbit,
-            errors=tuple(e for name, e in errors.items() if name.split(",")[0] not in rates),
-            convergence=ends, state_bytes=state))
-    return results
+    variants = ["plain", *references, *tried]
+    rates: dict[str, float] = {"plain": known} if known else {}
+    paired: dict[str, float] = {}  # the fastest reference run's split
+    ends: dict[str, Convergence] = {}
+    state: dict[str, int] = {}
+    sync_wait: dict[str, float] = {}
+    kept: dict[str, float] = {}  # the rate of the run each convergence comes from
+    errors: dict[str, str] = {}
+    grad_bytes = None
+
+    def one_run(name: str, label_run: str, remeasure: bool = False) -> None:
+        nonlocal grad_bytes
+        print(f"disttrain bench: {world} processes, {name}{label_run} ...", file=sys.stderr, flush=True)
+        # PowerSGD sends plain all-reduces for its first steps: time it after them (and the
+        # reference as late: a model's steps can get cheaper as it trains).
+        late = name == "powersgd" or (name in references and "powersgd" in tried)
+        warmup = max(spec.warmup, POWERSGD_START + 1) if late else spec.warmup
+        # Every run but the references goes on to the script's end, for its accuracy.
+        fields = ({"env": references[name]} if name in references else
+                  {"env": {BENCH_EXIT: "0"}} if name == "plain" else
+                  {"env": {BENCH_EXIT: "0"}, "grad_compression": name})
+        # As many steps as the others time, half of them without sync, and one more: the first timed
+        # step may be a synced one.
+        steps = max(spec.steps, 2 * PAIRS) + 1 if name in references else period_steps(name, spec.steps)
+        count_run = runner.run_count(
+            spec.command(), spec.count(n, warmup=warmup, steps=steps, **fields),
+            timeout_s=spec.timeout_s)
+        parsed = runner.parse_output(count_run.stdout) if count_run.returncode == 0 else None
+        rate = parsed[1].get("samples_per_s") if parsed else None
+        if not rate:
+            errors[name] = f"{name}: exit {count_run.returncode}, no measurement"
+            return
+        grad_bytes = grad_bytes or parsed[1].get("gradient_bytes")
+        key = "reference" if name in references else name
+        label = "none" if key == "plain" else key
+        if key != "reference" and (remeasure or rate > kept.get(label, 0.0)):  # the kept run's convergence
+            kept[label] = rate
+            end = runner.parse_summary(count_run.stdout)
+            ends[label] = Convergence(train_loss=end.get("train_loss"), val_accuracy=end.get("val_accuracy"))
+            state[label] = parsed[1].get("comm_state_bytes") or 0
+            timed, waited = sum(parsed[1].get("step_ms") or ()), sum(parsed[1].get("sync_blocked_ms") or ())
+            if waited and timed:
+                sync_wait[label] = waited / timed
+        if key == "reference" and rate > rates.get(key, 0.0):
+            paired.clear()
+            paired.update(parsed[1].get("paired") or {})
+        if key == "plain" and known and not remeasure:  # the bench's own plain runs give its rate, as before
+            return
+        # A run above the reference was the machine's noise (or the reference's): measured again, the
+        # mode keeps the lower of its rates; the reference and plain DDP, the two ends of the split,
+        # the higher, so that the split is not tilted by the reference alone rising.
+        rates[key] = min(rate, rates[key]) if remeasure and key in tried else max(rate, rates.get(key, 0.0))
+
+    for k in range(spec.repeat):
+        shift = k % len(variants)
+        for name in variants[shift:] + variants[:shift]:
+            one_run(name, f" (run {k + 1} of {spec.repeat})" if spec.repeat > 1 else "")
+    ceiling = rates.get("reference", 0.0) * (1 + REFERENCE_NOISE)
+    above = [name for name in ("plain", *tried) if ceiling and rates.get(name, 0.0) > ceiling]
+    for name in [*references, *dict.fromkeys(["plain", *above])] if above else []:
+        one_run(name, ", measured again: a run beat the compute reference", remeasure=True)
+    return CommResult(
+        nproc=n, world_size=world, global_batch=spec.global_batch, plain=rates.get("plain"),
+        compute_only=rates.get("reference"), compressed={k: rates[k] for k in tried if k in rates},
+        gradient_bytes=grad_bytes, link_gbit=link_gbit, paired=dict(paired) or None,
+        errors=tuple(e for name, e in errors.items() if name.split(",")[0] not in rates),
+        convergence=ends, state_bytes=state, sync_wait=sync_wait)

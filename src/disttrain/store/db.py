@@ -35,6 +35,7 @@ from .states import JobState, allowed
 
 STORE_ENV = "DISTTRAIN_STORE"
 BUSY_TIMEOUT_S = 30.0
+WAL_RETRY_S = 0.02
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -139,7 +140,7 @@ class _Connection:
         self.path, self.read_only = path, False
         try:
             self.db = self._connect(str(path))
-            self.db.execute("PRAGMA journal_mode=WAL")
+            self._into_wal()
         except sqlite3.OperationalError:
             if not path.is_file() or (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
                 raise
@@ -162,6 +163,19 @@ class _Connection:
         db = sqlite3.connect(target, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False, **kw)
         db.row_factory = sqlite3.Row
         return db
+
+    def _into_wal(self) -> None:
+        # Processes creating one store at once: SQLite answers the loser of the switch "locked" at
+        # once, without its busy handler (which would have waited for the winner).
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() > deadline:
+                    raise
+            time.sleep(WAL_RETRY_S)
 
     def _read_only(self, path: Path) -> sqlite3.Connection:
         """``mode=ro``; where not even SQLite's ``-shm`` file can be made beside it, ``immutable``

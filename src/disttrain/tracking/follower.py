@@ -43,6 +43,17 @@ HANG_FILE = "hang_verdict.txt"  # in the run folder: the hang verdict of a run i
 FAILURE_FILE = "failure.txt"  # in the run folder: the root-cause report of a run that failed
 
 
+def _whole_metadata_finder() -> None:
+    """importlib_metadata (the backport, which the trackers' clients import) puts its finder on
+    ``sys.meta_path`` while its module still runs: a package-metadata lookup in another thread at
+    that moment fails with ``NameError: name 'PathDistribution' is not defined`` (seen: 1 run in
+    20 at once). Imported here, before the tracker's thread starts, the module is whole."""
+    try:
+        import importlib_metadata  # noqa: F401
+    except ImportError:
+        pass
+
+
 class RunTracker:
     """One run's records and, when ``tracker`` names one, its tracker run (see the module)."""
 
@@ -70,6 +81,7 @@ class RunTracker:
         self._closing = threading.Event()  # the run's end waited long enough: the thread gives up
         self._follower: threading.Thread | None = None
         if tracker:
+            _whole_metadata_finder()
             self._thread.start()
 
     # -- the launch's side ------------------------------------------------------------------

@@ -13,6 +13,7 @@ reshards too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ...checkpoint_retry import retrying
 from ...checkpoint_url import RemotePath
 from ...errors import DisttrainError, UsageError
 from ..torch_errors import FAILURES, first_line
@@ -81,10 +83,33 @@ def _writer(directory: Path | RemotePath) -> FileSystemWriter:
     # On a store, DCP's own fsspec storage; sync_files means nothing there (the checkpoint's
     # writer reads every object back instead).
     if isinstance(directory, RemotePath):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # imports fsspec
-
-        return FsspecWriter(str(directory), sync_files=False)
+        writer = _retrying_fsspec_writer()(str(directory), sync_files=False)
+        writer.retry = directory.retry
+        return writer
     return FileSystemWriter(directory, sync_files=False)
+
+
+@functools.cache
+def _retrying_fsspec_writer() -> type:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # imports fsspec
+
+    class RetryingFsspecWriter(FsspecWriter):
+        """DCP's fsspec writer whose store operations ride out an outage as the checkpoint's own do
+        (:mod:`disttrain.checkpoint_retry`): a failed ``write_data`` writes this rank's files again
+        from the start, under the same names; the state it writes is staged or the step's own."""
+
+        retry: Any = None
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return retrying(self.retry, super().prepare_local_plan, plan)
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            return retrying(self.retry, super().write_data, plan, planner)
+
+        def finish(self, metadata: Any, results: Any) -> None:
+            retrying(self.retry, super().finish, metadata, results)
+
+    return RetryingFsspecWriter
 
 
 def _reader(directory: Path | RemotePath) -> FileSystemReader:

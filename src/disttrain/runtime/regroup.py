@@ -92,6 +92,9 @@ class _Armed:
     path: str
     plan: Plan | None = None
     arrived: threading.Event = field(default_factory=threading.Event)
+    # A word and its cut, or a plan's take: never between them. Taken between a word and its cut,
+    # a plan would start forming on sockets the cut, still going, then shut down (numbers reused).
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _armed: _Armed | None = None
@@ -149,9 +152,10 @@ def _listen(armed: _Armed) -> None:
             plan = Plan.from_bytes(data)
         except (OSError, ValueError, KeyError):
             return
-        armed.plan = plan
-        armed.arrived.set()
-        groupsockets.cut()
+        with armed.lock:
+            armed.plan = plan
+            armed.arrived.set()
+            groupsockets.cut()
 
 
 def _disarm() -> None:
@@ -348,8 +352,9 @@ def _rejoin() -> None:
     _drop_old_world(_training)
     gc.collect()
     while True:
-        plan, armed.plan = armed.plan, None
-        armed.arrived.clear()
+        with armed.lock:
+            plan, armed.plan = armed.plan, None
+            armed.arrived.clear()
         if _join(plan, backend):
             break
         torchcompat.abandon_process_groups()  # whatever of the group the failed join made

@@ -60,7 +60,7 @@ CHECKS: dict[str, Check] = {
     "regroup in place": Check(("tests/test_regroup.py::test_the_survivors_go_on_in_place_as_the_same_processes[killed]",
                                "tests/test_regroup.py::test_a_decorated_main_is_entered_again_and_the_script_is_not_run_again[resume]",
                                "tests/test_regroup.py::test_a_world_dropped_with_a_collective_in_flight_is_not_waited_for")),
-    "nnodes 2:3 join in place": Check(("tests/test_elastic.py::test_a_host_down_at_the_start_joins_when_it_comes_back",)),
+    "nnodes 2:3 join in place": Check(("tests/test_elastic_ssh.py::test_a_host_down_at_the_start_joins_when_it_comes_back",)),
     "hang verdict": Check(("tests/test_hangs.py::test_a_collective_mismatch_ends_in_a_verdict_naming_both_ranks_and_ops",),
                           (IN_COMPAT + "test_a_hang_watch_without_the_recorder_of_gloo_says_what_it_sees",)),
     "bit-exact resume": Check(("tests/test_sharded.py::test_sigkill_mid_epoch_then_resume_is_bit_exact[ddp]",)),

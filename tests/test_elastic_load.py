@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_elastic import finish, wait_for
 
 from conftest import elastic_bench
+from elastic_rig import finish, wait_for
 from rig import cluster_fixture, cpu_hog
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ tests/scripts/elastic_train.py talk gloo over loopback; the test plays their age
 SIGKILLed (its connections reset) or SIGSTOPped (silent, as a host that lost power). The survivors
 must go on as the same processes, with every sample trained once and no step done again.
 
-The launcher's and the agents' parts are tested on real hosts in tests/test_elastic.py.
+The launcher's and the agents' parts are tested on real hosts in tests/test_elastic_ssh.py and tests/test_elastic_slurm.py.
 """
 
 from __future__ import annotations

@@ -223,6 +223,24 @@ def test_the_backoffs_bound():
     assert len(admitted) <= 3600 / (backoff.max_s + 10) + 5
 
 
+def test_the_launchers_knobs_of_seconds_are_read_whole_or_refused_in_one_line(monkeypatch):
+    from disttrain.errors import UsageError
+    from disttrain.launch.flow import backoff, slow_limit
+
+    monkeypatch.delenv("DISTTRAIN_BACKOFF_S", raising=False)
+    assert (backoff().first_s, backoff().max_s) == (10, 120)
+    monkeypatch.setenv("DISTTRAIN_BACKOFF_S", "2.5")
+    flaps = backoff()
+    assert [flaps.lost("c", joined=0, now=t) for t in (1, 2, 3)] == [2.5, 5, 10]
+    monkeypatch.setenv("DISTTRAIN_BACKOFF_S", "300")  # above the usual cap: the cap is the first wait
+    assert (backoff().first_s, backoff().max_s) == (300, 300)
+    for name, knob in (("DISTTRAIN_BACKOFF_S", backoff), ("DISTTRAIN_SLOW_S", slow_limit)):
+        for bad in ("", "x", "0", "-1", "inf", "nan", "1e400"):
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(UsageError, match=f"^{name}='.*' is not a number of seconds above 0 "):
+                knob()
+
+
 # ---------------------------------------------------------------------------------- hang watch
 
 

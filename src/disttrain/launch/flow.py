@@ -16,6 +16,7 @@ lines are kept for its root-cause block.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -52,9 +53,12 @@ from .relay import Relay
 from .rendezvous_store import round_counter
 from .rootcause import first_in_time
 from .supervision import (
+    BACKOFF_FIRST_S,
+    BACKOFF_MAX_S,
     REGROUP_MARGIN_S,
     SLOW_S,
     AgentState,
+    Backoff,
     Dump,
     Elastic,
     Event,
@@ -160,19 +164,32 @@ class _Solo:
     def in_place(self, slots) -> None: return None
 
 
-def slow_limit() -> float:
-    """How long an agent kept alive by ssh may be silent, its round not stepping, before its host is
-    lost: ``DISTTRAIN_SLOW_S`` or :data:`SLOW_S`."""
-    given = os.environ.get("DISTTRAIN_SLOW_S")
+def seconds_knob(name: str, default: float) -> float:
+    """A launcher's knob of seconds above 0 from the environment, ``default`` when unset; anything
+    else is one line."""
+    given = os.environ.get(name)
     if given is None:
-        return SLOW_S
+        return default
     try:
         seconds = float(given)
     except ValueError:
         seconds = 0.0
-    if not seconds > 0:
-        raise UsageError(f"DISTTRAIN_SLOW_S={given!r} is not a number of seconds above 0 (the default is {SLOW_S:g})")
+    if not 0 < seconds < math.inf:
+        raise UsageError(f"{name}={given!r} is not a number of seconds above 0 (the default is {default:g})")
     return seconds
+
+
+def slow_limit() -> float:
+    """How long an agent kept alive by ssh may be silent, its round not stepping, before its host is
+    lost: ``DISTTRAIN_SLOW_S`` or :data:`SLOW_S`."""
+    return seconds_knob("DISTTRAIN_SLOW_S", SLOW_S)
+
+
+def backoff() -> Backoff:
+    """A flapping host's wait before it is let in again: ``DISTTRAIN_BACKOFF_S`` or
+    :data:`BACKOFF_FIRST_S` at first, doubled each flap, up to :data:`BACKOFF_MAX_S` (or the first, if more)."""
+    first = seconds_knob("DISTTRAIN_BACKOFF_S", BACKOFF_FIRST_S)
+    return Backoff(first_s=first, max_s=max(first, BACKOFF_MAX_S))
 
 
 class _Supervised:
@@ -187,7 +204,7 @@ class _Supervised:
         policies = [Elastic(min_nnodes=membership.min_nnodes, max_nnodes=membership.max_nnodes,
                             regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S,
                             store=f"{plan.master_addr}:{plan.master_port}",
-                            slow_s=slow_limit() if membership.kept_alive else None)] if membership is not None \
+                            backoff=backoff(), slow_s=slow_limit() if membership.kept_alive else None)] if membership is not None \
             else [FailFast()]
         # An elastic launch's table is its membership's (who is a member is recorded once).
         self.sup = Supervisor(tuple(n.name for n in plan.nodes), policies=[*policies, HangWatch(plan.hang_timeout_s)],

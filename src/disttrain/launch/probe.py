@@ -61,7 +61,7 @@ from ..wire import (
 from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import AgentLauncher, Events, Facts, LaunchContext
 from .elastic import Membership, Ready, starting_hosts
-from .flow import run_agents, slow_limit, start, stop
+from .flow import backoff, run_agents, slow_limit, start, stop
 from .rendezvous_store import LauncherStore, launcher_address
 
 PROBE_TIMEOUT_S = 30  # for a node's hello: the transport's connect, a Python start, disttrain's import
@@ -355,7 +355,7 @@ class SessionLauncher(AgentLauncher):
         reach = ctx.preflight and self.reach_checks
         transports = self.transports(spec, ctx)
         if spec.elastic:
-            slow_limit()  # a wrong DISTTRAIN_SLOW_S is said before any host is asked
+            slow_limit(), backoff()  # a wrong DISTTRAIN_SLOW_S or _BACKOFF_S is said before any host is asked
         if spec.elastic and spec.min_nnodes > len(transports):
             raise UsageError(f"--nnodes {spec.min_nnodes}:{spec.nnodes} needs at least {spec.min_nnodes} hosts, "
                              f"and {len(transports)} were given")

@@ -374,7 +374,12 @@ def test_the_retry_bound_reaches_the_workers_and_a_negative_one_is_refused(tmp_p
 
 
 @pytest.mark.timeout(300)
-def test_an_outage_past_the_bound_fails_the_job_and_leaves_nothing_to_resume_from(s3, s3_endpoint, tmp_path):
+def test_an_outage_past_the_bound_fails_the_job_and_leaves_nothing_to_resume_from(s3, s3_endpoint, tmp_path,
+                                                                                  monkeypatch):
+    """The store never comes back. The job's S3 client makes one try per request (AWS_MAX_ATTEMPTS=1):
+    botocore's own retries, up to 5 tries with a random backoff each time disttrain tries, would only
+    add about 20 s of waiting before the same end; here the 2 s bound is disttrain's alone."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     fs, bucket, relay, proc, flags, url = start_saver(s3, s3_endpoint, tmp_path, "--checkpoint-retry-s", "2")
     try:
         wait_for(flags / "saving", proc, 150)

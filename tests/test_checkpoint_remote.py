@@ -143,13 +143,21 @@ def test_upload_killed_midway_is_never_taken_as_complete(store, tmp_path):
     assert all(steps_on(fs, f"{bucket}/run").values())
 
 
+@pytest.fixture(scope="module")
+def fsdp_never_stopped(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """model.pt of 2 FSDP ranks that never stopped and saved nothing: what both modes' resumed runs must
+    equal bit for bit (made once, read only)."""
+    out = tmp_path_factory.mktemp("reference")
+    assert_ok(train(2, out, "--strategy", "fsdp"))
+    return model(out)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_fsdp_to_s3_killed_and_resumed_is_bit_exact(store, tmp_path, mode):
+def test_fsdp_to_s3_killed_and_resumed_is_bit_exact(store, tmp_path, mode, fsdp_never_stopped):
     fs, bucket = store
     url = f"s3://{bucket}/fsdp"
     common = ["--strategy", "fsdp", "--ckpt", url, "--every", "3", *(["--asynchronous"] if mode == "async" else [])]
-    assert_ok(train(2, tmp_path / "reference", "--strategy", "fsdp"))
     assert train(2, tmp_path / "run", *common, "--die-at", "11").returncode != 0
     saved = steps_on(fs, f"{bucket}/fsdp")
     # Asynchronous: step 9's upload may still be going on when rank 0 dies (then it has no marker,
@@ -162,7 +170,7 @@ def test_fsdp_to_s3_killed_and_resumed_is_bit_exact(store, tmp_path, mode):
     again = train(2, tmp_path / "run", *common)
     assert_ok(again)
     assert f"resuming from step {newest} in {url}" in again.stderr
-    reference, resumed = model(tmp_path / "reference"), model(tmp_path / "run")
+    reference, resumed = fsdp_never_stopped, model(tmp_path / "run")
     assert reference.keys() == resumed.keys()
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
 

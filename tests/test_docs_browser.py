@@ -2,7 +2,9 @@
 
 Headless Chromium (Debian's ``chromium``; tests/rig_setup.sh installs it as root) loads each built page with a
 small script added at its end; the script measures every ``pre > code`` and writes what overflows into the DOM,
-which ``--dump-dom`` prints. A screenshot of the hang page is taken as well, for a person to look at.
+which ``--dump-dom`` prints. The whole-site check opens every page in one Chromium (its DevTools protocol over
+``--remote-debugging-pipe``, the same window size) and reads the same element back: a browser started once
+instead of once a page. A screenshot of the hang page is taken as well, for a person to look at.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +70,81 @@ def cut_blocks(page: Path, work: Path) -> dict:
                       .replace("&amp;", "&"))
 
 
+class OneBrowser:
+    """One headless Chromium, as :func:`chromium` starts it, driven over ``--remote-debugging-pipe`` (the DevTools
+    protocol on fds 3 and 4, each message JSON ended by a NUL): each page in its own tab, :data:`PROBE`'s result
+    read back from the page's DOM once its load event wrote it. Closed, and waited for, on leaving."""
+
+    def __init__(self, work: Path) -> None:
+        self.work, self.sent, self.buffer = work, 0, b""
+
+    def __enter__(self) -> OneBrowser:
+        theirs_in, ours_out = os.pipe()  # Chromium reads its commands on fd 3
+        ours_in, theirs_out = os.pipe()  # and writes its answers on fd 4
+
+        def as_fds_3_and_4() -> None:
+            os.dup2(theirs_in, 3)
+            os.dup2(theirs_out, 4)
+
+        self.proc = subprocess.Popen(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+             f"--user-data-dir={self.work / 'profile'}", f"--window-size={WIDTH},1000", "--remote-debugging-pipe",
+             "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.work, env={**os.environ, "HOME": str(self.work)},
+            pass_fds=(3, 4, theirs_in, theirs_out), preexec_fn=as_fds_3_and_4)
+        os.close(theirs_in)
+        os.close(theirs_out)
+        self.commands, self.answers = os.fdopen(ours_out, "wb"), ours_in
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.call("Browser.close")
+            self.proc.wait(timeout=30)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self.commands.close()
+            os.close(self.answers)
+
+    def call(self, method: str, session: str | None = None, **params) -> dict:
+        self.sent += 1
+        message = {"id": self.sent, "method": method, "params": params, **({"sessionId": session} if session else {})}
+        self.commands.write(json.dumps(message).encode() + b"\0")
+        self.commands.flush()
+        while True:
+            while b"\0" not in self.buffer:
+                chunk = os.read(self.answers, 1 << 16)
+                if not chunk:
+                    raise RuntimeError(f"chromium closed its DevTools pipe (exit {self.proc.poll()})")
+                self.buffer += chunk
+            line, self.buffer = self.buffer.split(b"\0", 1)
+            answer = json.loads(line)
+            if answer.get("id") == self.sent:
+                if "error" in answer:
+                    raise RuntimeError(f"{method}: {answer['error']}")
+                return answer["result"]
+
+    def probe(self, page: Path, timeout_s: float = 60) -> dict:
+        """:func:`cut_blocks`'s measurement of ``page``, in a new tab of this browser."""
+        probed = page.with_name("probed.html")
+        probed.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
+        target = self.call("Target.createTarget", url=probed.as_uri())["targetId"]
+        session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                found = self.call("Runtime.evaluate", session, returnByValue=True,
+                                  expression="document.getElementById('width-probe')?.textContent ?? null")
+                if found["result"].get("value") is not None:
+                    return json.loads(found["result"]["value"])
+                assert time.monotonic() < deadline, f"chromium measured nothing in {page} in {timeout_s} s"
+                time.sleep(0.05)
+        finally:
+            self.call("Target.closeTarget", targetId=target)
+
+
 @needs_mkdocs
 @needs_chromium
 @pytest.mark.timeout(600)
@@ -74,11 +152,12 @@ def test_every_code_block_shows_whole_at_1280_px(site: Path, tmp_path: Path):
     pages = sorted(p for p in site.rglob("index.html") if p.parent.name not in ("404", "search"))
     assert len(pages) > 20
     cut, blocks = {}, 0
-    for page in pages:
-        seen = cut_blocks(page, tmp_path)
-        blocks += seen["blocks"]
+    with OneBrowser(tmp_path) as browser:
+        for page in pages:
+            seen = browser.probe(page)
+            blocks += seen["blocks"]
         if seen["cut"]:
-            cut[str(page.parent.relative_to(site))] = seen["cut"]
+                cut[str(page.parent.relative_to(site))] = seen["cut"]
     assert blocks > 100, f"only {blocks} code blocks measured: is the probe running?"
     assert not cut, f"code blocks wider than the page at {WIDTH} px (their first line): {cut}"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -123,6 +124,8 @@ class Workers:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+        for folder in self.folders:  # the ranks' regroup sockets (an agent's would go with the agent)
+            shutil.rmtree(folder, ignore_errors=True)
 
     def stderr(self) -> str:
         return "\n".join(err.read_text()[-3000:] for err in self.errs)

@@ -46,13 +46,56 @@ def assert_close(a: dict, b: dict, **tol) -> None:
         torch.testing.assert_close(a[key], b[key], **tol, msg=lambda m, k=key: f"{k}: {m}")
 
 
+@pytest.fixture(scope="module")
+def fsdp_one_epoch(tmp_path_factory) -> Path:
+    """The output folder of 2 FSDP ranks in float32, 1 epoch without dropout: what DDP and bf16 are
+    compared with (made once, read only)."""
+    out = tmp_path_factory.mktemp("fsdp-one-epoch") / "out"
+    assert_ok(train(2, out, "--strategy", "fsdp", "--epochs", "1", "--dropout", "0"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def never_stopped(tmp_path_factory):
+    """``never_stopped(strategy)``: model.pt of 2 ranks of that strategy that never stopped (2 epochs, the
+    defaults), what a killed and resumed run must equal bit for bit; made once per strategy, when first asked."""
+    made: dict[str, dict[str, torch.Tensor]] = {}
+
+    def of(strategy: str) -> dict[str, torch.Tensor]:
+        if strategy not in made:
+            out = tmp_path_factory.mktemp(f"reference-{strategy}")
+            assert_ok(train(2, out, "--strategy", strategy))
+            made[strategy] = model(out)
+        return made[strategy]
+
+    return of
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """``killed(strategy)``: the folder of a 2-rank run of that strategy saving synchronously every 3 steps,
+    its rank 0 SIGKILLed after step 10 (in the second epoch): ``out`` (the ranks' logs) and ``ckpt``
+    (steps 3, 6, 9, checked). Made once per strategy, when first asked; tests copy what they change."""
+    made: dict[str, Path] = {}
+
+    def of(strategy: str) -> Path:
+        if strategy not in made:
+            work = tmp_path_factory.mktemp(f"killed-{strategy}")
+            result = train(2, work / "out", "--strategy", strategy, "--ckpt", work / "ckpt", "--every", "3",
+                           "--die-at", "11")  # step 9 is saved
+            assert result.returncode != 0
+            assert sorted(p.name for p in (work / "ckpt").iterdir()) == [
+                "step_00000003", "step_00000006", "step_00000009"]
+            made[strategy] = work
+        return made[strategy]
+
+    return of
+
+
 @pytest.mark.timeout(300)
-def test_fsdp_and_ddp_reach_the_same_loss(tmp_path):
-    runs = {}
-    for strategy in ("ddp", "fsdp"):
-        out = tmp_path / strategy
-        assert_ok(train(2, out, "--strategy", strategy, "--epochs", "1", "--dropout", "0"))
-        runs[strategy] = out
+def test_fsdp_and_ddp_reach_the_same_loss(tmp_path, fsdp_one_epoch):
+    runs = {"ddp": tmp_path / "ddp", "fsdp": fsdp_one_epoch}
+    assert_ok(train(2, runs["ddp"], "--strategy", "ddp", "--epochs", "1", "--dropout", "0"))
     ddp, fsdp = steps(runs["ddp"]), steps(runs["fsdp"])
     assert len(ddp) == len(fsdp) == 8
     for a, b in zip(ddp, fsdp):
@@ -62,11 +105,10 @@ def test_fsdp_and_ddp_reach_the_same_loss(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_bf16_fsdp_trains_close_to_float32(tmp_path):
-    assert_ok(train(2, tmp_path / "fp32", "--strategy", "fsdp", "--epochs", "1", "--dropout", "0"))
+def test_bf16_fsdp_trains_close_to_float32(tmp_path, fsdp_one_epoch):
     assert_ok(train(2, tmp_path / "bf16", "--strategy", "fsdp", "--epochs", "1", "--dropout", "0",
                     "--precision", "bf16"))
-    full, low = steps(tmp_path / "fp32"), steps(tmp_path / "bf16")
+    full, low = steps(fsdp_one_epoch), steps(tmp_path / "bf16")
     assert all(s["dtype"] == "torch.float32" for s in low)  # outputs come back in float32
     assert [s["loss"] for s in low] != [s["loss"] for s in full]  # bf16 did compute
     for a, b in zip(full, low):
@@ -92,56 +134,60 @@ def test_accumulating_4_steps_equals_one_step_of_4x_batch(tmp_path, strategy):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=fsdp_on_cpu),
                                       pytest.param("fsdp-async", marks=fsdp_on_cpu)])
-def test_sigkill_mid_epoch_then_resume_is_bit_exact(tmp_path, strategy):
+def test_sigkill_mid_epoch_then_resume_is_bit_exact(tmp_path, strategy, never_stopped, killed):
+    """Synchronous saves: the killed run (steps 3, 6, 9 saved) is the module's ``killed`` one, which other
+    tests read too; this test resumes a copy of its checkpoints."""
     strategy, _, mode = strategy.partition("-")
     common = ["--strategy", strategy, "--ckpt", tmp_path / "ckpt", "--every", "3",
               *(["--asynchronous"] if mode == "async" else [])]
-    assert_ok(train(2, tmp_path / "reference", "--strategy", strategy))
-    killed = train(2, tmp_path / "run", *common, "--die-at", "11")  # step 9 is saved
-    assert killed.returncode != 0
-    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_"))
     if mode == "async":
+        died = train(2, tmp_path / "run", *common, "--die-at", "11")  # step 9 is saved
+        assert died.returncode != 0
+        saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_"))
         # An asynchronous save is promised done by the next save or the exit, not within two steps:
         # on a loaded machine step 9's may still be a .tmp- folder at the kill (see the held test below).
         assert saved in (["step_00000003", "step_00000006", "step_00000009"], ["step_00000003", "step_00000006"])
     else:
+        shutil.copytree(killed(strategy) / "ckpt", tmp_path / "ckpt")
+        saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_"))
         assert saved == ["step_00000003", "step_00000006", "step_00000009"]
     again = train(2, tmp_path / "run", *common)
     assert_ok(again)
     assert f"resuming from step {int(saved[-1][5:])}" in again.stderr
-    reference, resumed = model(tmp_path / "reference"), model(tmp_path / "run")
+    reference, resumed = never_stopped(strategy), model(tmp_path / "run")
     assert reference.keys() == resumed.keys()
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
 
 
 @pytest.mark.timeout(400)
-def test_an_async_save_still_being_written_at_a_kill_resumes_from_the_one_before(tmp_path):
+def test_an_async_save_still_being_written_at_a_kill_resumes_from_the_one_before(tmp_path, never_stopped):
     """The slow save, made certain: rank 0 never commits step 9's checkpoint before its SIGKILL at
     step 11. Nothing half-written is read; the run resumes from step 6, bit for bit."""
     common = ["--strategy", "fsdp", "--ckpt", tmp_path / "ckpt", "--every", "3", "--asynchronous"]
-    assert_ok(train(2, tmp_path / "reference", "--strategy", "fsdp"))
-    killed = train(2, tmp_path / "run", *common, "--die-at", "11", "--hold-async-save-at", "9")
-    assert killed.returncode != 0
+    died = train(2, tmp_path / "run", *common, "--die-at", "11", "--hold-async-save-at", "9")
+    assert died.returncode != 0
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert [n for n in names if n.startswith("step_")] == ["step_00000003", "step_00000006"]
     assert any(n.startswith(".tmp-step_00000009-") for n in names)  # the save that was under way
     again = train(2, tmp_path / "run", *common)
     assert_ok(again)
     assert "resuming from step 6" in again.stderr
-    reference, resumed = model(tmp_path / "reference"), model(tmp_path / "run")
+    reference, resumed = never_stopped("fsdp"), model(tmp_path / "run")
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
     assert not any(p.name.startswith(".tmp-step_00000009-") for p in (tmp_path / "ckpt").iterdir())
 
 
 @pytest.mark.timeout(400)
-def test_one_rank_resumes_a_two_rank_fsdp_checkpoint_and_trains_every_sample_once(tmp_path):
+def test_one_rank_resumes_a_two_rank_fsdp_checkpoint_and_trains_every_sample_once(tmp_path, killed):
+    """The 2 ranks killed after step 10 are the module's ``killed("fsdp")`` run; 1 rank resumes a copy."""
+    two = killed("fsdp")
+    shutil.copytree(two / "ckpt", tmp_path / "ckpt")
     common = ["--strategy", "fsdp", "--ckpt", tmp_path / "ckpt", "--every", "3"]
-    assert train(2, tmp_path / "two", *common, "--die-at", "11").returncode != 0
     one = train(1, tmp_path / "one", *common)
     assert_ok(one)
     assert "saved by 2 ranks and is resumed by 1" in one.stderr
     assert len([line for line in one.stderr.splitlines() if "cannot be bit-for-bit" in line]) == 1
-    before = [s for r in (0, 1) for s in steps(tmp_path / "two", r) if s["step"] < 9]
+    before = [s for r in (0, 1) for s in steps(two / "out", r) if s["step"] < 9]
     after = steps(tmp_path / "one")
     assert after[0]["step"] == 9
     for epoch in (0, 1):
@@ -217,13 +263,9 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, small
 
 
 @pytest.fixture(scope="module")
-def killed_fsdp(tmp_path_factory) -> Path:
+def killed_fsdp(killed) -> Path:
     """The checkpoints (steps 3, 6, 9) of a 2-rank FSDP run killed at step 11."""
-    work = tmp_path_factory.mktemp("killed")
-    result = train(2, work / "out", "--strategy", "fsdp", "--ckpt", work / "ckpt", "--every", "3", "--die-at", "11")
-    assert result.returncode != 0
-    assert sorted(p.name for p in (work / "ckpt").iterdir()) == ["step_00000003", "step_00000006", "step_00000009"]
-    return work / "ckpt"
+    return killed("fsdp") / "ckpt"
 
 
 def change_a_byte(path: Path) -> None:
@@ -271,11 +313,12 @@ def test_no_whole_sharded_checkpoint_left_is_one_line_and_exit_1(tmp_path, kille
 
 
 @pytest.mark.timeout(300)
-def test_a_rank_file_damaged_on_one_rank_makes_every_rank_skip(tmp_path):
-    """Only rank 1 reads rank_00001.pt: the ranks agree, and all resume from the one before."""
+def test_a_rank_file_damaged_on_one_rank_makes_every_rank_skip(tmp_path, killed):
+    """Only rank 1 reads rank_00001.pt: the ranks agree, and all resume from the one before. The checkpoints
+    are a copy of the module's ``killed("ddp")`` run's (2 ranks, killed after step 10)."""
     ckpt = tmp_path / "ckpt"
+    shutil.copytree(killed("ddp") / "ckpt", ckpt)
     common = ["--strategy", "ddp", "--ckpt", ckpt, "--every", "3"]
-    assert train(2, tmp_path / "first", *common, "--die-at", "11").returncode != 0
     change_a_byte(ckpt / "step_00000009" / "rank_00001.pt")
     result = train(2, tmp_path / "again", *common)
     assert_ok(result)

@@ -89,8 +89,10 @@ def test_a_host_lost_and_the_others_resume_from_s3_with_no_shared_folder(cluster
     argv = [sys.executable, "-m", "disttrain", "run", "--hosts", hosts, "--nnodes", "2:3", "-n", "1",
             "--log-dir", str(tmp_path / "run"), *cluster3.cli_ssh_args(), *forwarded,
             str(WORKER), "--out", str(out), "--ckpt", "s3://rig/run", *JOB]
-    proc = cluster3.popen_in("node0", argv, cwd=ROOT, env={**bench.worker_env(), **store}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    # The survivors restart their workers (not the in-place regroup, which goes on from memory): what they
+    # resume from is the store's newest checkpoint, read back over S3.
+    proc = cluster3.popen_in("node0", argv, cwd=ROOT, env={**bench.worker_env(), **store, "DISTTRAIN_REGROUP": "restart"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + 240
     while bench.step_of(out) < 6:  # a checkpoint every 4 steps: step 4's is on the store
         assert proc.poll() is None, f"the job ended early (exit {proc.returncode}):\n{proc.stderr.read()[-4000:]}"
@@ -107,6 +109,7 @@ def test_a_host_lost_and_the_others_resume_from_s3_with_no_shared_folder(cluster
     assert proc.returncode == 0, err[-4000:]
     line = next(ln for ln in err.splitlines() if ln.startswith("disttrain: membership:"))
     assert f"{cluster3.nodes[2].ip} left" in line and "-> 2 hosts, world size 2, resumed from step " in line, line
+    assert "restarted" in line and "regrouped in place" not in line, line
     accounting = bench.account(out, SAMPLES)
     assert accounting["attempts"][0]["world_size"] == 3 and accounting["attempts"][-1]["world_size"] == 2
     assert accounting["attempts"][-1]["first_step"] > 0  # from a checkpoint on the store, not from scratch

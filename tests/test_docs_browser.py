@@ -9,6 +9,7 @@ instead of once a page. A screenshot of the hang page is taken as well, for a pe
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -82,9 +83,10 @@ class OneBrowser:
         theirs_in, ours_out = os.pipe()  # Chromium reads its commands on fd 3
         ours_in, theirs_out = os.pipe()  # and writes its answers on fd 4
 
-        def as_fds_3_and_4() -> None:
-            os.dup2(theirs_in, 3)
-            os.dup2(theirs_out, 4)
+        def as_fds_3_and_4() -> None:  # by way of fds above 4, so that neither end is overwritten by the other
+            high_in, high_out = (fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (theirs_in, theirs_out))
+            os.dup2(high_in, 3)
+            os.dup2(high_out, 4)
 
         self.proc = subprocess.Popen(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",

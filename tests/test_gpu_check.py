@@ -105,10 +105,11 @@ def sleeper_with_a_child() -> list[str]:
 
 def test_a_step_that_overruns_its_bound_is_killed_with_its_children_and_reported(gpu_check, tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "MIN_STEP_S", 0)
-    step = gpu_check.Step("sleeper", sleeper_with_a_child(), 5, lambda rc, out: (True, {}))
+    # A bound of 3 s: the step has its child and has said so within a fraction of a second, then sleeps 120 s.
+    step = gpu_check.Step("sleeper", sleeper_with_a_child(), 3, lambda rc, out: (True, {}))
     with open(tmp_path / "log", "w") as log:
         record = gpu_check.run_step(step, 100, log)
-    assert record["status"] == "timeout" and record["reason"] == "killed at its bound of 5 s"
+    assert record["status"] == "timeout" and record["reason"] == "killed at its bound of 3 s"
     child = int((tmp_path / "log").read_text().split("\nCHILD_PID ")[1].split()[0])
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
@@ -152,9 +153,13 @@ def test_the_judges_read_what_the_programs_print(gpu_check):
 
 
 @pytest.mark.timeout(120)
-def test_the_verdict_step_passes_on_a_real_hang_over_gloo(gpu_check, tmp_path):
+def test_the_verdict_step_passes_on_a_real_hang_over_gloo(gpu_check, tmp_path, monkeypatch):
     """The shared-GPU hang step's program and judge, for real on CPU (gloo): rank 1 skips the collective."""
+    # --hang-timeout 5 s, not the GPU's 15: what the hang tests give the same kind of hang on CPU
+    # (tests/test_hangs.py); the watchdog is armed only once a rank moved, so start-up cannot trip it.
+    monkeypatch.setattr(gpu_check, "HANG_S", 5)
     (step,) = [s for s in gpu_check.gpu_steps(CPU_FACTS, sys.executable) if s.name.startswith("hang: a skipped")]
+    assert step.argv[step.argv.index("--hang-timeout") + 1] == "5"
     with open(tmp_path / "log", "w") as log:
         record = gpu_check.run_step(step, 100, log)
     assert record["status"] == "ok", (tmp_path / "log").read_text()[-3000:]

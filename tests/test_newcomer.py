@@ -57,31 +57,38 @@ def test_traceback_lines_carry_one_rank_prefix():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("node_rank", [0, 1])
-def test_ctrl_c_ends_a_rendezvous_wait_at_once(node_rank, tmp_path):
-    """A node waiting for the others says what it waits for; Ctrl-C ends it with 130, not at the timeout."""
-    proc = subprocess.Popen(
+def test_ctrl_c_ends_a_rendezvous_wait_at_once(tmp_path):
+    """A node waiting for the others says what it waits for; Ctrl-C ends it with 130, not at the timeout.
+    Node rank 0 (whose address the others join) and node rank 1, each waiting alone on a port of its own,
+    at the same time (their first word comes after the same fixed wait)."""
+    ports = [_free_port(), _free_port()]
+    while ports[1] == ports[0]:  # one port for both would join them into one job
+        ports[1] = _free_port()
+    procs = {node_rank: subprocess.Popen(
         [sys.executable, "-m", "disttrain", "run", "--nnodes", "2", "--node-rank", str(node_rank),
-         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--rdzv-timeout", "120", "-n", "1",
+         "--master-addr", "127.0.0.1", "--master-port", str(ports[node_rank]), "--rdzv-timeout", "120", "-n", "1",
          GOOD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=cli_env(DISTTRAIN_HOME=str(tmp_path)))
+        env=cli_env(DISTTRAIN_HOME=str(tmp_path / f"node{node_rank}"))) for node_rank in (0, 1)}
     try:
         deadline = time.monotonic() + 30
-        lines = []
-        while time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            lines.append(line)
-            if "still waiting" in line:
-                break
-        assert "still waiting" in lines[-1], lines
-        assert "127.0.0.1" in lines[-1] and "Ctrl-C to stop" in lines[-1]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 130
-        rest = proc.stderr.read()
-        assert "SIGINT while waiting" in rest and "no worker was started" in rest
+        for node_rank, proc in procs.items():
+            lines = []
+            while time.monotonic() < deadline:
+                line = proc.stderr.readline()
+                lines.append(line)
+                if "still waiting" in line:
+                    break
+            assert "still waiting" in lines[-1], (node_rank, lines)
+            assert "127.0.0.1" in lines[-1] and "Ctrl-C to stop" in lines[-1], (node_rank, lines)
+        for node_rank, proc in procs.items():
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=10) == 130, node_rank
+            rest = proc.stderr.read()
+            assert "SIGINT while waiting" in rest and "no worker was started" in rest, (node_rank, rest)
     finally:
-        kill_tree(proc.pid)
-        proc.communicate()
+        for proc in procs.values():
+            kill_tree(proc.pid)
+            proc.communicate()
 
 
 def _free_port() -> int:

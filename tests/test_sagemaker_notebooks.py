@@ -106,8 +106,8 @@ def test_v3_local_training_notebook_untouched(job_home):
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_v3_tuning_notebook_describe_analytics_display(job_home):
-    """SDK v3's tuner over a ModelTrainer: describe() is the tuning job resource (sagemaker-core's names),
-    analytics().dataframe() shown with display(), as the v3 tuning example reads them."""
+    """SDK v3's tuner over a ModelTrainer (its three trials at once): describe() is the tuning job resource
+    (sagemaker-core's names), analytics().dataframe() shown with display(), as the v3 tuning example reads them."""
     pytest.importorskip("optuna")
     pytest.importorskip("pandas")
     done = run_notebook(NOTEBOOKS / "v3_tuning", "tuning_describe.ipynb", job_home)

@@ -116,8 +116,8 @@ def test_v3_tuner_of_three_over_a_model_trainer(job_home):
     tuner = HyperparameterTuner(trainer, "loss", {"lr": ContinuousParameter(0.01, 1.0),
                                                   "layers": IntegerParameter(1, 4),
                                                   "opt": CategoricalParameter(["adam", "sgd"])},
-                                strategy="Random", objective_type="Minimize", max_jobs=3, max_parallel_jobs=1,
-                                random_seed=3)
+                                strategy="Random", objective_type="Minimize", max_jobs=3, max_parallel_jobs=3,
+                                random_seed=3)  # the three at once: one trial at a time is the v2 tests' way
     tuner.tune()
     frame = tuner.analytics().dataframe()
     records = check_trials(tuner, frame, count=3, params=["lr", "layers", "opt"])

@@ -25,6 +25,7 @@ import pytest
 from test_docs_browser import CHROMIUM, needs_chromium
 from test_ui import elastic_run, rows, thousand_runs
 
+from _launch import kill_tree
 from conftest import HP_LOSS_SCRIPT, SCRIPTS, cli_env, disttrain, write
 from disttrain import goodput
 from disttrain.store import JobStore
@@ -91,15 +92,30 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("ui-home")
     home = work / "home"
     env = cli_env(DISTTRAIN_HOME=str(home), DISTTRAIN_STORE=str(home / "jobs.db"))
-    done = disttrain("run", "-n", "2", "--checkpoint-dir", str(work / "ckpt"), str(SCRIPTS / "elastic_train.py"),
-                     "--out", str(work / "out"), "--samples", "48", "--epochs", "1", "--every", "4", "--pause", "0.1",
-                     timeout=240, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = disttrain("run", "-n", "2", str(SCRIPTS / "fail_rank1.py"), timeout=240, env=env)
-    assert done.returncode == 3, done.stderr[-3000:]
-    done = disttrain("run", "-n", "2", "--hang-timeout", "5", str(SCRIPTS / "plain_hang.py"), "op", timeout=240,
-                     env=env)
-    assert done.returncode == 124, done.stderr[-3000:]
+    # The hung run waits out its --hang-timeout while the finished and the failed run are made: they start once
+    # both its ranks are past their last collective (the branch), so nothing but the hang itself is timed meanwhile.
+    with open(work / "hang.stderr", "w+") as hang_err:
+        hang = subprocess.Popen([sys.executable, "-m", "disttrain", "run", "-n", "2", "--hang-timeout", "5",
+                                 str(SCRIPTS / "plain_hang.py"), "op"], stdout=subprocess.PIPE, stderr=hang_err,
+                                text=True, env=env)
+        try:
+            at_branch = 0
+            while at_branch < 2:
+                line = hang.stdout.readline()
+                assert line, f"the hung run ended before its ranks reached the branch: {_tail(hang_err)}"
+                at_branch += "at the branch" in line
+            done = disttrain("run", "-n", "2", "--checkpoint-dir", str(work / "ckpt"),
+                             str(SCRIPTS / "elastic_train.py"), "--out", str(work / "out"), "--samples", "48",
+                             "--epochs", "1", "--every", "4", "--pause", "0.1", timeout=240, env=env)
+            assert done.returncode == 0, done.stderr[-3000:]
+            done = disttrain("run", "-n", "2", str(SCRIPTS / "fail_rank1.py"), timeout=240, env=env)
+            assert done.returncode == 3, done.stderr[-3000:]
+            hang.communicate(timeout=240)
+        finally:
+            if hang.poll() is None:
+                kill_tree(hang.pid)
+                hang.communicate()
+        assert hang.returncode == 124, _tail(hang_err)
     write(work / "loss.py", TUNE_SCRIPT)
     done = disttrain("tune", "run", "loss.py", "--param", "lr=0.01:1:log", "--param", "layers=1:4", "--param",
                      "opt=adam,sgd", "--set", "epochs=2", "--objective", "loss", "--minimize", "--trials", "3",
@@ -107,6 +123,11 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     elastic_run(home / "runs", "20261128-041907-elastic_train-6ed6", live=True)  # its times moved to now: first
     return home
+
+
+def _tail(log) -> str:
+    log.seek(0)
+    return log.read()[-3000:]
 
 
 @pytest.fixture(scope="module")

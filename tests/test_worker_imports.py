@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import cli_env, disttrain, write
+from conftest import cli_env, write
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -81,22 +81,36 @@ def _facts(out: Path) -> dict:
 
 
 def test_a_user_sitecustomize_acts_under_disttrain_as_under_torchrun(tmp_path, user_site):
+    """The four programs (torchrun, ``disttrain run``, ``disttrain job run``, a tuner's trial) run at once: each
+    writes its own folder, and each is waited for (and its exit code checked) before any fact is compared."""
     work = tmp_path / "work"
     probe = write(work / "probe.py", PROBE)
     outs = {name: tmp_path / name for name in ("torchrun", "run", "job")}
     for out in outs.values():
         out.mkdir()
     env = _env(tmp_path, user_site)
-    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(probe),
-                               str(outs["torchrun"])], cwd=work, env=env, capture_output=True, text=True, timeout=300)
-    assert torchrun.returncode == 0, torchrun.stderr
-    run = disttrain("run", "-n", "1", str(probe), str(outs["run"]), cwd=work, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr
     spec = write(tmp_path / "job.yaml", yaml.safe_dump({"name": "imports", "entry_point": "probe.py",
                                                         "source_dir": str(work),
                                                         "env": {"PROBE_OUT": str(outs["job"])}}))
-    job = disttrain("job", "run", str(spec), cwd=work, env=env, timeout=300)
-    assert job.returncode == 0, job.stderr
+    cli = [sys.executable, "-m", "disttrain"]
+    started = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(probe),
+                     str(outs["torchrun"])],
+        "run": [*cli, "run", "-n", "1", str(probe), str(outs["run"])],
+        "job": [*cli, "job", "run", str(spec)],
+    }
+    procs = {name: subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, argv in started.items()}
+    try:
+        trial = tuner_trial(tmp_path, work, env)
+        ended = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():  # none left behind, whatever failed
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name}: {ended[name][1]}"
     expected = _facts(outs["torchrun"])
     assert expected["op"] == "defined" and expected["pth_ran"] == "1"  # the program the comparison stands on
     assert expected["sitecustomize"] == str(user_site / "sitecustomize.py")
@@ -108,7 +122,6 @@ def test_a_user_sitecustomize_acts_under_disttrain_as_under_torchrun(tmp_path, u
     expected["user_path"] = [p for p in expected["user_path"] if p != str(work)]
     job_facts["user_path"] = [p for p in job_facts["user_path"] if p != str(work)]
     assert job_facts == expected
-    trial = tuner_trial(tmp_path, work, env)
     trial["user_path"] = [p for p in trial["user_path"] if p != str(work) and str(tmp_path / "home") not in p]
     assert trial == expected
 

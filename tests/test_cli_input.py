@@ -51,6 +51,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, fragments):
 
 
 @pytest.mark.timeout(60)
+def test_a_free_port_is_below_the_range_of_outgoing_connections():
+    """Not one the OS could give an outgoing connection before the rendezvous binds it."""
+    import socket
+
+    from disttrain.net import PORTS_FROM, _ephemeral_start, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(PORTS_FROM <= port < _ephemeral_start() for port in ports), ports
+    assert len(ports) > 1  # random: two launchers at once rarely meet
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))  # free when given
+
+
 def test_master_port_in_use_is_reported_before_start(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -5,16 +5,42 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
+import random
 import socket
+from pathlib import Path
 
 from .errors import UsageError
 
+# Ports handed out start here, below the kernel's ephemeral range (see free_port).
+PORTS_FROM = 20000
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free right now on ``host`` (the OS picks it)."""
+    """A port that is free right now on ``host``, below the ephemeral range where there is room.
+
+    A port the OS picks (bind to 0) comes from the range it also gives outgoing connections, and
+    one of those can take it before the process it was chosen for binds it: a job's
+    ``SM_MASTER_PORT``, bound by the user's torchrun seconds later, was taken so beside the suite's
+    other lane (``EADDRINUSE``). Below that range only a listener can take it."""
+    top = _ephemeral_start()
+    for port in random.sample(range(PORTS_FROM, top), k=min(32, max(0, top - PORTS_FROM))):
+        with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _family(host: str) -> int:

@@ -15,18 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import elastic_bench
-from elastic_rig import finish, wait_for
+from elastic_rig import ROOT, WORKER, bench, finish, wait_for
 from rig import cluster_fixture, cpu_hog
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "scripts" / "elastic_train.py"
 SAMPLES = 480
 JOB = ["--samples", str(SAMPLES), "--epochs", "2", "--batch-size", "2", "--every", "8", "--pause", "0.2"]
 # busy loops beside the job (2 cores here: a load of 6 or more with the job's own); the field load is 24
 HOG = int(os.environ.get("DISTTRAIN_TEST_HOG", "4"))
 
-bench = elastic_bench()
 cluster4 = cluster_fixture(4, name="cluster4", bridge=True)
 
 pytestmark = [pytest.mark.slow, pytest.mark.rig, pytest.mark.field]

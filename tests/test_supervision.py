@@ -225,7 +225,7 @@ def test_the_backoffs_bound():
 
 def test_the_launchers_knobs_of_seconds_are_read_whole_or_refused_in_one_line(monkeypatch):
     from disttrain.errors import UsageError
-    from disttrain.launch.flow import backoff, slow_limit
+    from disttrain.launch.knobs import backoff, slow_limit
 
     monkeypatch.delenv("DISTTRAIN_BACKOFF_S", raising=False)
     assert (backoff().first_s, backoff().max_s) == (10, 120)

@@ -16,7 +16,6 @@ lines are kept for its root-cause block.
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
@@ -29,7 +28,6 @@ from typing import TextIO
 
 from ..agent.verdict import verdict, warm
 from ..agent.watchdog import HANG_EXIT
-from ..errors import UsageError
 from ..plan.launch import LaunchPlan
 from ..wire import (
     ALIVE_EVERY_S,
@@ -49,16 +47,13 @@ from ..wire import (
 from ..workerenv import REGROUP_MODE
 from .diagnostics import Diagnostics
 from .elastic import Membership
+from .knobs import backoff, slow_limit
 from .relay import Relay
 from .rendezvous_store import round_counter
 from .rootcause import first_in_time
 from .supervision import (
-    BACKOFF_FIRST_S,
-    BACKOFF_MAX_S,
     REGROUP_MARGIN_S,
-    SLOW_S,
     AgentState,
-    Backoff,
     Dump,
     Elastic,
     Event,
@@ -162,34 +157,6 @@ class _Solo:
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]: return []
     def ended(self, slot: int) -> None: ...
     def in_place(self, slots) -> None: return None
-
-
-def seconds_knob(name: str, default: float) -> float:
-    """A launcher's knob of seconds above 0 from the environment, ``default`` when unset; anything
-    else is one line."""
-    given = os.environ.get(name)
-    if given is None:
-        return default
-    try:
-        seconds = float(given)
-    except ValueError:
-        seconds = 0.0
-    if not 0 < seconds < math.inf:
-        raise UsageError(f"{name}={given!r} is not a number of seconds above 0 (the default is {default:g})")
-    return seconds
-
-
-def slow_limit() -> float:
-    """How long an agent kept alive by ssh may be silent, its round not stepping, before its host is
-    lost: ``DISTTRAIN_SLOW_S`` or :data:`SLOW_S`."""
-    return seconds_knob("DISTTRAIN_SLOW_S", SLOW_S)
-
-
-def backoff() -> Backoff:
-    """A flapping host's wait before it is let in again: ``DISTTRAIN_BACKOFF_S`` or
-    :data:`BACKOFF_FIRST_S` at first, doubled each flap, up to :data:`BACKOFF_MAX_S` (or the first, if more)."""
-    first = seconds_knob("DISTTRAIN_BACKOFF_S", BACKOFF_FIRST_S)
-    return Backoff(first_s=first, max_s=max(first, BACKOFF_MAX_S))
 
 
 class _Supervised:

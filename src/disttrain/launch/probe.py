@@ -61,7 +61,8 @@ from ..wire import (
 from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import AgentLauncher, Events, Facts, LaunchContext
 from .elastic import Membership, Ready, starting_hosts
-from .flow import backoff, run_agents, slow_limit, start, stop
+from .flow import run_agents, start, stop
+from .knobs import backoff, slow_limit
 from .rendezvous_store import LauncherStore, launcher_address
 
 PROBE_TIMEOUT_S = 30  # for a node's hello: the transport's connect, a Python start, disttrain's import

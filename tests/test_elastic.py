@@ -213,6 +213,25 @@ def test_every_round_has_one_number_on_every_node():
         assert job_attempt(dist.PrefixStore(prefix, other), 1) == round_
 
 
+def test_a_round_after_an_in_place_fallback_keeps_no_node_s_workers():
+    """A node whose workers' in-place round did not form says so before its next rendezvous; every other
+    node reads it in the round that follows, and restarts its workers there too (a survivor stuck
+    before it took the round's word is among them): the round number is the one that fell back."""
+    import torch.distributed as dist
+
+    from disttrain.agent.elastic_agent import round_fell_back, say_fell_back
+    from disttrain.net import free_port
+
+    port = free_port("127.0.0.1")
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    other = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    round_ = lambda store, n: dist.PrefixStore(f"torch.rendezvous.job.{n}", store)  # noqa: E731
+    assert not round_fell_back(round_(other, 2), 1)
+    say_fell_back(round_(host, 1), 1, "10.0.0.1")
+    assert round_fell_back(round_(other, 2), 1) and round_fell_back(other, 1)
+    assert not round_fell_back(round_(other, 2), 0) and not round_fell_back(round_(other, 3), 2)
+
+
 def test_torch_builds_its_agent_where_disttrain_replaces_it():
     """disttrain has torch's launch_agent build its agent (elastic_agent.installed): a torch that
     renames what it builds, or the methods overridden, fails here rather than in a user's job."""

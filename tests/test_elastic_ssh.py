@@ -273,6 +273,32 @@ def test_a_stopped_worker_takes_its_host_out_and_a_stopped_agent_does_not_hold_t
     cluster3.assert_nothing_left()
 
 
+@pytest.mark.timeout(400)
+def test_survivors_stuck_holding_the_gil_are_ended_with_their_stacks_and_the_job_restarts(cluster3, tmp_path):
+    """Every rank sleeps in native code holding the GIL (the script's --hold-gil-at), then node2 loses
+    power. The survivors are told their new ranks but no thread of theirs runs again: not the one that
+    takes the word, not the one that ends a group that does not form. Their agents end them past that
+    limit (5 s here, plus 15), each stack said first, and the round restarts from the checkpoint: the
+    job ends 0 with every sample trained."""
+    proc, out, ckpt = start_job(cluster3, tmp_path, "--env", "DISTTRAIN_REGROUP_JOIN_S=5",
+                                job=[*JOB, "--hold-gil-at", "10"])
+    wait_for(proc, lambda: all((out / f"held_rank{rank}").exists() for rank in range(3)), timeout=240)
+    cluster3.power_off("node2")
+    code, err = finish(proc, timeout=300)
+    assert code == 0, err[-4000:]
+    for node in cluster3.nodes[:2]:
+        assert f"on {node.ip}: its in-place group (round 1) did not form within 5 s, and the worker did not end " \
+               "itself: its stack follows" in err, err[-4000:]
+    assert "elastic_train.py\", line" in err and "Thread 0x" in err, err[-4000:]  # faulthandler's, from each
+    record = record_so_far(tmp_path)
+    assert [(c["change"], c["host"], c["world_size"]) for c in record] == [
+        ("start", None, 3), ("left", cluster3.nodes[2].ip, 2)], record
+    assert record[1]["path"] == "restart", record
+    accounting = bench.account(out, 120)
+    assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
+    cluster3.assert_nothing_left()
+
+
 @pytest.mark.timeout(500)
 def test_a_second_loss_during_a_regroup_is_one_more_round_in_place(cluster4, tmp_path):
     """node3 loses power while node2's worker is stopped: the regroup without node3 cannot form (node2's

@@ -4,6 +4,7 @@ for every sample across attempts.
 
 Usage: elastic_train.py --out OUT [--ckpt CKPT] --samples N --epochs E --batch-size B --every K [--pause S]
                         [--strategy fsdp] [--stop-after N] [--final WEIGHTS] [--trainer] [--entry]
+                        [--hold-gil-at STEP]
 (CKPT: default $DISTTRAIN_CHECKPOINT_DIR, a job's checkpoint folder)
 Writes OUT/attempt<A>_rank<R>.jsonl: one line per finished step (the line precedes the step's
 checkpoint, so a step logged may be re-done after a loss; one checkpointed is always logged), and
@@ -42,6 +43,9 @@ def main() -> None:
     parser.add_argument("--final", type=Path, help="where rank 0 saves the model's weights at the end")
     parser.add_argument("--trainer", action="store_true", help="train with disttrain.Trainer (its loss logs)")
     parser.add_argument("--entry", action="store_true", help="main() is @disttrain.elastic's (read in __main__)")
+    parser.add_argument("--hold-gil-at", type=int, default=0,
+                        help="in the first world, every rank sleeps in native code holding the GIL before this step "
+                        "(after OUT/held_rank<R>)")
     args = parser.parse_args()
 
     imported = time.time()
@@ -69,6 +73,11 @@ def main() -> None:
     with open(args.out / f"{name}.jsonl", "a") as log:
         for epoch in state.epochs(args.epochs):
             for (x,) in state.steps(loader):
+                if args.hold_gil_at and state.step == args.hold_gil_at and attempt == 0:
+                    import ctypes  # no thread of this process runs again: not its regroup's, not its watch's
+
+                    (args.out / f"held_rank{ctx.rank}").touch()
+                    ctypes.PyDLL(None).sleep(3600)
                 if args.stop_after and state.step == args.stop_after:  # that many steps done: save, end
                     state.save()
                     disttrain.shutdown()

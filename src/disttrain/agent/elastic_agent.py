@@ -18,6 +18,11 @@ dropped, the agent killed) and sends :class:`~disttrain.wire.Regroup`; this agen
   :data:`SETTLE_S` for the launcher to name a lost host before counting the failure;
 - when a node joins, keeps armed workers too: they are told their ranks in torch's new round,
   and the new node's workers take the state from them;
+- ends a worker told a round in place that has not formed it well after its own limit (stuck where
+  no thread of its own can end it: native code that holds the GIL), its stack first, as a fallback;
+- when an in-place round fell back on any node (its group did not form: a member that never came,
+  as a survivor stuck before it took the word), restarts its workers in the next round like every
+  other node: that round keeps nobody (:data:`FELL_BACK_KEY`);
 - numbers every round for the whole job (:func:`job_attempt`), the same on every node, since
   torch's restart count does not move on membership changes, and says each round's world to
   the launcher (:class:`~disttrain.wire.AttemptStarted`).
@@ -32,7 +37,9 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from torch.distributed import PrefixStore, Store
@@ -40,7 +47,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from .. import torchcompat
-from ..inplace import FALLBACK_EXIT, Plan, socket_path
+from ..inplace import FALLBACK_EXIT, JOIN_ENV, STACKS_SIGNAL_OFFSET, Plan, formed, join_timeout_s, socket_path
 from ..wire import InPlace
 from ..workerenv import ROUND_COUNTER
 from .logs import RankLogs
@@ -48,6 +55,9 @@ from .logs import RankLogs
 SETTLE_S = 5.0  # a failure of the workers waits this long for the launcher to name a lost host
 KILL_WAIT_S = 5  # for workers SIGKILLed on a regroup to be gone
 GROW_JOIN_S = 120  # kept workers wait this long for a joining node's new ones (they start Python and torch)
+TOLD_MARGIN_S = 15  # past a told worker's own limit: its own fallback (a line, FALLBACK_EXIT) comes first
+STACKS_WAIT_S = 1  # for a stuck worker's stack to be written before it is ended
+FELL_BACK_KEY = "disttrain/fell_back/{}"  # set by a node whose workers' in-place round (number) did not form
 
 
 class Regroups:
@@ -79,6 +89,23 @@ class Regroups:
             return lost, in_place
 
 
+def _shared(store: Store) -> Store:
+    """The store every round shares (torch's rendezvous prefixes each round's)."""
+    return store.underlying_store if isinstance(store, PrefixStore) else store
+
+
+def say_fell_back(store: Store, attempt: int, host: str) -> None:
+    """This node's workers' in-place round ``attempt`` did not form (their exit code says so)."""
+    _shared(store).set(FELL_BACK_KEY.format(attempt), host)
+
+
+def round_fell_back(store: Store, attempt: int) -> bool:
+    """Whether a node said that round ``attempt`` fell back: the round after it keeps no workers.
+    ``store`` is any round's; a node says it before its next rendezvous, so it is there once that
+    round has formed."""
+    return _shared(store).check([FELL_BACK_KEY.format(attempt)])
+
+
 def job_attempt(store: Store, group_rank: int) -> int:
     """The job-wide number of the round ``store`` belongs to: 0, 1, 2... on every node alike.
 
@@ -86,8 +113,7 @@ def job_attempt(store: Store, group_rank: int) -> int:
     lives in the store under it, which every round shares. Group rank 0 counts, the others read.
     """
     if group_rank == 0:
-        base = store.underlying_store if isinstance(store, PrefixStore) else store
-        attempt = base.add(ROUND_COUNTER, 1) - 1
+        attempt = _shared(store).add(ROUND_COUNTER, 1) - 1
         store.set("disttrain/attempt", str(attempt))
         return attempt
     return int(store.get("disttrain/attempt"))
@@ -110,13 +136,14 @@ class ElasticNodeAgent(LocalElasticAgent):
         self._sockets = sockets  # where armed workers listen for an in-place regroup
         self._settle_s = settle_s
         self._peer_lost = False
+        self._told: tuple[int, float, float] | None = None  # round, deadline, limit: workers told to form it
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.SUCCEEDED:
             return result  # done: a regroup asked meanwhile has nothing left to restart
         fell_back = result.state == WorkerState.FAILED and result.failures and all(
-            f.exitcode == FALLBACK_EXIT for f in result.failures.values())
+            f.exitcode == FALLBACK_EXIT for f in result.failures.values()) or self._stuck(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and not self._regroups.pending() \
                 and not fell_back:
             # A peer's death may end our workers (a connection reset) before the launcher has
@@ -124,8 +151,11 @@ class ElasticNodeAgent(LocalElasticAgent):
             self._regroups.wait(self._settle_s)
         if not self._regroups.pending() and not fell_back:
             return result
+        if fell_back:  # before this node's next rendezvous: the others read it once the round formed
+            say_fell_back(worker_group.store, self._attempt, self._host)
         _, in_place = self._regroups.take()  # the launcher says which hosts left, once for all
-        if in_place is not None and result.state == WorkerState.HEALTHY and self._told_in_place(worker_group, in_place):
+        if in_place is not None and result.state == WorkerState.HEALTHY and not fell_back \
+                and self._told_in_place(worker_group, in_place):
             return RunResult(state=WorkerState.HEALTHY)
         self._peer_lost = True
         self._restart_why = "the in-place group did not form" if fell_back else \
@@ -135,6 +165,27 @@ class ElasticNodeAgent(LocalElasticAgent):
         finally:
             self._peer_lost, self._restart_why = False, ""
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _stuck(self, worker_group: WorkerGroup) -> bool:
+        """Whether a worker told to form a round in place has not, well after its limit: then its stack
+        is said (its stderr), and it is taken for one that fell back (ended at the restart)."""
+        if self._told is None:
+            return False
+        attempt, deadline, limit = self._told
+        late = [w for w in worker_group.workers if formed(self._sockets, w.local_rank) != attempt]
+        if not late:
+            self._told = None
+        if not late or time.monotonic() < deadline:
+            return False
+        self._told = None
+        for worker in late:
+            print(f"disttrain: rank {worker.global_rank} on {self._host}: its in-place group (round {attempt}) did "
+                  f"not form within {limit:g} s, and the worker did not end itself: its stack follows, then it is "
+                  "ended and the round restarts from the newest checkpoint", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError, TypeError):
+                os.kill(worker.id, signal.SIGRTMIN + STACKS_SIGNAL_OFFSET)
+        time.sleep(STACKS_WAIT_S)
+        return True
 
     def _exit_barrier(self) -> None:
         """Not waited. torch's agents wait here for each other so that the one hosting the rendezvous
@@ -168,13 +219,21 @@ class ElasticNodeAgent(LocalElasticAgent):
         self._in_place_round = True
         try:
             self._rendezvous(worker_group)  # the round with the new node: this node's new ranks
+            kept = self._in_place_round
         finally:
             self._in_place_round = False
         for worker in worker_group.workers:
             worker.id = pids.get(worker.local_rank)
         host, port = self._meet_at.rsplit(":", 1)
-        if not all(self._tell(worker, worker_group, self._attempt, host, port) for worker in worker_group.workers):
-            self._stop_workers(worker_group)  # one was not told: all start again, as torch would
+        if not kept or not all(self._tell(worker, worker_group, self._attempt, host, port)
+                               for worker in worker_group.workers):
+            # One was not told, or the last in-place round fell back: all start again, as torch would.
+            # After a fallback at once: a worker that missed the round's word will not take SIGTERM's.
+            self._peer_lost = not kept
+            try:
+                self._stop_workers(worker_group)
+            finally:
+                self._peer_lost, self._restart_why = False, ""
             for local_rank, pid in self._start_workers(worker_group).items():
                 worker_group.workers[local_rank].id = pid
         worker_group.state = WorkerState.HEALTHY
@@ -185,18 +244,19 @@ class ElasticNodeAgent(LocalElasticAgent):
 
     def _tell(self, worker, worker_group: WorkerGroup, attempt: int, host: str, port: str, *, lost: bool = False) -> bool:
         """Worker ``worker`` (its new ranks set) hears them on its socket; False when it cannot."""
+        # A node joins: its workers start (Python, torch) before the group forms.
+        limit = join_timeout_s(os.environ) if lost else GROW_JOIN_S
         env = {"RANK": str(worker.global_rank), "WORLD_SIZE": str(worker.world_size),
                "ROLE_RANK": str(worker.role_rank), "ROLE_WORLD_SIZE": str(worker.role_world_size),
                "GROUP_RANK": str(worker_group.group_rank), "GROUP_WORLD_SIZE": str(worker_group.group_world_size),
                "DISTTRAIN_ATTEMPT": str(attempt), "MASTER_ADDR": host, "MASTER_PORT": port,
-               "TORCHELASTIC_USE_AGENT_STORE": "True"}
-        if not lost:  # a node joins: its workers start (Python, torch) before the group forms
-            env["DISTTRAIN_REGROUP_JOIN_S"] = str(GROW_JOIN_S)
+               "TORCHELASTIC_USE_AGENT_STORE": "True", JOIN_ENV: str(limit)}
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             try:
                 sock.sendto(Plan(attempt=attempt, env=env).to_bytes(), socket_path(self._sockets, worker.local_rank))
             except OSError:
                 return False
+        self._told = (attempt, time.monotonic() + limit + TOLD_MARGIN_S, limit)
         return True
 
     def _told_in_place(self, worker_group: WorkerGroup, in_place: InPlace) -> bool:
@@ -220,12 +280,14 @@ class ElasticNodeAgent(LocalElasticAgent):
         worker_group.group_world_size = len(in_place.group_ranks)
         if not all(self._tell(worker, worker_group, in_place.attempt, host, port, lost=True) for worker, _ in told):
             return False
+        self._attempt = in_place.attempt
         if isinstance(self._logs_specs, RankLogs):
             self._logs_specs.attempt = in_place.attempt
         self._on_attempt(in_place.attempt, worker_group, True, "")
         return True
 
     def _stop_workers(self, worker_group: WorkerGroup, *args, **kwargs) -> None:  # torch < 2.11: is_restart
+        self._told = None
         if self._peer_lost:
             wait = {"timeout": KILL_WAIT_S} if torchcompat.takes(self._shutdown, "timeout") else {}
             self._shutdown(death_sig=signal.SIGKILL, **wait)
@@ -233,8 +295,12 @@ class ElasticNodeAgent(LocalElasticAgent):
             super()._stop_workers(worker_group, *args, **kwargs)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        previous = self._attempt
         super()._rendezvous(worker_group)
         attempt = self._attempt = job_attempt(worker_group.store, worker_group.group_rank)
+        if self._in_place_round and round_fell_back(worker_group.store, previous):
+            self._in_place_round = False
+            self._restart_why = f"the in-place round {previous} fell back"
         if isinstance(self._logs_specs, RankLogs):
             self._logs_specs.attempt = attempt
         self._on_attempt(attempt, worker_group, self._in_place_round, self._restart_why)

@@ -22,7 +22,7 @@ the restart. What happens when the launcher decides a regroup:
      says. If so it takes the state the loop stood at
      (:class:`Carry`: the objects given to ``resume()``, the step, the epoch's samples consumed,
      this rank's generators), drops the old group, forms the new one on the launcher's store
-     within :data:`JOIN_TIMEOUT_S` and calls the function again (the Trainer first prepares its
+     within :data:`~disttrain.inplace.JOIN_TIMEOUT_S` and calls the function again (the Trainer first prepares its
      model, optimizer and loaders for the new world): the imports, the module's data, open files
      and trackers stay as they are;
    - any other script (the fallback): the failure leaves it as an uncaught exception, and this
@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import functools
 import gc
 import os
 import runpy
+import signal
 import socket
 import sys
 import threading
@@ -62,13 +64,12 @@ import torch
 import torch.distributed as dist
 
 from .. import torchcompat
-from ..inplace import FALLBACK_EXIT, Plan, socket_path
+from ..inplace import FALLBACK_EXIT, STACKS_SIGNAL_OFFSET, Plan, join_timeout_s, say_formed, socket_path
 from ..process_end import exit_after_atexit
 from ..workerenv import REGROUP_SOCKET, WorkerEnv
 from . import groupsockets
 
 SETTLE_S = 5.0  # a worker whose collective failed waits this long for the agent's word
-JOIN_TIMEOUT_S = 20.0  # the new group forms within this (DISTTRAIN_REGROUP_JOIN_S), or falls back to the restart
 IN_PLACE_KEY = "in_place"  # in a round's store: survivors of an in-place regroup are in it
 _DIST_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "nccl", "process group",
                "socket", "timed out")
@@ -138,6 +139,9 @@ def arm(training: Any) -> bool:
         sock.close()
         return False
     _armed = _Armed(sock=sock, path=path)
+    with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):  # stderr without a descriptor
+        # from a C handler, without the GIL: the agent asks before it ends a worker stuck in the regroup
+        faulthandler.register(signal.SIGRTMIN + STACKS_SIGNAL_OFFSET, file=sys.stderr, all_threads=True)
     threading.Thread(target=_listen, args=(_armed,), name="disttrain-regroup", daemon=True).start()
     if not _entry:  # the fallback's way back in; a decorated function is its own
         sys.excepthook = _Hook(sys.excepthook)
@@ -276,11 +280,11 @@ def _drop_old_world(training: Any) -> None:
 def _join(plan: Plan, backend: str) -> bool:
     """The new group, on the launcher's store under the attempt's own prefix; False when a newer round
     was announced while it formed (a member lost meanwhile: the word cut the forming group's
-    connections), to be joined instead. Not formed within :func:`_join_timeout_s` (a member lost, and
+    connections), to be joined instead. Not formed within :data:`~disttrain.inplace.JOIN_TIMEOUT_S` (a member lost, and
     no newer word): one line and :data:`FALLBACK_EXIT` -- gloo's own wait for its peers is the
     group's timeout, minutes."""
     os.environ.update(plan.env)
-    limit = _join_timeout_s()
+    limit = join_timeout_s(os.environ)
     formed = threading.Event()
 
     def watch() -> None:
@@ -305,6 +309,8 @@ def _join(plan: Plan, backend: str) -> bool:
             return False
         _fall_back(plan, str(err).splitlines()[0] if str(err) else type(err).__name__)
     formed.set()
+    with contextlib.suppress(OSError):  # for the agent, which ends a told worker that never gets here
+        say_formed(os.environ[REGROUP_SOCKET], os.environ.get("LOCAL_RANK", "0"), plan.attempt)
     return True
 
 
@@ -313,13 +319,6 @@ def _fall_back(plan: Plan, why: str) -> None:
           f"{plan.env.get('MASTER_ADDR')}:{plan.env.get('MASTER_PORT')}): restarting from the newest checkpoint",
           file=sys.stderr, flush=True)
     os._exit(FALLBACK_EXIT)
-
-
-def _join_timeout_s() -> float:
-    try:
-        return float(os.environ.get("DISTTRAIN_REGROUP_JOIN_S", JOIN_TIMEOUT_S))
-    except ValueError:
-        return JOIN_TIMEOUT_S
 
 
 def _run_script() -> int:

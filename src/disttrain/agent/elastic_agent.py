@@ -175,7 +175,8 @@ class ElasticNodeAgent(LocalElasticAgent):
         late = [w for w in worker_group.workers if formed(self._sockets, w.local_rank) != attempt]
         if not late:
             self._told = None
-        if not late or time.monotonic() < deadline:
+            return False
+        if time.monotonic() < deadline:
             return False
         self._told = None
         for worker in late:

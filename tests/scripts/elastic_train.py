@@ -17,6 +17,7 @@ started = time.time()  # noqa: E402  (the imports below are part of a worker's s
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -77,6 +78,8 @@ def main() -> None:
                     import ctypes  # no thread of this process runs again: not its regroup's, not its watch's
 
                     (args.out / f"held_rank{ctx.rank}").touch()
+                    # The agent's stack signal goes to another thread: on this one it would end the sleep early.
+                    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGRTMIN + 6})
                     ctypes.PyDLL(None).sleep(3600)
                 if args.stop_after and state.step == args.stop_after:  # that many steps done: save, end
                     state.save()

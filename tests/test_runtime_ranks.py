@@ -118,7 +118,7 @@ def test_plain_python_is_a_world_of_one(tmp_path):
     assert "print0 from rank 0" in result.stdout
 
 
-SHUTDOWN_RUNS = 8
+SHUTDOWN_RUNS = 5  # the abort struck about every second run: 5 runs miss it 1 time in 32
 
 
 @pytest.mark.slow

@@ -34,9 +34,12 @@ from .sink import Sink, busy, open_sink
 
 _RESUMED = re.compile(re.escape(RESUMED_MARKER) + r"(\d+)")
 FOLLOW_POLL_S = 0.25
-STOP_WAIT_S = 30.0  # at the end, for the tracker to take what is queued (a dead one: as long as this)
+STOP_WAIT_S = 30.0  # at the end, for the opened tracker to take what is queued (a dead one: as long as this)
 RETRY_EVERY_S = 2.0  # a tracker that stopped answering is tried again this often
 OPEN_PATIENCE_S = 60.0  # a server slow to answer (many runs starting at once) is asked again this long
+# At the end, for a tracker still being opened: its client's import (a minute with twenty runs starting at
+# once on two loaded cores, seen) and OPEN_PATIENCE_S of a slow server's answers.
+OPEN_WAIT_S = 180.0
 BUSY_GRACE_S = 30.0  # a server there but slow (timeouts, 5xx) is said to have stopped answering after this long
 MAX_KEPT = 100_000  # records kept for a tracker that stopped answering (the oldest points go first)
 HANG_FILE = "hang_verdict.txt"  # in the run folder: the hang verdict of a run it stopped
@@ -79,6 +82,7 @@ class RunTracker:
         self._down = False  # it stopped answering (said): its records are kept
         self._failing_since: float | None = None  # its first failure since it last took a record
         self._closing = threading.Event()  # the run's end waited long enough: the thread gives up
+        self._opened = threading.Event()  # the opening ended, either way
         self._follower: threading.Thread | None = None
         if tracker:
             _whole_metadata_finder()
@@ -194,9 +198,16 @@ class RunTracker:
                     self._put("artifact", Path(path))
             self._put("finish", exit_code)
             self._queue.put(None)
-            self._thread.join(timeout=self.stop_wait_s)
+            # The end's wait counts from the tracker's opening, not from the run's end: a short run
+            # ends while the client is still imported (a minute on a loaded machine).
+            opened = self._opened.wait(OPEN_WAIT_S)
+            if opened:
+                self._thread.join(timeout=self.stop_wait_s)
             self._closing.set()
-            if self._thread.is_alive() and not self._failed:
+            if not opened:
+                self.say(f"disttrain: warning: the {self.tracker} tracker was still being opened after "
+                         f"{OPEN_WAIT_S:g} s; the run's records stay in {self.run_dir}")
+            elif self._thread.is_alive() and not self._failed:
                 self.say(f"disttrain: warning: the {self.tracker} tracker did not take the run's last "
                          f"records within {self.stop_wait_s:g} s; they stay in {self.run_dir}")
             elif not self._failed and self.sink is not None:
@@ -226,6 +237,7 @@ class RunTracker:
         ending = False
         if not self._open():
             self._failed = True
+        self._opened.set()
         while True:
             try:
                 items = [self._queue.get(timeout=RETRY_EVERY_S if kept else None)]
@@ -251,14 +263,16 @@ class RunTracker:
     def _open(self) -> bool:
         """The tracker's run, opened here: a tracker that cannot be reached or does not exist is one
         line, and the run goes on untracked. A server that is there but slow to answer (many runs
-        starting at once) is asked again for up to OPEN_PATIENCE_S, its records queued meanwhile."""
+        starting at once) is asked again for up to OPEN_PATIENCE_S from its first slow answer (not
+        from the start: importing the client may take most of a minute), its records queued meanwhile."""
         name, params, parent, key = self._open_args
-        patience = time.monotonic() + OPEN_PATIENCE_S
+        patience: float | None = None
         while True:
             try:
                 self.sink = open_sink(self.tracker, name, params=params, parent=parent, key=key)
                 return True
             except Exception as err:  # a tracker must never fail the run
+                patience = patience or time.monotonic() + OPEN_PATIENCE_S
                 if (busy(err) and time.monotonic() < patience
                         and not self._closing.wait(RETRY_EVERY_S)):
                     continue
@@ -300,7 +314,8 @@ class RunTracker:
             self.say(f"disttrain: the {self.tracker} tracker answers again; the records kept meanwhile are sent")
 
 
-def _first_line(err: BaseException, limit: int = 200) -> str:
+def _first_line(err: BaseException, limit: int = 240) -> str:
     first = str(err).splitlines()[0] if str(err) else ""
-    first = first if len(first) <= limit else first[:limit - 3] + "..."  # a client's message may be a page
+    if len(first) > limit:  # a client's message may be a page; its cause is said last ("Caused by ...")
+        first = first[:limit // 2 - 2] + " ... " + first[-(limit // 2 - 3):]
     return f"{type(err).__name__}: {first}" if first else type(err).__name__

@@ -37,6 +37,7 @@ SCHEMES = ("", "file", "http", "https", "sqlite", "postgresql", "mysql", "mssql"
            "uc")
 EXPERIMENT_TRIES = 5
 PROBE_S = 5.0  # for the server's port to accept a connection
+PARAMS_AGAIN_S = 1.0  # before a refused parameter batch is sent once more (see MlflowSink._params)
 KEY_TAG = "disttrain.key"  # the run's Sink key: the runs one open made, found at its end
 
 
@@ -92,7 +93,20 @@ class MlflowSink(Sink):
             tags[KEY_TAG] = key
         self._run = self._client.create_run(self._experiment_id, run_name=name, tags=tags)
         if params:
-            self._client.log_batch(self.run_id, params=[Param(k, str(v)[:MAX_PARAM]) for k, v in params.items()])
+            self._params([Param(k, str(v)[:MAX_PARAM]) for k, v in params.items()])
+
+    def _params(self, params: list) -> None:
+        """The run's parameters. A batch whose answer timed out is sent again by MLflow's client while
+        the server may still be writing the first: the two race there and the second is refused
+        (``UNIQUE constraint failed``; seen with twenty runs at once on a loaded machine). Sent once
+        more, the server finds them logged and takes it; a batch refused for what it is, is refused again."""
+        from mlflow.exceptions import RestException
+
+        try:
+            self._client.log_batch(self.run_id, params=params)
+        except RestException:
+            time.sleep(PARAMS_AGAIN_S)
+            self._client.log_batch(self.run_id, params=params)
 
     def _experiment(self, name: str) -> str:
         """The experiment's id, created when missing: runs started at once race to create it, and the

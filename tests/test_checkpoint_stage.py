@@ -205,6 +205,26 @@ def test_dcp_async_save_twice_with_one_kept_stager(tmp_path):
     assert torch.equal(restored["model"]["weight"], model.weight.detach())
 
 
+def test_a_kept_dcp_stager_outlives_torch_closing_its_inner_stager_after_each_stage():
+    """torch 2.11's DefaultStager closes its own StateDictStager at the end of every stage: its storage
+    cache and its copy table emptied, the next save of FSDP state (a class among DTensor's pickled
+    parts) failed with KeyError: <class 'type'> on the H200. Kept: that close is ignored, the storage
+    staged once serves the next save, and dispose really closes it."""
+    from disttrain.runtime.checkpoint_stage import dcp_stager
+
+    stager = dcp_stager(pinned=False)
+    inner = stager._state_dict_stager
+    state = {"w": torch.randn(4), "kind": torch.nn.Linear}
+    for value in (1.0, 2.0):
+        state["w"].fill_(value)
+        staged = stager.stage(state)
+        inner.close()  # what torch 2.11's DefaultStager._stage does after each stage
+        assert torch.equal(staged["w"], state["w"]) and staged["kind"] is torch.nn.Linear
+    assert stager.closes_ignored == 2 and len(inner._cached_storage_mapping) == 1
+    stager.dispose()
+    assert not inner._deepcopy_dispatch and not len(inner._cached_storage_mapping)
+
+
 def test_staged_views_serialise_to_the_state_itself():
     """torch.save of leaves that are views of byte buffers (of every dtype, a buffer larger than its
     leaf after the state shrank) loads back as the state itself."""

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import cli_env, disttrain, write
 from disttrain.net import free_port
+from disttrain.tracking.sink import Sink
 
 pytestmark = pytest.mark.timeout(600)
 SERVER_START_S = 240
@@ -352,15 +353,30 @@ def test_a_tracker_that_answers_again_gets_what_was_kept(tmp_path, monkeypatch, 
     assert sent[-1] == ("finish", 0)
 
 
+class _Stepped(Sink):
+    """A fake tracker's run that keeps the steps of its points, then "finish"."""
+
+    def metrics(self, values, step, wall_time):
+        self.got.append(step)
+
+    def text(self, name, text):
+        pass
+
+    def artifact(self, path):
+        pass
+
+    def finish(self, exit_code):
+        self.got.append("finish")
+
+
 def test_a_tracker_slow_to_open_is_asked_again_and_a_refusing_one_is_said_at_once(tmp_path, monkeypatch):
     """In-process: a server that times out twice while a run opens (twenty runs starting at once) gets
     the run and its points without a word; one that refuses the connection is one line at once."""
     from disttrain import trackline
     from disttrain.tracking import follower
     from disttrain.tracking.follower import RunTracker
-    from disttrain.tracking.sink import Sink
 
-    class Slow(Sink):
+    class Slow(_Stepped):
         tracker = client = "slow"
         run_id = "r2"
         opens = 0
@@ -370,18 +386,6 @@ def test_a_tracker_slow_to_open_is_asked_again_and_a_refusing_one_is_said_at_onc
             if Slow.opens <= 2:
                 raise Slow.error
             self.got = []
-
-        def metrics(self, values, step, wall_time):
-            self.got.append(step)
-
-        def text(self, name, text):
-            pass
-
-        def artifact(self, path):
-            pass
-
-        def finish(self, exit_code):
-            self.got.append("finish")
 
     monkeypatch.setattr(follower, "open_sink", lambda tracker, name, **kw: Slow(name, **kw))
     monkeypatch.setattr(follower, "RETRY_EVERY_S", 0.01)
@@ -413,11 +417,10 @@ def test_a_tracker_whose_client_is_slow_to_import_still_gets_a_short_run(tmp_pat
     from disttrain import trackline
     from disttrain.tracking import follower
     from disttrain.tracking.follower import RunTracker
-    from disttrain.tracking.sink import Sink
 
     imported = threading.Event()
 
-    class Late(Sink):
+    class Late(_Stepped):
         tracker = client = "late"
         run_id = "r3"
         opens = 0
@@ -428,18 +431,6 @@ def test_a_tracker_whose_client_is_slow_to_import_still_gets_a_short_run(tmp_pat
             if Late.opens == 1:
                 raise TimeoutError("read timed out")
             self.got = []
-
-        def metrics(self, values, step, wall_time):
-            self.got.append(step)
-
-        def text(self, name, text):
-            pass
-
-        def artifact(self, path):
-            pass
-
-        def finish(self, exit_code):
-            self.got.append("finish")
 
     monkeypatch.setattr(follower, "open_sink", lambda tracker, name, **kw: Late(name, **kw))
     monkeypatch.setattr(follower, "RETRY_EVERY_S", 0.01)

@@ -100,6 +100,21 @@ def test_the_relay_keeps_every_wire_line_off_the_terminal(tmp_path):
     assert failed in (tmp_path / "node1.log").read_text()
 
 
+def test_a_wire_line_srun_cut_with_its_own_word_is_read_whole(tmp_path):
+    """srun relays a task's output in 1,024-byte pieces, and its word at the task's exit landed between
+    two of them, inside an agent's hang report (seen in a suite under load: that rank had "no report").
+    The agent's line is read whole and srun's line on its own; a whole line quoting srun is left as it is."""
+    report = wire.HangReport(host="node1-" + "n" * 1100, ranks=()).to_line()
+    quoting = wire.RankFailed(host="srun: node1", rank=1, exit_code=1, at=1.0).to_line()
+    srun = "srun: error: node1: task 0: Exited with exit code 124\n"
+    heard: list[str] = []
+    relay = Relay(tmp_path, threading.Lock(), on_agent_line=lambda _agent, line: heard.append(line) or True)
+    relay.pump(io.StringIO(report[:1024] + srun + report[1024:] + "\n" + quoting + "\n"), io.StringIO(), agent=1)
+    relay.close()
+    assert heard == [srun, report + "\n", quoting + "\n"]
+    assert wire.HangReport.from_line(heard[1]).host == "node1-" + "n" * 1100
+
+
 def test_for_people_tells_wire_lines_from_a_scripts_own():
     assert not wire.for_people("disttrain-failed {}\n")
     assert not wire.for_people("[rank0] disttrain-track: {}\n")

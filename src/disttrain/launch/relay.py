@@ -3,6 +3,7 @@ transcript; each agent's own lines kept for its root-cause block (see :mod:`.flo
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import deque
@@ -20,6 +21,22 @@ _CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from .*\(most recent c
 # torch's own C++ log lines (glog style: "[W1124 03:33:59.078 TCPStore.cpp:138] ...") from an agent's
 # internals -- a store that lost its server once another node failed: disttrain says what happened.
 _C10_LOG = re.compile(r"^\[[WEIF]\d{4} [\d:.]+ (\d+ )?\S+:\d+\] ")
+
+
+def srun_cut(line: str) -> tuple[str, str]:
+    """``("", line)``; or, for an agent's wire line that srun cut in two with its own word, the line's
+    first part (to be joined to the next line, its rest) and srun's line. srun relays a task's output
+    in pieces of 1,024 bytes, and what it says itself as the task exits ("srun: error: node1: task 0:
+    Exited with exit code 124") can land between two of them: seen under load, inside the hang report
+    an agent writes just before it exits, whose rank then had "no report"."""
+    cut = line.find("srun: ")
+    if cut <= 0 or for_people(line):
+        return "", line
+    try:
+        json.loads(line[line.index("{"):])
+        return "", line  # whole: the words are inside the message
+    except ValueError:
+        return line[:cut], line[cut:]
 
 
 class Relay:
@@ -41,7 +58,12 @@ class Relay:
 
     def pump(self, stream, out: TextIO, agent: int | None = None) -> None:
         in_dump = False
+        head = ""  # the first part of an agent's wire line that srun cut in two
         for line in iter(stream.readline, ""):
+            if head:
+                line, head = head + line, ""
+            elif agent is not None:
+                head, line = srun_cut(line)
             match = _PREFIX.match(line)
             if not match and agent is not None and self._on_agent_line is not None:
                 if self._on_agent_line(agent, line):  # the launcher consumed it (a heartbeat)

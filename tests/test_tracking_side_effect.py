@@ -472,34 +472,32 @@ def test_an_mlflow_server_that_is_not_there_is_known_before_mlflow_is_imported(m
     assert not busy(refused.value)
 
 
-def test_mlflow_parameters_refused_by_their_own_retry_are_sent_once_more(monkeypatch):
-    """In-process, MLflow's client against a busy server: the parameters' batch timed out and was sent
-    again while the server still wrote the first, and the second was refused (``UNIQUE constraint
-    failed``, seen in the CI's twenty runs). Sent once more, it is taken; a batch the server refuses
-    for what it is (a changed value) is refused again and raised."""
+def test_an_mlflow_write_refused_as_its_own_twin_is_sent_once_more(monkeypatch):
+    """In-process, MLflow's client against a busy server: a write (the parameters, a tag) timed out and
+    was sent again while the server still wrote the first, and the second was refused (``UNIQUE
+    constraint failed``, seen in twenty runs at once). Sent once more, it is taken; refused twice, or
+    refused for anything else, it is raised."""
     pytest.importorskip("mlflow")
     from mlflow.exceptions import RestException
 
     from disttrain.tracking import mlflow_sink
 
-    class Client:
-        def __init__(self, refusals):
-            self.refusals, self.calls = refusals, 0
+    def refusing(refusals, message):
+        calls = []
 
-        def log_batch(self, run_id, params):
-            self.calls += 1
-            if self.calls <= self.refusals:
-                raise RestException({"error_code": "BAD_REQUEST",
-                                     "message": "(sqlite3.IntegrityError) UNIQUE constraint failed: params.key"})
+        def write(*args, **kwargs):
+            calls.append(args)
+            if len(calls) <= refusals:
+                raise RestException({"error_code": "BAD_REQUEST", "message": message})
+        return write, calls
 
-    monkeypatch.setattr(mlflow_sink, "PARAMS_AGAIN_S", 0.0)
-    sink = object.__new__(mlflow_sink.MlflowSink)
-    sink._run = type("Run", (), {"info": type("Info", (), {"run_id": "r"})})
-    for refusals, taken in ((1, True), (2, False)):
-        sink._client = Client(refusals)
-        if taken:
-            sink._params(["p"])
-        else:
-            with pytest.raises(RestException, match="UNIQUE"):
-                sink._params(["p"])
-        assert sink._client.calls == 2
+    monkeypatch.setattr(mlflow_sink, "AGAIN_S", 0.0)
+    twin = "(sqlite3.IntegrityError) UNIQUE constraint failed: tags.key, tags.run_uuid"
+    write, calls = refusing(1, twin)
+    mlflow_sink.MlflowSink._again(write, "r", "exit_code", "0")
+    assert calls == [("r", "exit_code", "0")] * 2
+    for refusals, message, tries in ((2, twin, 2), (1, "Invalid value for metric", 1)):
+        write, calls = refusing(refusals, message)
+        with pytest.raises(RestException):
+            mlflow_sink.MlflowSink._again(write, "r")
+        assert len(calls) == tries

@@ -37,7 +37,9 @@ SCHEMES = ("", "file", "http", "https", "sqlite", "postgresql", "mysql", "mssql"
            "uc")
 EXPERIMENT_TRIES = 5
 PROBE_S = 5.0  # for the server's port to accept a connection
-PARAMS_AGAIN_S = 1.0  # before a refused parameter batch is sent once more (see MlflowSink._params)
+AGAIN_S = 1.0  # before a write refused as its own twin is sent once more (see MlflowSink._again)
+# What a store says of a row written twice (SQLite, PostgreSQL, MySQL through SQLAlchemy).
+TWIN_WORDS = ("UNIQUE constraint", "IntegrityError", "duplicate key", "Duplicate entry")
 KEY_TAG = "disttrain.key"  # the run's Sink key: the runs one open made, found at its end
 
 
@@ -93,20 +95,25 @@ class MlflowSink(Sink):
             tags[KEY_TAG] = key
         self._run = self._client.create_run(self._experiment_id, run_name=name, tags=tags)
         if params:
-            self._params([Param(k, str(v)[:MAX_PARAM]) for k, v in params.items()])
+            self._again(self._client.log_batch, self.run_id, params=[Param(k, str(v)[:MAX_PARAM])
+                                                                     for k, v in params.items()])
 
-    def _params(self, params: list) -> None:
-        """The run's parameters. A batch whose answer timed out is sent again by MLflow's client while
-        the server may still be writing the first: the two race there and the second is refused
-        (``UNIQUE constraint failed``; seen with twenty runs at once on a loaded machine). Sent once
-        more, the server finds them logged and takes it; a batch refused for what it is, is refused again."""
+    @staticmethod
+    def _again(write, *args, **kwargs) -> None:
+        """``write(*args, **kwargs)``, once more when the server refused it as a twin of itself. A write
+        whose answer timed out is sent again by MLflow's client while the server may still be writing
+        the first: the two race there and the second is refused (``UNIQUE constraint failed``; seen for
+        the parameters and for a tag, twenty runs at once on a loaded machine). Sent once more, the
+        server finds the first landed and takes it."""
         from mlflow.exceptions import RestException
 
         try:
-            self._client.log_batch(self.run_id, params=params)
-        except RestException:
-            time.sleep(PARAMS_AGAIN_S)
-            self._client.log_batch(self.run_id, params=params)
+            write(*args, **kwargs)
+        except RestException as err:
+            if not any(word in str(err) for word in TWIN_WORDS):
+                raise
+            time.sleep(AGAIN_S)
+            write(*args, **kwargs)
 
     def _experiment(self, name: str) -> str:
         """The experiment's id, created when missing: runs started at once race to create it, and the
@@ -142,7 +149,8 @@ class MlflowSink(Sink):
         from mlflow.entities import Metric
 
         stamp = int(wall_time * 1000)
-        self._client.log_batch(self.run_id, metrics=[Metric(k, v, stamp, step or 0) for k, v in values.items()])
+        self._again(self._client.log_batch, self.run_id,
+                    metrics=[Metric(k, v, stamp, step or 0) for k, v in values.items()])
 
     def points(self, points: Sequence[tuple[Mapping[str, float], int | None, float]]) -> None:
         from mlflow.entities import Metric
@@ -150,7 +158,7 @@ class MlflowSink(Sink):
         batch = [Metric(k, v, int(wall_time * 1000), step or 0) for values, step, wall_time in points
                  for k, v in values.items()]
         for start in range(0, len(batch), MAX_BATCH):  # MLflow's limit of metrics in one call
-            self._client.log_batch(self.run_id, metrics=batch[start:start + MAX_BATCH])
+            self._again(self._client.log_batch, self.run_id, metrics=batch[start:start + MAX_BATCH])
 
     def text(self, name: str, text: str) -> None:
         self._client.log_text(self.run_id, text, name)
@@ -159,8 +167,9 @@ class MlflowSink(Sink):
         self._client.log_artifact(self.run_id, str(path))
 
     def finish(self, exit_code: int) -> None:
-        self._client.set_tag(self.run_id, "exit_code", str(exit_code))
-        self._client.set_terminated(self.run_id, status=_STATUS[status(exit_code)], end_time=int(time.time() * 1000))
+        self._again(self._client.set_tag, self.run_id, "exit_code", str(exit_code))
+        self._again(self._client.set_terminated, self.run_id, status=_STATUS[status(exit_code)],
+                    end_time=int(time.time() * 1000))
         self._drop_twins()
 
     def _drop_twins(self) -> None:

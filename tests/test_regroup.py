@@ -26,10 +26,13 @@ import torch
 import torch.distributed as dist
 
 from conftest import elastic_bench
+from disttrain import torchcompat
 from disttrain.inplace import FALLBACK_EXIT, Plan, socket_path
 from disttrain.launch.elastic import Membership
 from disttrain.net import free_port
+from disttrain.runtime import groupsockets, regroup
 from disttrain.wire import AttemptStarted, InPlace, Regroup
+from disttrain.workerenv import PG_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "elastic_train.py"
@@ -250,6 +253,39 @@ def test_a_second_loss_while_the_new_group_forms_is_a_newer_round_joined_in_plac
     assert accounting["redone_steps"] == 0 and [a["world_size"] for a in accounting["attempts"]] == [4, 2]
     assert [workers.start_of(2, r)["pid"] for r in (0, 1)] == [workers.start_of(0, r)["pid"] for r in (0, 1)]
     assert "did not form" not in workers.stderr() and "Traceback" not in workers.stderr()
+
+
+@pytest.mark.timeout(60)
+def test_a_newer_word_before_the_forming_group_connects_still_ends_its_wait(monkeypatch):
+    """The CI's failure of the test above: ranks 0 and 1, told the newer round just before their forming
+    group's store connection existed, found nothing to cut; that group waited for the lost rank 2 until
+    the join's limit, and both restarted. The word comes here at that moment exactly."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master.port), "WORLD_SIZE": "2"}
+    for name, value in {**world, "RANK": "0", "DISTTRAIN_ATTEMPT": "0"}.items():
+        monkeypatch.setenv(name, value)  # the join sets them: undone after the test
+    monkeypatch.setenv("DISTTRAIN_REGROUP_JOIN_S", "10")
+    monkeypatch.setenv(PG_TIMEOUT, "15")  # gloo's own wait for the lost member, when nothing cuts it
+    armed = regroup._Armed(sock=socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM), path="")
+    monkeypatch.setattr(regroup, "_armed", armed)
+    fell_back = []
+    monkeypatch.setattr(regroup, "_fall_back", lambda plan, why: fell_back.append(why))
+    store = dist.TCPStore
+
+    def word_then_store(*args, **kwargs):
+        with armed.lock:  # as the listener takes a word
+            armed.plan = Plan(attempt=2, env={**world, "RANK": "0", "WORLD_SIZE": "1", "DISTTRAIN_ATTEMPT": "2"})
+            armed.arrived.set()
+            groupsockets.cut()
+        return store(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "TCPStore", word_then_store)
+    try:
+        joined = regroup._join(Plan(attempt=1, env={**world, "RANK": "0", "DISTTRAIN_ATTEMPT": "1"}), "gloo")
+    finally:
+        torchcompat.abandon_process_groups()
+        armed.sock.close()
+    assert joined is False and fell_back == []
 
 
 @pytest.mark.timeout(240)

@@ -55,6 +55,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -70,6 +71,7 @@ from ..workerenv import REGROUP_SOCKET, WorkerEnv
 from . import groupsockets
 
 SETTLE_S = 5.0  # a worker whose collective failed waits this long for the agent's word
+CUT_AGAIN_S = 0.1  # a forming group that a newer word ended: its sockets are cut again this often
 IN_PLACE_KEY = "in_place"  # in a round's store: survivors of an in-place regroup are in it
 _DIST_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "nccl", "process group",
                "socket", "timed out")
@@ -286,10 +288,21 @@ def _join(plan: Plan, backend: str) -> bool:
     os.environ.update(plan.env)
     limit = join_timeout_s(os.environ)
     formed = threading.Event()
+    armed = _armed
 
     def watch() -> None:
-        if not formed.wait(limit):
-            _fall_back(plan, f"not every member came within {limit:g} s")
+        # A newer word's own cut finds only the sockets open when it came: one that arrives before the
+        # store's connection exists (or while it connects) cuts nothing, and the forming group would
+        # wait for the lost member until the limit. Cut again until the join gives up.
+        end = time.monotonic() + limit
+        while not formed.wait(CUT_AGAIN_S):
+            if time.monotonic() >= end:
+                _fall_back(plan, f"not every member came within {limit:g} s")
+                return
+            if armed is not None:
+                with armed.lock:
+                    if armed.plan is not None and not formed.is_set():
+                        groupsockets.cut()
 
     threading.Thread(target=watch, name="disttrain-regroup-join", daemon=True).start()
     try:

@@ -220,7 +220,7 @@ def test_a_new_group_that_does_not_form_falls_back_to_the_restart(tmp_path):
     finally:
         workers.stop()
     assert code == FALLBACK_EXIT, err[-3000:]
-    assert f"disttrain: rank 0: the in-place regroup did not form (not every member came within 3 s; store " \
+    assert f"disttrain: rank 0: the in-place regroup (round 1) did not form (not every member came within 3 s; store " \
         f"127.0.0.1:{workers.store.port}): restarting from the newest checkpoint" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
 
@@ -318,6 +318,47 @@ del work
 import gc; gc.collect()
 print("dropped", flush=True)
 """
+
+
+FAILED_JOIN = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from disttrain import torchcompat
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+if rank == 0:  # told round 1 first, whose third member never comes
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("round1", store), rank=0, world_size=3,
+                                timeout=timedelta(seconds=1))
+    except Exception:
+        torchcompat.abandon_process_groups()
+dist.init_process_group("gloo", store=dist.PrefixStore("round2", store), rank=rank, world_size=2,
+                        timeout=timedelta(seconds=20))
+dist.all_reduce(torch.ones(1))
+print("formed", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_tried_a_round_more_forms_the_next_one_with_the_others(tmp_path):
+    """The CI's failure under load: rank 0 tried round 1 before the newer word came, rank 1 (slower)
+    took round 2 at once. torch names a group by a count that rank 0's failed try had raised: the two
+    waited for each other's keys under different names, until the join's limit, and both restarted."""
+    script = tmp_path / "failed_join.py"
+    script.write_text(FAILED_JOIN)
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        ends = [proc.communicate(timeout=45) for proc in ranks]
+        assert [proc.returncode for proc in ranks] == [0, 0] and [out for out, _ in ends] == ["formed\n"] * 2, \
+            [err[-2000:] for _, err in ends]
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.timeout(60)

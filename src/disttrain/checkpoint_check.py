@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .checkpoint_url import BUCKET_STORES, check_url, is_url, store_options
-from .errors import UsageError
+from .errors import UsageError, one_line
 
 PROBE_PREFIX = ".disttrain-probe-"
 # Stores that live in the memory of one process: every worker would have its own, lost at its exit.
@@ -96,7 +96,7 @@ def _check_url(url: str, what: str, create_bucket: bool, options: dict[str, Any]
         raise UsageError(f"{what} {url}: {err} (not a store fsspec knows); give a folder or a URL such as "
                          "s3://bucket/run") from None
     except Exception as err:  # a store's client refusing its options
-        raise UsageError(f"{what} {url}: cannot open the store: {_say(err)}") from None
+        raise UsageError(f"{what} {url}: cannot open the store: {one_line(err)}") from None
     path = path.rstrip("/")
     if scheme in BUCKET_STORES:
         if not path:
@@ -134,7 +134,7 @@ def _check_bucket(fs: Any, url: str, bucket: str, what: str, create_bucket: bool
     try:
         fs.mkdir(bucket)
     except Exception as err:
-        raise UsageError(f"{what} {url}: cannot create bucket {bucket}: {_say(err)}") from None
+        raise UsageError(f"{what} {url}: cannot create bucket {bucket}: {one_line(err)}") from None
 
 
 def _probe_url(fs: Any, url: str, path: str, what: str, *, create_bucket: bool) -> None:
@@ -155,12 +155,12 @@ def _probe_url(fs: Any, url: str, path: str, what: str, *, create_bucket: bool) 
 def _store_refused(url: str, what: str, err: BaseException) -> UsageError:
     names = {type(e).__name__ for e in _chain(err)}
     if names & CREDENTIAL_ERRORS or isinstance(err, PermissionError):
-        return UsageError(f"{what} {url}: the store refused the credentials ({_say(err)}); for S3 set "
+        return UsageError(f"{what} {url}: the store refused the credentials ({one_line(err)}); for S3 set "
                           "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE "
                           "(AWS_ENDPOINT_URL for another server)")
     if isinstance(err, (FileNotFoundError, NotADirectoryError)):
-        return UsageError(f"{what} {url} cannot be written: {_say(err)}; give a folder that exists")
-    return UsageError(f"{what} {url} cannot be written: {_say(err)}")
+        return UsageError(f"{what} {url} cannot be written: {one_line(err)}; give a folder that exists")
+    return UsageError(f"{what} {url} cannot be written: {one_line(err)}")
 
 
 def _chain(err: BaseException | None) -> list[BaseException]:
@@ -171,6 +171,3 @@ def _chain(err: BaseException | None) -> list[BaseException]:
     return seen
 
 
-def _say(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else 'no detail'}"

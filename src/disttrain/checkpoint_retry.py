@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .errors import one_line
+
 DEFAULT_RETRY_S = 120.0  # rides out a 60 s outage, with room for the backoff and a slow store
 FIRST_WAIT_S = 0.5
 MAX_WAIT_S = 5.0
@@ -113,7 +115,7 @@ class StoreRetry:
                 if self.retry_s <= 0:
                     return False
                 self._down_since = now
-                self.say(f"disttrain: checkpoint store {self.where} unreachable ({_first_line(err)}); retrying for "
+                self.say(f"disttrain: checkpoint store {self.where} unreachable ({one_line(err)}); retrying for "
                          f"up to {self.retry_s:g} s while training goes on (--checkpoint-retry-s)")
             return now - self._down_since < self.retry_s
 
@@ -124,11 +126,6 @@ class StoreRetry:
             gone = self.clock() - self._down_since
             self._down_since = None
         self.say(f"disttrain: checkpoint store {self.where} back after {gone:.0f} s")
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else 'no detail'}"
 
 
 def _stderr(line: str) -> None:

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from .checkpoint_layout import DIGEST, FORMAT, MARKER, SHARDED_DIR, CheckpointLayout, FileDigest
 from .checkpoint_retry import DEFAULT_RETRY_S, StoreRetry, retrying
-from .errors import UsageError
+from .errors import UsageError, one_line
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -152,8 +152,7 @@ def _store_op(method: Callable) -> Callable:
         except OSError:
             raise
         except Exception as err:
-            text = str(err).strip().splitlines()
-            raise OSError(f"{type(err).__name__}: {text[0] if text else 'no detail'}") from err
+            raise OSError(one_line(err)) from err
 
     return wrapper
 

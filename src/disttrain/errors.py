@@ -24,3 +24,13 @@ def printable(text: str, *, keep_newlines: bool = False) -> str:
 def error_line(err: DisttrainError) -> str:
     """How an error is said to the user: one line for bad input, the whole report otherwise."""
     return f"disttrain: error: {printable(str(err), keep_newlines=not isinstance(err, UsageError))}"
+
+
+def one_line(err: BaseException, limit: int = 240) -> str:
+    """``err`` in a message: its type and its text's first line. A longer line keeps its head and its
+    tail: a client's message may be a page, and its cause is said last ("Caused by ...")."""
+    lines = str(err).strip().splitlines()
+    first = lines[0] if lines else "no detail"
+    if len(first) > limit:
+        first = f"{first[:limit // 2 - 2]} ... {first[-(limit // 2 - 3):]}"
+    return f"{type(err).__name__}: {first}"

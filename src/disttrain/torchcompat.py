@@ -175,3 +175,8 @@ def abandon_process_groups() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    # torch names an unnamed group by a count, and its keys on the store by that name; a join that
+    # failed counted one it never made. A rank that tried one round more than another would wait
+    # for the other under a name that rank never writes, for the group's whole timeout.
+    if world is not None:
+        world.group_count = 0

@@ -328,7 +328,7 @@ def _join(plan: Plan, backend: str) -> bool:
 
 
 def _fall_back(plan: Plan, why: str) -> None:
-    print(f"disttrain: rank {plan.rank}: the in-place regroup did not form ({why}; store "
+    print(f"disttrain: rank {plan.rank}: the in-place regroup (round {plan.attempt}) did not form ({why}; store "
           f"{plan.env.get('MASTER_ADDR')}:{plan.env.get('MASTER_PORT')}): restarting from the newest checkpoint",
           file=sys.stderr, flush=True)
     os._exit(FALLBACK_EXIT)

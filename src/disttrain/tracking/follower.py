@@ -26,6 +26,7 @@ from typing import Any, TextIO
 from .. import goodput, trackline
 from ..agent.watchdog import HANG_EXIT
 from ..atomic import write_atomic
+from ..errors import one_line
 from ..launch.membership_record import load_record
 from ..linetap import Tapped
 from ..private import private_opener, redact_urls
@@ -276,7 +277,7 @@ class RunTracker:
                 if (busy(err) and time.monotonic() < patience
                         and not self._closing.wait(RETRY_EVERY_S)):
                     continue
-                self.say(f"disttrain: warning: the {self.tracker} tracker could not be opened ({_first_line(err)}); "
+                self.say(f"disttrain: warning: the {self.tracker} tracker could not be opened ({one_line(err)}); "
                          f"the run goes on untracked, its records in {self.run_dir}")
                 return False
 
@@ -298,13 +299,13 @@ class RunTracker:
             except Exception as err:
                 if not self.sink.retryable(err):  # this record, not the server: never sent, the rest go on
                     self.say(f"disttrain: warning: the {self.tracker} tracker refused a record "
-                             f"({_first_line(err)}); it stays in {self.run_dir}")
+                             f"({one_line(err)}); it stays in {self.run_dir}")
                     del kept[:count]
                     continue
                 self._failing_since = self._failing_since or time.monotonic()
                 if not self._down and (not busy(err) or time.monotonic() - self._failing_since >= BUSY_GRACE_S):
                     self._down = True
-                    self.say(f"disttrain: warning: the {self.tracker} tracker stopped answering ({_first_line(err)}); "
+                    self.say(f"disttrain: warning: the {self.tracker} tracker stopped answering ({one_line(err)}); "
                              "the run goes on, its records are kept and sent when it answers again")
                 return
             del kept[:count]
@@ -313,9 +314,3 @@ class RunTracker:
             self._down = False
             self.say(f"disttrain: the {self.tracker} tracker answers again; the records kept meanwhile are sent")
 
-
-def _first_line(err: BaseException, limit: int = 240) -> str:
-    first = str(err).splitlines()[0] if str(err) else ""
-    if len(first) > limit:  # a client's message may be a page; its cause is said last ("Caused by ...")
-        first = first[:limit // 2 - 2] + " ... " + first[-(limit // 2 - 3):]
-    return f"{type(err).__name__}: {first}" if first else type(err).__name__

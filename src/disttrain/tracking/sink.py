@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from ..errors import UsageError
+from ..errors import UsageError, one_line
 from ..private import MASK, is_secret_key, mask_argv, redact_urls
 
 TRACKERS = ("mlflow", "trackio", "wandb")
@@ -126,9 +126,8 @@ def open_or_say(tracker: str, name: str, *, params: Mapping[str, str], say,
     try:
         return open_sink(tracker, name, params=params, parent=parent)
     except Exception as err:
-        text = str(err).splitlines()[0][:200] if str(err) else ""
-        say(redact_urls(f"disttrain: warning: the {tracker} tracker could not be opened "
-                        f"({type(err).__name__}: {text}); going on untracked"))
+        say(redact_urls(f"disttrain: warning: the {tracker} tracker could not be opened ({one_line(err)}); "
+                        "going on untracked"))
         return None
 
 

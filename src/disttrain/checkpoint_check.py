@@ -169,5 +169,3 @@ def _chain(err: BaseException | None) -> list[BaseException]:
         seen.append(err)
         err = err.__cause__ or err.__context__
     return seen
-
-

@@ -50,7 +50,7 @@ class LauncherLink:
 
     def dump(self) -> None:
         if self.dog is not None:
-            self.dog.dump_and_stop()
+            self.dog.dump()
 
     def peer_done(self, message: NodeDone) -> None:
         for rank in message.ranks:

@@ -9,7 +9,8 @@ Alone (one node, no launcher above it), the watchdog judges: when none of the no
 moved for the timeout it collects every rank's recorder and stack (:mod:`.hang`), prints the
 verdict (:mod:`.verdict`) and stops the workers. Under a launcher it only reports: the ranks'
 progress each second (:class:`~disttrain.wire.Beats`), and when the launcher, which sees every
-host, asks (:meth:`Watchdog.dump_and_stop`), its ranks' states (:class:`~disttrain.wire.HangReport`).
+host, asks (:meth:`Watchdog.dump`), its ranks' states (:class:`~disttrain.wire.HangReport`); the
+launcher then stops every node.
 """
 
 from __future__ import annotations
@@ -181,15 +182,17 @@ class Watchdog:
                               stacks=beat.stacks if beat is not None else self.attempt.stacks(rank)))
         return out
 
-    def dump_and_stop(self) -> None:
-        """The launcher saw no progress anywhere: send this node's ranks' states, then stop."""
+    def dump(self) -> None:
+        """The launcher saw no progress anywhere: send this node's ranks' states. The workers stay
+        until the launcher stops the node, once every host reported (or its grace ran out): a node
+        that stopped them at once broke its peers' collectives before their agents looked, and a
+        slower host's rank then seemed in none (a Slurm verdict under load missed its mismatch)."""
         with self._lock:
             if self.fired is not None:
                 return
             states = collect(self.workers(), host=self.host, dist_backend=self.dist_backend)
             self._report(HangReport(host=self.host, ranks=tuple(states)).to_line())
             self.fired = ""  # the launcher prints the verdict
-        self._on_hang()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):

@@ -434,7 +434,7 @@ class _Supervised:
 
     def _collect_hang_reports(self, *, grace_s: float) -> None:
         """Every agent asked reports its ranks: the verdict as soon as all did (or the grace ran out),
-        then the stop; the agents stop their workers meanwhile."""
+        then the stop. No agent stops its workers before that (:meth:`.Watchdog.dump`)."""
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             hosts = {report.host for report in self.hangs}

@@ -313,4 +313,3 @@ class RunTracker:
         if self._down:
             self._down = False
             self.say(f"disttrain: the {self.tracker} tracker answers again; the records kept meanwhile are sent")
-

@@ -45,6 +45,34 @@ def test_a_tail_ends_at_the_stop_with_every_line(tmp_path):
     assert out.getvalue() == "[rank0]:one\n[rank0]:two\n"
 
 
+class _Looks(threading.Event):
+    """The stop event, which also tells when the tail has read all there was and waits for more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waiting.set()
+        return super().wait(0.05)
+
+
+@pytest.mark.timeout(30)
+def test_a_line_read_before_its_end_was_written_is_copied_whole_with_one_header(tmp_path):
+    """A suite under load: `saved ...step_00000020[rank0] ` -- the tail read a line that a rank's print
+    had written in two pieces, and gave each piece a header (torch's own tail does)."""
+    log = tmp_path / "rank0.stdout"
+    log.write_text("saved step_20")
+    looks = _Looks()
+    thread, out = _tail(log, looks)
+    assert looks.waiting.wait(10)  # the piece is read: the tail waits for the rest
+    with log.open("a") as fh:
+        fh.write("\nsaved step_25\nno end")
+    looks.set()
+    thread.join(timeout=20)
+    assert out.getvalue() == "[rank0]:saved step_20\n[rank0]:saved step_25\n[rank0]:no end"
+
+
 @pytest.mark.timeout(30)
 def test_a_tail_of_a_file_never_written_ends_at_the_stop(tmp_path):
     finished = threading.Event()

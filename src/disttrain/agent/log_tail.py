@@ -37,13 +37,20 @@ def tail_until_finished(header: str, file: str, dst: TextIO, finished: Event, in
         if finished.is_set():  # the producer never wrote it
             return
         finished.wait(interval_sec)
+    def copy(line: str) -> None:
+        if (not terminal or for_people(line)) and (log_line_filter is None or log_line_filter(line)):
+            dst.write(header + line)
+
     with open(file, errors="replace") as fh:
+        part = ""  # a line whose end is not written yet: copied whole, with one header (torch's copies each piece)
         while True:
-            line = fh.readline()
-            if line:
-                if (not terminal or for_people(line)) and (log_line_filter is None or log_line_filter(line)):
-                    dst.write(header + line)
+            part += fh.readline()
+            if part.endswith("\n"):
+                copy(part)
+                part = ""
             elif finished.is_set():  # at the end of a file no one writes any more
+                if part:
+                    copy(part)
                 return
             else:
                 finished.wait(interval_sec)  # new lines, or the stop: whichever comes first

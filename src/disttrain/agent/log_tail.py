@@ -37,6 +37,7 @@ def tail_until_finished(header: str, file: str, dst: TextIO, finished: Event, in
         if finished.is_set():  # the producer never wrote it
             return
         finished.wait(interval_sec)
+
     def copy(line: str) -> None:
         if (not terminal or for_people(line)) and (log_line_filter is None or log_line_filter(line)):
             dst.write(header + line)

@@ -146,11 +146,7 @@ class MlflowSink(Sink):
         return self._run.info.run_id
 
     def metrics(self, values: Mapping[str, float], step: int | None, wall_time: float) -> None:
-        from mlflow.entities import Metric
-
-        stamp = int(wall_time * 1000)
-        self._again(self._client.log_batch, self.run_id,
-                    metrics=[Metric(k, v, stamp, step or 0) for k, v in values.items()])
+        self.points([(values, step, wall_time)])
 
     def points(self, points: Sequence[tuple[Mapping[str, float], int | None, float]]) -> None:
         from mlflow.entities import Metric

@@ -28,10 +28,9 @@ import torch.distributed as dist
 from conftest import elastic_bench
 from disttrain import torchcompat
 from disttrain.inplace import FALLBACK_EXIT, Plan, socket_path
-from disttrain.launch.elastic import Membership
 from disttrain.net import free_port
 from disttrain.runtime import groupsockets, regroup
-from disttrain.wire import AttemptStarted, InPlace, Regroup
+from disttrain.wire import InPlace
 from disttrain.workerenv import PG_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -382,36 +381,6 @@ def test_a_world_dropped_with_a_collective_in_flight_is_not_waited_for(tmp_path)
 
 
 # --------------------------------------------------------------------------- the launcher's and agents' parts
-
-
-def test_the_launcher_numbers_the_survivors_in_their_order():
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=2, max_nnodes=3, run_dir="/nonexistent")
-    for slot, ranks in enumerate(((0, 1), (2, 3), (4, 5))):
-        m.agent_line(slot, AttemptStarted(host="abc"[slot], attempt=0, nodes=3, world_size=6, ranks=ranks).to_line())
-    assert m.in_place((0, 2)) is None  # no store to number the round: the restart
-    rounds = iter(range(1, 10))
-    m.next_attempt, m.store = lambda: next(rounds), "10.0.0.9:29500"
-    plan = m.in_place((2, 0))
-    assert plan == InPlace(attempt=1, ranks={0: 0, 1: 1, 4: 2, 5: 3}, group_ranks={"a": 0, "c": 1}, world_size=4,
-                           store="10.0.0.9:29500")
-    line = Regroup(lost=("b",), in_place=plan).to_line()
-    assert Regroup.from_line(line) == Regroup(lost=("b",), in_place=plan)
-    assert Regroup.from_line(Regroup(lost=("b",)).to_line()).in_place is None
-    m.agent_line(1, AttemptStarted(host="b", attempt=2, nodes=3, world_size=6, ranks=(2, 3)).to_line())
-    assert m.in_place((0, 1)) is None  # one member is in another round than the other: the restart decides
-
-
-def test_a_loss_before_the_agents_word_of_an_in_place_round_regroups_from_that_round():
-    """The launcher numbered the round itself: a second loss while its agents tell their workers is a
-    newer in-place round, not a restart for a host 'not in the current round yet'."""
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=1, max_nnodes=3, run_dir="/nonexistent")
-    for slot in range(3):
-        m.agent_line(slot, AttemptStarted(host="abc"[slot], attempt=0, nodes=3, world_size=3, ranks=(slot,)).to_line())
-    rounds = iter(range(1, 10))
-    m.next_attempt, m.store = lambda: next(rounds), "h:1"
-    assert m.in_place((1, 2)).ranks == {1: 0, 2: 1}  # a lost
-    # c lost too, before b's agent said it started round 1: b's worker is round 1's rank 0
-    assert m.in_place((1,)) == InPlace(attempt=2, ranks={0: 0}, group_ranks={"b": 0}, world_size=1, store="h:1")
 
 
 def test_an_agent_whose_workers_are_not_armed_restarts_them(tmp_path):

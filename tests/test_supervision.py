@@ -22,6 +22,7 @@ from disttrain.launch.supervision import (
     Supervisor,
     exit_cause,
 )
+from disttrain.wire import InPlace, Regroup
 
 S = AgentState
 
@@ -123,7 +124,7 @@ def test_the_store_host_lost_is_a_loss_like_any_other():
     running(sup, clock)
     (regroup,) = exited(sup, clock, 0, 255, cause="ssh failed: connection lost")
     assert regroup == RegroupWithout(lost=("a",), members=("b", "c", "d"), slots=(1, 2, 3),
-                                     reason="a: ssh failed: connection lost")
+                                     reason="a: ssh failed: connection lost", restart_why="DISTTRAIN_REGROUP=restart")
     assert [r.state for r in sup.agents.rows] == [S.LOST, S.REGROUPING, S.REGROUPING, S.REGROUPING]
     running(sup, clock, attempt=1)
     assert [r.state for r in sup.agents.rows[1:]] == [S.RUNNING] * 3 and sup.elastic.regroup_since is None
@@ -134,7 +135,8 @@ def test_two_hosts_lost_at_once_by_their_silence_are_one_regroup():
     running(sup, clock)
     decisions = advance(sup, clock, 7, but=("b", "c"))
     assert decisions == [RegroupWithout(lost=("b", "c"), members=("a", "d"), slots=(0, 3),
-                                        reason="b: its agent said nothing for 5 s; c: its agent said nothing for 5 s")]
+                                        reason="b: its agent said nothing for 5 s; c: its agent said nothing for 5 s",
+                                        restart_why="DISTTRAIN_REGROUP=restart")]
     # their agents' exits come later (the flow killed them): already judged, nothing more
     assert exited(sup, clock, 1, -9) == [] and sup.agents[1].state is S.LOST
 
@@ -146,6 +148,58 @@ def test_a_loss_during_a_regroup_regroups_again_without_both():
     (again,) = exited(sup, clock, 2, -9, cause=exit_cause(-9))
     assert again.lost == ("c",) and again.members == ("a", "b") and again.reason == "c: its agent was killed by SIGKILL"
     assert [r.state for r in sup.agents.rows] == [S.REGROUPING, S.REGROUPING, S.LOST, S.LOST]
+
+
+def numbered(hosts, ranks, *, next_round=None):
+    """An elastic job whose agents run round 0 with these global ranks; ``next_round``: the store's."""
+    clock = Clock()
+    policy = Elastic(min_nnodes=1, max_nnodes=len(hosts), regroup_s=60.0, store="10.0.0.9:29500",
+                     next_round=next_round)
+    sup = Supervisor(hosts, policies=[policy], clock=clock)
+    for row, own in zip(sup.agents.live(), ranks):
+        sup.handle(Event(EventKind.ROUND, at=clock.now, slot=row.slot, attempt=0, ranks=own))
+    return sup, clock
+
+
+def test_the_supervisor_numbers_the_survivors_in_place_in_their_order():
+    rounds = iter(range(1, 10))
+    sup, clock = numbered(("a", "b", "c"), ((0, 1), (2, 3), (4, 5)), next_round=lambda: next(rounds))
+    (decision,) = exited(sup, clock, 1, 255, cause="its connection dropped")
+    assert decision.in_place == InPlace(attempt=1, ranks={0: 0, 1: 1, 4: 2, 5: 3}, group_ranks={"a": 0, "c": 1},
+                                        world_size=4, store="10.0.0.9:29500")
+    assert decision.restart_why is None
+    line = Regroup(lost=("b",), in_place=decision.in_place).to_line()
+    assert Regroup.from_line(line) == Regroup(lost=("b",), in_place=decision.in_place)
+
+
+@pytest.mark.parametrize("next_round, why", [
+    (None, "DISTTRAIN_REGROUP=restart"),
+    (lambda: (_ for _ in ()).throw(OSError("refused")), "the store at 10.0.0.9:29500 did not answer"),
+])
+def test_a_regroup_the_supervisor_cannot_number_restarts_and_says_why(next_round, why):
+    sup, clock = numbered(("a", "b", "c"), ((0,), (1,), (2,)), next_round=next_round)
+    (decision,) = exited(sup, clock, 0, 255, cause="its connection dropped")
+    assert (decision.in_place, decision.restart_why) == (None, why)
+
+
+def test_survivors_in_different_rounds_restart():
+    sup, clock = numbered(("a", "b", "c"), ((0,), (1,), (2,)), next_round=lambda: 1)
+    sup.handle(Event(EventKind.ROUND, at=clock.now, slot=1, attempt=2, ranks=(1,)))
+    (decision,) = exited(sup, clock, 2, 255, cause="its connection dropped")
+    assert (decision.in_place, decision.restart_why) == (None, "a host was not in the current round yet")
+
+
+def test_a_loss_before_the_agents_word_of_an_in_place_round_regroups_from_that_round():
+    """The supervisor numbered the round itself: a second loss while its agents tell their workers is
+    a newer in-place round, not a restart for a host 'not in the current round yet'."""
+    rounds = iter(range(1, 10))
+    sup, clock = numbered(("a", "b", "c"), ((0,), (1,), (2,)), next_round=lambda: next(rounds))
+    (first,) = exited(sup, clock, 0, 255, cause="its connection dropped")
+    assert first.in_place.ranks == {1: 0, 2: 1}
+    # c lost too, before b's agent said it started round 1: b's worker is round 1's rank 0
+    (second,) = exited(sup, clock, 2, 255, cause="its connection dropped")
+    assert second.in_place == InPlace(attempt=2, ranks={0: 0}, group_ranks={"b": 0}, world_size=1,
+                                      store="10.0.0.9:29500")
 
 
 def test_below_min_the_job_stops_naming_every_host_lost():

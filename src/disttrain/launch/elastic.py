@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from ..config.hosts import Host
 from ..errors import DisttrainError, UsageError
 from ..preflight.checks import check_facts, fact_checks, first_failure
-from ..wire import AttemptStarted, Beats, HostFacts, InPlace, WireError
+from ..wire import AttemptStarted, Beats, HostFacts, WireError
 from ..workerenv import RESUMED_MARKER
 from .membership_record import Change, membership_line, write_record
 from .supervision import Agents, AgentState, exit_cause
@@ -113,12 +113,7 @@ class Membership:
         self._trained: tuple[float, float] | None = None  # the round's first step, when it was seen
         self._last_attempt = -1
         self._attempted: set[int] = set()  # agent slots that joined a round
-        self._ranks: dict[int, tuple[int, tuple[int, ...]]] = {}  # slot -> (attempt, its global ranks then)
-        # The next job-wide round number from the rendezvous store (an in-place regroup numbers its own
-        # round); None: regroups restart the workers.
-        self.next_attempt: Callable[[], int] | None = None
-        self.store = ""  # host:port of the launcher's store, where an in-place round meets
-        self.restart_why: str | None = None  # why the launcher sent no in-place plan, the last time it did not
+        self.restart_why: str | None = None  # why the supervisor planned no in-place round, the last time
         start = Change(time=time.time(), change="start", host=None, why="the job started",
                        hosts=self.member_hosts())
         self._pending.append([start, time.monotonic(), None, time.monotonic(), None])
@@ -187,7 +182,6 @@ class Membership:
         with self._lock:
             if started.attempt > self._last_attempt:
                 self._new_round(started, now)
-            self._ranks[slot] = (started.attempt, started.ranks)
             self._attempted.add(slot)
             if started.attempt == self._last_attempt:
                 self._round_nodes[slot] = started
@@ -346,36 +340,6 @@ class Membership:
         nodes = sorted(self._round_nodes.values(), key=lambda s: min(s.ranks, default=0))
         hosts = tuple(dict.fromkeys(s.host for s in nodes))
         return hosts, tuple(h for h in self.member_hosts() if h not in hosts)
-
-    def in_place(self, slots: Sequence[int]) -> InPlace | None:
-        """The new membership for the agents ``slots`` (the survivors) to regroup in place: their
-        workers keep their order, numbered from 0; None where it cannot be decided here (a member not
-        in the current round yet, no store): they restart."""
-        if self.next_attempt is None or not slots:
-            self.restart_why = "DISTTRAIN_REGROUP=restart" if self.next_attempt is None else None
-            return None
-        with self._lock:
-            known = [self._ranks.get(slot) for slot in slots]
-            if any(k is None for k in known) or len({attempt for attempt, _ in known}) != 1:
-                self.restart_why = "a host was not in the current round yet"
-                return None
-            members = sorted(zip(slots, (ranks for _, ranks in known)), key=lambda m: min(m[1], default=0))
-        new, ranks, group_ranks = 0, {}, {}
-        for group_rank, (slot, old) in enumerate(members):
-            group_ranks[self.table[slot].host] = group_rank
-            for rank in sorted(old):
-                ranks[rank] = new
-                new += 1
-        try:
-            attempt = self.next_attempt()
-        except (RuntimeError, OSError):  # the store did not answer: the restart path's rendezvous decides
-            self.restart_why = f"the store at {self.store} did not answer"
-            return None
-        self.restart_why = None
-        with self._lock:  # decided here: a loss before the agents' word of this round regroups from it
-            for slot, old in members:
-                self._ranks[slot] = (attempt, tuple(ranks[rank] for rank in sorted(old)))
-        return InPlace(attempt=attempt, ranks=ranks, group_ranks=group_ranks, world_size=new, store=self.store)
 
     # -- hosts that end ---------------------------------------------------------------------
 

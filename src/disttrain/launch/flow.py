@@ -156,7 +156,6 @@ class _Solo:
     def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]: return []
     def ended(self, slot: int) -> None: ...
-    def in_place(self, slots) -> None: return None
 
 
 class _Supervised:
@@ -168,10 +167,12 @@ class _Supervised:
         self.lock = threading.Lock()
         self.transcript = transcript
         self.membership = membership or _Solo()
+        store = f"{plan.master_addr}:{plan.master_port}"
+        in_place = os.environ.get(REGROUP_MODE, "in-place") != "restart"  # the survivors' workers stay
         policies = [Elastic(min_nnodes=membership.min_nnodes, max_nnodes=membership.max_nnodes,
-                            regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S,
-                            store=f"{plan.master_addr}:{plan.master_port}",
-                            backoff=backoff(), slow_s=slow_limit() if membership.kept_alive else None)] if membership is not None \
+                            regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S, store=store, backoff=backoff(),
+                            slow_s=slow_limit() if membership.kept_alive else None,
+                            next_round=round_counter(store) if in_place else None)] if membership is not None \
             else [FailFast()]
         # An elastic launch's table is its membership's (who is a member is recorded once).
         self.sup = Supervisor(tuple(n.name for n in plan.nodes), policies=[*policies, HangWatch(plan.hang_timeout_s)],
@@ -179,9 +180,6 @@ class _Supervised:
         if membership is not None:
             elastic = self.sup.elastic
             membership.admit = lambda hosts, now: [a.host for a in elastic.admit(self.sup, hosts, now)]
-            if os.environ.get(REGROUP_MODE, "in-place") != "restart":  # the survivors' workers stay
-                membership.store = f"{plan.master_addr}:{plan.master_port}"
-                membership.next_attempt = round_counter(membership.store)
         self.diag = Diagnostics(say=self.say, late=self.sup.late)
         self.hangs: list[HangReport] = []
         self.failed: dict[int, RankFailed] = {}  # per agent: its root cause, timed on its worker
@@ -216,7 +214,8 @@ class _Supervised:
         now = time.monotonic()
         if AttemptStarted.matches(line):
             try:
-                self.post(Event(EventKind.ROUND, at=now, slot=agent, attempt=AttemptStarted.from_line(line).attempt))
+                started = AttemptStarted.from_line(line)
+                self.post(Event(EventKind.ROUND, at=now, slot=agent, attempt=started.attempt, ranks=started.ranks))
             except WireError:
                 pass
         if self.membership.agent_line(agent, line):
@@ -408,9 +407,9 @@ class _Supervised:
             if isinstance(decision, Join):  # each says its line as its agent is relayed (membership.joined)
                 self.membership.go(decision.hosts)
             if isinstance(decision, RegroupWithout):
-                in_place = self.membership.in_place(decision.slots)
+                self.membership.restart_why = decision.restart_why  # the record's, should the round restart
                 for slot in decision.slots:
-                    self.stdins.send(self.procs[slot], Regroup(lost=decision.lost, in_place=in_place).to_line())
+                    self.stdins.send(self.procs[slot], Regroup(lost=decision.lost, in_place=decision.in_place).to_line())
         return False
 
     def _record_losses(self) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..agent.watchdog import stalled
+from ..wire import InPlace
 
 SILENT_S = 5.0  # an agent speaks each second: this long without a word, its host is cut off or stuck
 JITTER_FACTOR = 3.0  # ...or this many times the longest recent gap between its words (a loaded host's pace)
@@ -114,7 +115,8 @@ class Agent:
     heard: float = 0.0  # the launcher's clock: its last line
     joined: float = 0.0  # when it got its plan
     round_at: float | None = None  # when its workers started their current round
-    attempt: int | None = None  # its workers' current round
+    attempt: int | None = None  # its workers' current round (or the in-place round planned for them)
+    ranks: tuple[int, ...] = ()  # its workers' global ranks in that round
     stepped: bool = False  # its ranks have stepped, in some round
     progress: float | None = None  # the launcher's clock: its ranks' freshest progress
     steps: dict[int, int] = field(default_factory=dict)  # rank -> steps, in the current round
@@ -162,7 +164,7 @@ class Agents:
 
 class EventKind(str, Enum):
     HEARD = "heard"  # a line from the agent (``progress``: its ranks' freshest progress, launcher clock)
-    ROUND = "round"  # the agent's workers started a round (``attempt``)
+    ROUND = "round"  # the agent's workers started a round (``attempt``, their ``ranks``)
     EXITED = "exited"  # the agent's process ended with ``code``; ``cause``: a lost host's, when known
     JOINED = "joined"  # a host answered again: a new agent (``host``; ``slot``: its row, already added)
     READY = "ready"  # a host answered the preflight (``host``): it waits for its batch (:class:`JoinWindow`)
@@ -180,6 +182,7 @@ class Event:
     progress: float | None = None
     steps: dict[int, int] | None = None
     attempt: int | None = None
+    ranks: tuple[int, ...] = ()
     held: tuple[int, ...] | None = None  # HEARD: its ranks stopped by a signal (None: the line says nothing of it)
 
 
@@ -196,12 +199,15 @@ class Stop:
 
 @dataclass(frozen=True)
 class RegroupWithout:
-    """The hosts ``lost`` are gone; ``members`` (their slots ``slots``) form the next round."""
+    """The hosts ``lost`` are gone; ``members`` (their slots ``slots``) form the next round: in place
+    (``in_place``: the survivors' workers stay, renumbered) or, ``restart_why``, by a restart."""
 
     lost: tuple[str, ...]
     members: tuple[str, ...]
     slots: tuple[int, ...]
     reason: str
+    in_place: InPlace | None = None
+    restart_why: str | None = None
 
 
 @dataclass(frozen=True)
@@ -372,11 +378,14 @@ class Elastic:
 
     def __init__(self, *, min_nnodes: int, max_nnodes: int, regroup_s: float, store: str,
                  backoff: Backoff | None = None, joins: JoinWindow | None = None,
-                 slow_s: float | None = None) -> None:
+                 slow_s: float | None = None, next_round: Callable[[], int] | None = None) -> None:
         """``slow_s``: the agents' connections are kept alive by their transport (ssh's keep-alives
         end it within seconds when the host is gone): a silent agent whose process still runs is
-        slow, not lost, up to this; None: no such transport, silence is loss."""
+        slow, not lost, up to this; None: no such transport, silence is loss. ``next_round``: the
+        next job-wide round number, from the store the agents' rounds take theirs from (an
+        in-place round has no rendezvous to number it); None: regroups restart the workers."""
         self.slow_s = slow_s
+        self.next_round = next_round
         self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.regroup_s = regroup_s
         self.store = store  # where the rendezvous is, for the bounded wait's message
@@ -475,9 +484,32 @@ class Elastic:
         for row in members:
             sup.agents.move(row.slot, AgentState.REGROUPING)
         self.regroup_since = event.at
+        in_place, restart_why = self._in_place(members)
         return RegroupWithout(lost=lost_hosts, members=tuple(row.host for row in members),
                               slots=tuple(row.slot for row in members), reason="; ".join(
-                                  f"{row.host}: {row.why}" for row in lost))
+                                  f"{row.host}: {row.why}" for row in lost),
+                              in_place=in_place, restart_why=restart_why)
+
+    def _in_place(self, members: Sequence[Agent]) -> tuple[InPlace | None, str | None]:
+        """The survivors' next round, numbered here: their workers keep their order, renumbered
+        from 0. None, and why, where they restart instead."""
+        if self.next_round is None:
+            return None, "DISTTRAIN_REGROUP=restart"
+        if len({row.attempt for row in members}) != 1 or members[0].attempt is None:
+            return None, "a host was not in the current round yet"
+        ordered = sorted(members, key=lambda row: min(row.ranks, default=0))
+        try:
+            attempt = self.next_round()
+        except (RuntimeError, OSError):  # the store did not answer: the restart path's rendezvous decides
+            return None, f"the store at {self.store} did not answer"
+        ranks: dict[int, int] = {}
+        for row in ordered:
+            for rank in sorted(row.ranks):
+                ranks[rank] = len(ranks)
+        for row in ordered:  # planned: a loss before the agents' word of this round regroups from it
+            row.attempt, row.ranks = attempt, tuple(ranks[rank] for rank in sorted(row.ranks))
+        return InPlace(attempt=attempt, ranks=ranks, group_ranks={row.host: i for i, row in enumerate(ordered)},
+                       world_size=len(ranks), store=self.store), None
 
     def admit(self, sup: Supervisor, hosts: Sequence[str], now: float) -> list[Admit]:
         """Which of ``hosts`` (not running) may be tried now: room below MAX, backoff over."""
@@ -622,6 +654,7 @@ class Supervisor:
                 row.held = event.held
         elif event.kind is EventKind.ROUND:
             row.progress, row.steps, row.round_at, row.attempt = None, {}, event.at, event.attempt
+            row.ranks = event.ranks
             if row.state is not AgentState.HUNG:
                 self.agents.move(row.slot, AgentState.RUNNING)
         elif event.kind is EventKind.EXITED:

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from disttrain.errors import DisttrainError
 from disttrain.launch.elastic import Membership, Ready
 from disttrain.launch.supervision import (
     TRAINS_WITHIN_S,
@@ -162,17 +163,16 @@ def test_the_membership_holds_a_ready_host_until_the_supervisor_lets_it_in(tmp_p
     class Proc:
         pass
 
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path),
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1], run_dir=str(tmp_path),
                    join=lambda index: Ready(go=lambda: went.append(index) or Proc(),
-                                            cancel=lambda: cancelled.append(index)),
-                   retry_s=0.05)
+                                            cancel=lambda: cancelled.append(index)))
     m.start(lambda _line: None)
+    m.try_hosts(["c"])
     deadline = time.monotonic() + 10
     while not (ready := m.ready()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ready == ["c"] and went == [] and m.joined() == []  # answered; no plan yet
-    time.sleep(0.2)
-    assert m.ready() == []  # held: not tried again meanwhile
+    assert m.ready() == []  # held: each try is the supervisor's
     m.go(["c"])
     assert went == [2] and len(m.joined()) == 1 and m.member_hosts() == ("a", "b", "c")
     m.close()
@@ -181,14 +181,29 @@ def test_the_membership_holds_a_ready_host_until_the_supervisor_lets_it_in(tmp_p
 
 def test_a_ready_host_never_let_in_has_its_session_ended(tmp_path):
     cancelled = []
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path),
-                   join=lambda index: Ready(go=lambda: None, cancel=lambda: cancelled.append(index)), retry_s=0.05)
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1], run_dir=str(tmp_path),
+                   join=lambda index: Ready(go=lambda: None, cancel=lambda: cancelled.append(index)))
     m.start(lambda _line: None)
+    m.try_hosts(["c"])
     deadline = time.monotonic() + 10
     while not m.ready() and time.monotonic() < deadline:
         time.sleep(0.05)
     m.close()
     assert cancelled == [2]
+
+
+def test_a_host_tried_that_does_not_answer_is_handed_back_to_the_supervisor(tmp_path):
+    def join(index):
+        raise DisttrainError("c: ssh: connect to host c port 22: No route to host")
+
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1], run_dir=str(tmp_path), join=join)
+    m.start(lambda _line: None)
+    m.try_hosts(["c"])
+    deadline = time.monotonic() + 10
+    while not (missed := m.missed()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m.close()
+    assert missed == ["c"] and m.ready() == [] and m.joined() == []
 
 
 def _sim():

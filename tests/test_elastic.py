@@ -65,7 +65,7 @@ def test_fewer_than_min_is_the_first_failure_and_no_host_is_required():
 
 
 def test_an_agent_stopped_from_outside_is_a_lost_host_and_a_failure_is_not():
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=2, max_nnodes=3, run_dir="/nonexistent",
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], run_dir="/nonexistent",
                    own_failure=lambda i, code, last, quiet: f"ssh failed: {last}" if code == 255 else None)
     m.agent_line(1, AttemptStarted(host="b", attempt=0, nodes=3, world_size=3, ranks=(1,)).to_line())
     assert m.why_lost(2, 255, "Timeout, server c not responding.") == "ssh failed: Timeout, server c not responding."
@@ -96,7 +96,7 @@ def lose(m: Membership, slot: int, why: str) -> list[int]:
 def test_changes_one_round_answers_are_said_together_with_consistent_counts(tmp_path):
     """A host lost, then back before the next round formed: one line, each entry's count its own."""
     said = []
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path))
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], run_dir=str(tmp_path))
     m.start(said.append)
     started = lambda attempt, world: AttemptStarted(host="a", attempt=attempt, nodes=world, world_size=world,  # noqa: E731
                                                     ranks=(0,)).to_line()
@@ -119,7 +119,7 @@ def test_changes_one_round_answers_are_said_together_with_consistent_counts(tmp_
 
 def test_membership_says_each_change_when_the_next_round_trains(tmp_path):
     said = []
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path))
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], run_dir=str(tmp_path))
     m.start(said.append)
     started = lambda attempt, world: AttemptStarted(host="a", attempt=attempt, nodes=world, world_size=world,  # noqa: E731
                                                     ranks=(0,)).to_line()
@@ -127,13 +127,12 @@ def test_membership_says_each_change_when_the_next_round_trains(tmp_path):
     m.agent_line(0, Beats(host="a", ranks={0: (3, 0.0)}).to_line())  # round 0 trains: the start is settled
     assert said == []
     assert lose(m, 2, "ssh failed: Timeout") == [0, 1]
-    assert said[-1].startswith("disttrain: lost c (ssh failed: Timeout): the other 2 host(s) regroup")
     m.agent_line(0, Beats(host="a", ranks={0: (9, 0.0)}).to_line())  # the old round still beating: not yet
-    assert len(said) == 1
+    assert said == []
     m.agent_line(0, started(1, 2))
     m.agent_line(0, Beats(host="a", ranks={0: (1, 0.0)}).to_line())
     m.poll()
-    assert len(said) == 1  # the round trains: its line waits (a few seconds at most) for rank 0's resume line
+    assert said == []  # the round trains: its line waits (a few seconds at most) for rank 0's resume line
     m.rank_line("disttrain: resuming from step 12 in /ckpt (epoch 0, after 4 of its steps)")
     m.poll()
     assert said[-1].startswith("disttrain: membership: c left (ssh failed: Timeout) -> 2 hosts, world size 2, "
@@ -152,16 +151,18 @@ def test_agents_are_slots_and_hosts_keep_their_place(tmp_path):
     class Proc:
         pass
 
-    m = Membership(hosts=["a", "b", "c"], running=[0, 2], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path),
-                   join=lambda index: joins.append(index) or Proc(), retry_s=0.05)
+    m = Membership(hosts=["a", "b", "c"], running=[0, 2], run_dir=str(tmp_path),
+                   join=lambda index: joins.append(index) or Proc())
     assert m.member_hosts() == ("a", "c") and m.host_of(1) == "c"
     said = []
     m.start(said.append)
+    m.try_hosts(["b"])  # the supervisor admits it
     deadline = time.monotonic() + 10
     while not (joined := m.joined()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(joined) == 1 and joins[0] == 1 and m.host_of(2) == "b" and m.member_hosts() == ("a", "c", "b")
     assert lose(m, 1, "gone") == [0, 2]  # c lost: it is tried again, as host 2
+    m.try_hosts(["c"])
     while 2 not in joins[1:] and time.monotonic() < deadline:
         time.sleep(0.05)
     m.close()

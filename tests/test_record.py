@@ -24,9 +24,9 @@ from disttrain.wire import AttemptStarted, Beats
 BANNER = "Warning: Permanently added '10.0.0.3' (ED25519) to the list of known hosts."
 
 
-def membership(tmp_path: Path, hosts=("a", "b", "c"), running=(0, 1, 2), min_nnodes=2) -> tuple[Membership, list]:
+def membership(tmp_path: Path, hosts=("a", "b", "c"), running=(0, 1, 2)) -> tuple[Membership, list]:
     said: list[str] = []
-    m = Membership(hosts=list(hosts), running=list(running), min_nnodes=min_nnodes, max_nnodes=len(hosts),
+    m = Membership(hosts=list(hosts), running=list(running),
                    run_dir=str(tmp_path))
     m.start(said.append)
     return m, said
@@ -177,7 +177,7 @@ def test_below_the_minimum_the_loss_names_the_hosts_that_still_ran(tmp_path):
     """The supervisor stops the job (and moves every row) before the loss is recorded: the entry
     still has the host that ran when it happened, never "hosts": []."""
     clock = [0.0]
-    m, _ = membership(tmp_path, hosts=("a", "b"), running=(0, 1), min_nnodes=2)
+    m, _ = membership(tmp_path, hosts=("a", "b"), running=(0, 1))
     sup = Supervisor(("a", "b"), policies=[Elastic(min_nnodes=2, max_nnodes=2, regroup_s=60, store="x:1")],
                      clock=lambda: clock[0], agents=m.table)
     decisions = sup.handle(Event(EventKind.EXITED, at=0.5, slot=1, code=255, cause="ssh failed: Timeout"))
@@ -200,7 +200,7 @@ def test_an_ssh_notice_is_never_the_why(tmp_path):
     relay.pump(io.StringIO(f"{BANNER}\n"), io.StringIO(), agent=1)
     assert relay.last_line(1) == ""
     relay.close()
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], min_nnodes=2, max_nnodes=3, run_dir=str(tmp_path),
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], run_dir=str(tmp_path),
                    own_failure=lambda i, code, last, quiet: ssh.own_failure(code, last, quiet))
     assert m.why_lost(2, 255, relay.last_line(1), 4.0) == "ssh failed: the connection was lost (exit 255)"
     assert "Warning" not in m.why_lost(2, 1, relay.last_line(1), 4.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from disttrain.launch.supervision import (
+    RETRY_S,
     TRANSITIONS,
     Admit,
     AgentState,
@@ -16,6 +17,7 @@ from disttrain.launch.supervision import (
     FailFast,
     HangWatch,
     IllegalTransition,
+    Join,
     RegroupWithout,
     Slow,
     Stop,
@@ -232,32 +234,85 @@ def test_a_regroup_that_never_forms_ends_in_one_line_naming_the_store():
                            "waiting: b, c, d): stopped the job")
 
 
-def test_a_host_that_answers_again_is_admitted_when_there_is_room():
-    sup, clock = elastic(("a", "b", "c"))
+def until_tried(sup: Supervisor, clock: Clock, host: str, limit: int = 300) -> float:
+    """Seconds of one-second ticks (every agent beating, its ranks moving) until ``host`` is tried."""
+    start = clock.now
+    while clock.now - start < limit:
+        clock.now += 1
+        beat_all(sup, clock, progress=clock.now)
+        if any(isinstance(d, Admit) and host in d.hosts for d in sup.tick()):
+            return clock.now - start
+    raise AssertionError(f"{host} not tried within {limit} s")
+
+
+def ranged(running_hosts, hosts, *, max_nnodes=None):
+    """An elastic job over the range ``hosts`` whose ``running_hosts`` run: the supervisor tries the others."""
+    clock = Clock()
+    policy = Elastic(min_nnodes=2, max_nnodes=max_nnodes or len(hosts), regroup_s=60.0, store="s:1", hosts=hosts)
+    sup = Supervisor(running_hosts, policies=[policy], clock=clock)
     running(sup, clock)
+    return sup, clock
+
+
+def test_a_host_lost_is_tried_again_and_let_in_when_there_is_room():
+    sup, clock = ranged(("a", "b", "c"), ("a", "b", "c"))
     advance(sup, clock, 100)
     exited(sup, clock, 2, 255, cause="ssh failed")  # lost long after it joined: no backoff
-    assert sup.elastic.admit(sup, ["c"], clock.now) == [Admit("c")]
+    running(sup, clock, attempt=1)
+    assert until_tried(sup, clock, "c") == 1 + RETRY_S  # seen out at the next tick, tried RETRY_S later
+    assert not any(isinstance(d, Admit) for d in advance(sup, clock, 10))  # being tried: never twice
+    sup.handle(Event(EventKind.READY, at=clock.now, host="c"))
+    assert sup.tick() == [Join(hosts=("c",), reason="it fills the job to its maximum: nobody else to wait for")]
     sup.handle(Event(EventKind.JOINED, at=clock.now, host="c"))
-    assert sup.elastic.admit(sup, ["c"], clock.now) == []  # running again: no room, no second copy
     assert sup.agents[3].host == "c" and sup.agents[3].state is S.STARTING
+    assert not any(isinstance(d, Admit) for d in advance(sup, clock, 60))  # running again: no room, no copy
+
+
+def test_a_host_that_does_not_answer_is_tried_less_often_up_to_a_cap():
+    sup, clock = ranged(("a", "b"), ("a", "b", "c"))
+    gaps = []
+    for _ in range(10):
+        gaps.append(until_tried(sup, clock, "c"))
+        sup.handle(Event(EventKind.MISSED, at=clock.now, host="c"))
+    assert gaps == [1 + RETRY_S, 3, 3, 3, 3, 3, 6, 12, 24, 30]  # its first 5 misses, then doubling
+    sup.handle(Event(EventKind.JOINED, at=clock.now, host="c"))
+    running(sup, clock, attempt=1)
+    advance(sup, clock, 61)  # past the flapping window
+    exited(sup, clock, 2, 255, cause="ssh failed")
+    running(sup, clock, attempt=2)
+    assert until_tried(sup, clock, "c") == 1 + RETRY_S  # it answered once: its misses are forgotten
+
+
+def test_hosts_being_tried_or_ready_take_the_room_left():
+    sup, clock = ranged(("a", "b"), ("a", "b", "c", "d"), max_nnodes=3)
+    assert until_tried(sup, clock, "c") == 1 + RETRY_S
+    assert not any(isinstance(d, Admit) for d in advance(sup, clock, 10))  # d waits: c takes the last place
+    sup.handle(Event(EventKind.MISSED, at=clock.now, host="c"))
+    assert until_tried(sup, clock, "d") == 1  # the place is free again; c's next try is RETRY_S away
+    sup.handle(Event(EventKind.READY, at=clock.now, host="d"))
+    assert sup.elastic.joins.ready and not sup.elastic.trying
+    assert sup.tick() == [Join(hosts=("d",), reason="it fills the job to its maximum: nobody else to wait for")]
+
+
+def test_nobody_is_tried_once_the_job_finished():
+    sup, clock = ranged(("a", "b"), ("a", "b", "c"))
+    exited(sup, clock, 0, 0)
+    assert sup.finished and not any(isinstance(d, Admit) for d in advance(sup, clock, 60, but=("a",)))
 
 
 def test_a_flapping_host_waits_longer_each_time_up_to_the_cap():
-    sup, clock = elastic(("a", "b", "c"))
-    running(sup, clock)
-    waits = []
-    for _ in range(6):  # down and up every 10 s: lost 10 s after each join
+    sup, clock = ranged(("a", "b", "c"), ("a", "b", "c"))
+    waits, tried = [], []
+    for attempt in range(1, 7):  # down and up every 10 s: lost 10 s after each join
         slot = sup.agents.rows[-1].slot
         advance(sup, clock, 10)
         exited(sup, clock, slot, 255, cause="ssh failed")
+        running(sup, clock, attempt=attempt)
         waits.append(sup.elastic.backoff.wait("c", clock.now))
-        assert sup.elastic.admit(sup, ["c"], clock.now) == []
-        clock.now += waits[-1]
-        assert sup.elastic.admit(sup, ["c"], clock.now) == [Admit("c")]
+        tried.append(until_tried(sup, clock, "c"))
         sup.handle(Event(EventKind.JOINED, at=clock.now, host="c"))
-        running(sup, clock)
-    assert waits == [10, 20, 40, 80, 120, 120]
+        running(sup, clock, attempt=attempt)
+    assert waits == tried == [10, 20, 40, 80, 120, 120]
     # a host that stays up past the window starts again from no backoff
     advance(sup, clock, 61)
     exited(sup, clock, sup.agents.rows[-1].slot, 255, cause="ssh failed")

@@ -1,22 +1,16 @@
-"""An elastic job's hosts, at the launcher (``--nnodes MIN:MAX``): who is a member, who was lost,
-who comes back, and the record of every change.
-
-torch's c10d rendezvous decides each round's world from the nodes that join it; the launcher
-decides who is a member, because it alone sees a host vanish:
+"""An elastic job's hosts, at the launcher (``--nnodes MIN:MAX``): the tries of hosts not running,
+and the record of every change. Every decision is the supervisor's
+(:class:`~disttrain.launch.supervision.Elastic`); this carries some out and records them all:
 
 - **lost**: the host's agent ended without its workers failing -- the connection to it dropped
   (ssh's 255: no answer to its keep-alives), the agent was killed (a signal), or the agent said
-  nothing for the supervisor's :data:`~disttrain.launch.supervision.SILENT_S`. The other agents
-  are told to regroup (:class:`~disttrain.wire.Regroup`); below MIN the job stops, naming the hosts
-  lost (those decisions are :class:`~disttrain.launch.supervision.Elastic`'s). An agent that ends
-  with a failure of its workers is a failure of the job, as without a range.
-- **back**: every host of the list not running (unreachable at the start, or lost) is tried
-  again every :data:`RETRY_S` in the background, up to MAX running, once its backoff is over (a
-  host lost soon after it joined waits longer each time:
-  :class:`~disttrain.launch.supervision.Backoff`); one that answers the preflight is ready
-  (:class:`Ready`) and waits for the supervisor to let its batch in
-  (:class:`~disttrain.launch.supervision.JoinWindow`): then it gets its plan and joins the next
-  round with the others of its batch (torch's agents make room for them).
+  nothing for the supervisor's silence limit. The others regroup; below MIN the job stops.
+  An agent that ends with a failure of its workers is a failure of the job, as without a range.
+- **back**: the supervisor admits hosts not running (room below MAX, their wait over:
+  :class:`~disttrain.launch.supervision.Backoff`); each is tried here, in the background: one
+  that answers the preflight is ready (:class:`Ready`) and waits for the supervisor to let its
+  batch in (:class:`~disttrain.launch.supervision.JoinWindow`): then it gets its plan and joins
+  the next round with the others of its batch (torch's agents make room for them).
 
 Each change is one line when the next round trains again -- which host left or joined, the
 new world size, the step the workers resumed from (``disttrain.resume()``'s own line), the
@@ -42,9 +36,6 @@ from ..workerenv import RESUMED_MARKER
 from .membership_record import Change, membership_line, write_record
 from .supervision import Agents, AgentState, exit_cause
 
-RETRY_S = 3.0  # a host not running is tried again this often: its first RETRY_AT_FIRST tries,
-RETRY_AT_FIRST = 5  # then twice as long after each try that failed,
-RETRY_MAX_S = 30.0  # up to this
 RESUME_LINE_WAIT_S = 3.0  # after a round's first step, for rank 0's "resuming from step N" line
 FIRST_STEP_WAIT_S = 60.0  # a round whose ranks report no steps is said once its workers started, after this
 
@@ -63,36 +54,32 @@ class Membership:
     range, in order; ``running``: the hosts started, in agent order (agent ``k`` of the flow runs
     ``hosts[running[k]]``). ``join(index)``: host ``index``'s preflight -- a :class:`Ready` that
     waits for :meth:`go`, or its agent's process already given its plan (a DisttrainError when it
-    does not answer); None: no host is tried again.
+    does not answer); None: no host is tried.
 
     Who is a member is not kept here: :attr:`table` is the supervisor's table of agents
     (:class:`~disttrain.launch.supervision.Agents`: the flow's supervisor is built on it), which
     moves its rows (lost, done) before this records the change; this adds a row for a host that
     joins, once its agent started."""
 
-    def __init__(self, *, hosts: Sequence[str], running: Sequence[int], min_nnodes: int, max_nnodes: int,
-                 run_dir: str, join: Callable[[int], subprocess.Popen | Ready] | None = None,
+    def __init__(self, *, hosts: Sequence[str], running: Sequence[int], run_dir: str,
+                 join: Callable[[int], subprocess.Popen | Ready] | None = None,
                  own_failure: Callable[[int, int, str, float | None], str | None] | None = None,
-                 retry_s: float = RETRY_S, kept_alive: bool = False) -> None:
+                 kept_alive: bool = False) -> None:
         self.hosts = tuple(hosts)
         # The agents' connections are kept alive by their transport (ssh's keep-alives end one within
         # seconds of its host going away): a silent agent whose connection is up is slow, not lost.
         self.kept_alive = kept_alive
-        self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.say: Callable[[str], None] = print
         self._run_dir = run_dir
         self._join = join
         self._own_failure = own_failure or (lambda _index, _code, _last, _quiet: None)
-        self._retry_s = retry_s
-        # The supervisor's admission (room below MAX, a flapping host's backoff over): which of these
-        # host names may be tried now; None: all.
-        self.admit: Callable[[list[str], float], list[str]] | None = None
         self._lock = threading.Lock()
         self.table = Agents()
         for index in running:
             self.table.add(self.hosts[index], time.monotonic())
         self._joined: queue.Queue[tuple[int, subprocess.Popen]] = queue.Queue()
-        self._joining: set[int] = set()
+        self._to_try: queue.Queue[int] = queue.Queue()
+        self._missed: queue.Queue[str] = queue.Queue()  # hosts tried that did not answer
         self._held: dict[int, Ready] = {}  # hosts ready, waiting for their batch to be let in
         self._fresh: queue.Queue[int] = queue.Queue()  # hosts ready since the last ready()
         self._stop = threading.Event()
@@ -136,7 +123,7 @@ class Membership:
         return self.hosts.index(self.table[slot].host)
 
     def start(self, say: Callable[[str], None]) -> None:
-        """Begin trying the hosts that are not running (none when there is no ``join``); ``say``
+        """Begin trying the hosts the supervisor admits (none when there is no ``join``); ``say``
         shows a line to the user."""
         self.say = say
         self._write()
@@ -375,9 +362,6 @@ class Membership:
                             backoff=round(backoff, 1) if backoff else None)
             self._pending.append([change, last_word, None, now, None])
             members = [member.slot for member in self.table.live()]
-        if len(members) >= self.min_nnodes:
-            self.say(f"disttrain: lost {row.host} ({why}): the other {len(members)} host(s) regroup "
-                     f"(--nnodes {self.min_nnodes}:{self.max_nnodes})")
         self._write()
         return members
 
@@ -402,7 +386,6 @@ class Membership:
                 name = self.hosts[host]
                 back = any(row.host == name for row in self.table.in_state(AgentState.LOST))
                 self.table.add(name, time.monotonic())
-                self._joining.discard(host)
                 change = Change(time=time.time(), change="joined", host=name,
                                 why="it answered again" if back else "it answered the preflight",
                                 hosts=self.member_hosts())
@@ -431,44 +414,47 @@ class Membership:
             try:
                 proc = ready.go()
             except DisttrainError as err:
-                with self._lock:
-                    self._joining.discard(index)
                 self.say(f"disttrain: {name} was ready but could not be given its plan: {err}")
+                self._missed.put(name)
                 continue
             self._joined.put((index, proc))
 
+    def try_hosts(self, names: Sequence[str]) -> None:
+        """The supervisor admits these hosts: each is tried in turn (see :meth:`ready`, :meth:`missed`)."""
+        for name in names:
+            self._to_try.put(self.hosts.index(name))
+
+    def missed(self) -> list[str]:
+        """The hosts tried since the last call that did not answer (tried again when the supervisor says)."""
+        out = []
+        while True:
+            try:
+                out.append(self._missed.get_nowait())
+            except queue.Empty:
+                return out
+
     def _rejoin(self) -> None:
-        """Try the hosts not running, in order, while there is room; a host that keeps failing (or
-        keeps being lost once it joined) is tried less often, up to every :data:`RETRY_MAX_S`."""
-        tries: dict[int, int] = {}
-        next_try: dict[int, float] = {}
-        while not self._stop.wait(self._retry_s):
-            with self._lock:
-                running = {self.hosts.index(row.host) for row in self.table.live()} | self._joining
-                room = self.max_nnodes - len(running)
-                now = time.monotonic()
-                waiting = [i for i in range(len(self.hosts)) if i not in running and next_try.get(i, 0.0) <= now]
-            if self.admit is not None and waiting:
-                admitted = set(self.admit([self.hosts[i] for i in waiting], now))
-                waiting = [i for i in waiting if self.hosts[i] in admitted]
-            for host in waiting[:max(0, room)]:
-                if self._stop.is_set():
-                    return
-                tries[host] = tries.get(host, 0) + 1
-                backoff = 2 ** max(0, tries[host] - RETRY_AT_FIRST)
-                next_try[host] = time.monotonic() + min(RETRY_MAX_S, self._retry_s * backoff)
-                try:
-                    answer = self._join(host)
-                except DisttrainError:
-                    continue  # not yet: tried again later
+        while not self._stop.is_set():
+            try:
+                host = self._to_try.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                answer = self._join(host)
+            except DisttrainError:
+                self._missed.put(self.hosts[host])
+                continue
+            if isinstance(answer, Ready):
                 with self._lock:
-                    self._joining.add(host)
-                    if isinstance(answer, Ready):
+                    closed = self._stop.is_set()
+                    if not closed:
                         self._held[host] = answer
-                if isinstance(answer, Ready):
-                    self._fresh.put(host)  # the supervisor lets it in with its batch
-                else:
-                    self._joined.put((host, answer))
+                if closed:  # the launch ended while it was tried: close() ended the others
+                    answer.cancel()
+                    continue
+                self._fresh.put(host)  # the supervisor lets it in with its batch
+            else:
+                self._joined.put((host, answer))
 
     # -- the record -------------------------------------------------------------------------
 

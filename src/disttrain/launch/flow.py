@@ -53,6 +53,7 @@ from .rendezvous_store import round_counter
 from .rootcause import first_in_time
 from .supervision import (
     REGROUP_MARGIN_S,
+    Admit,
     AgentState,
     Dump,
     Elastic,
@@ -152,6 +153,8 @@ class _Solo:
     def rank_line(self, text: str) -> None: ...
     def joined(self) -> list[subprocess.Popen]: return []
     def ready(self) -> list[str]: return []
+    def missed(self) -> list[str]: return []
+    def try_hosts(self, names) -> None: ...
     def go(self, names) -> None: ...
     def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]: return []
@@ -169,17 +172,14 @@ class _Supervised:
         self.membership = membership or _Solo()
         store = f"{plan.master_addr}:{plan.master_port}"
         in_place = os.environ.get(REGROUP_MODE, "in-place") != "restart"  # the survivors' workers stay
-        policies = [Elastic(min_nnodes=membership.min_nnodes, max_nnodes=membership.max_nnodes,
+        policies = [Elastic(min_nnodes=plan.min_nnodes or plan.nnodes, max_nnodes=min(plan.nnodes, len(membership.hosts)),
                             regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S, store=store, backoff=backoff(),
                             slow_s=slow_limit() if membership.kept_alive else None,
-                            next_round=round_counter(store) if in_place else None)] if membership is not None \
-            else [FailFast()]
+                            next_round=round_counter(store) if in_place else None,
+                            hosts=membership.hosts)] if membership is not None else [FailFast()]
         # An elastic launch's table is its membership's (who is a member is recorded once).
         self.sup = Supervisor(tuple(n.name for n in plan.nodes), policies=[*policies, HangWatch(plan.hang_timeout_s)],
                               agents=membership.table if membership is not None else None)
-        if membership is not None:
-            elastic = self.sup.elastic
-            membership.admit = lambda hosts, now: [a.host for a in elastic.admit(self.sup, hosts, now)]
         self.diag = Diagnostics(say=self.say, late=self.sup.late)
         self.hangs: list[HangReport] = []
         self.failed: dict[int, RankFailed] = {}  # per agent: its root cause, timed on its worker
@@ -359,6 +359,8 @@ class _Supervised:
             if ended is not False:
                 return ended
             self.membership.poll()
+            for host in self.membership.missed():  # tried again later (the supervisor's Backoff)
+                self.sup.handle(Event(EventKind.MISSED, at=time.monotonic(), host=host))
             for host in self.membership.ready():  # the supervisor batches them (a Join decision)
                 self.sup.handle(Event(EventKind.READY, at=time.monotonic(), host=host))
             for proc in self.membership.joined():  # each has its row in the table: slot len(self.procs)
@@ -404,6 +406,8 @@ class _Supervised:
                          f"signal (SIGSTOP) {decision.held_s:.0f} s ago; no rank can step without "
                          f"{'them' if len(decision.ranks) > 1 else 'it'} (kill -CONT resumes"
                          + (", --hang-timeout ends the job)" if self.plan.hang_timeout_s else ")"))
+            if isinstance(decision, Admit):
+                self.membership.try_hosts(decision.hosts)
             if isinstance(decision, Join):  # each says its line as its agent is relayed (membership.joined)
                 self.membership.go(decision.hosts)
             if isinstance(decision, RegroupWithout):
@@ -420,8 +424,11 @@ class _Supervised:
                 continue
             self.recorded.add(row.slot)
             elastic = self.sup.elastic
-            self.membership.leave(row.slot, row.why or "lost",
-                                  backoff=elastic.backoff.wait(row.host, time.monotonic()) if elastic else None)
+            members = self.membership.leave(row.slot, row.why or "lost",
+                                            backoff=elastic.backoff.wait(row.host, time.monotonic()) if elastic else None)
+            if elastic is not None and len(members) >= elastic.min_nnodes:
+                self.say(f"disttrain: lost {row.host} ({row.why or 'lost'}): the other {len(members)} host(s) "
+                         f"regroup (--nnodes {elastic.min_nnodes}:{elastic.max_nnodes})")
             proc = self.procs[row.slot]
             if proc.poll() is None:
                 proc.kill()

@@ -399,7 +399,6 @@ class SessionLauncher(AgentLauncher):
             start = self._elastic
             membership = Membership(
                 hosts=[t.name for t in start.transports], running=start.facts.node_ranks, run_dir=plan.run_dir,
-                min_nnodes=plan.min_nnodes, max_nnodes=min(plan.nnodes, len(start.transports)),
                 join=lambda index: self._join(start, index, events),
                 own_failure=lambda index, code, last, quiet: start.transports[index].own_failure(code, last, quiet),
                 kept_alive=all(t.kept_alive for t in start.transports))

@@ -11,15 +11,15 @@ policies, each of which may return a decision:
 - :class:`RegroupWithout`: these hosts are lost, the others form a new round (the value the
   in-place regroup builds on: the lost hosts, the new members, the reason);
 - :class:`Dump`: no rank anywhere moved for ``--hang-timeout``: every agent reports its ranks;
-- :class:`Admit`: a host may be tried again (elastic range, room left, its backoff over);
+- :class:`Admit`: hosts not running are tried (their preflight): room left, their wait over;
 - :class:`Join`: the hosts that answered the preflight meanwhile get their plans, together: one
   round for all of them (:class:`JoinWindow`), never while a round forms (until its ranks step);
 - :class:`Slow`: an agent is late, but its connection is up (ssh's keep-alives): said once, not lost;
 - nothing: go on.
 
 The policies: :class:`FailFast` (without a range: the first agent that does not end well ends the
-job), :class:`Elastic` (``--nnodes MIN:MAX``: a lost host is left behind while MIN remain, a host
-lost soon after it joined waits longer each time before it is admitted again), :class:`HangWatch`
+job), :class:`Elastic` (``--nnodes MIN:MAX``: a lost host is left behind while MIN remain; which hosts are tried, and
+when, and which join together; a host lost soon after it joined waits longer each time), :class:`HangWatch`
 (one silence clock for every agent, one stall rule for every rank, paused while a regroup forms).
 
 No I/O here: the flow (:mod:`.flow`) relays the streams and turns decisions into wire messages;
@@ -46,6 +46,9 @@ LATE_S = 2.0  # an agent this long without a word: its ranks' progress is unknow
 FLAP_WINDOW_S = 60.0  # a host lost within this long of joining is flapping
 BACKOFF_FIRST_S = 10.0  # the wait before admitting a flapping host again: this, doubled each flap,
 BACKOFF_MAX_S = 120.0  # up to this
+RETRY_S = 3.0  # a host not running is tried this long after it was seen out, and again after each miss:
+RETRY_AT_FIRST = 5  # its first misses; then twice as long after each,
+RETRY_MAX_S = 30.0  # up to this
 HELD_S = 10.0  # a rank stopped by a signal this long: its host leaves an elastic job (said, without a range)
 REGROUP_MARGIN_S = 15.0  # a regroup forms within the rendezvous timeout plus this, or the job stops
 # Hosts that answer the preflight are let in together, as torch's last_call_timeout batches the
@@ -167,7 +170,8 @@ class EventKind(str, Enum):
     ROUND = "round"  # the agent's workers started a round (``attempt``, their ``ranks``)
     EXITED = "exited"  # the agent's process ended with ``code``; ``cause``: a lost host's, when known
     JOINED = "joined"  # a host answered again: a new agent (``host``; ``slot``: its row, already added)
-    READY = "ready"  # a host answered the preflight (``host``): it waits for its batch (:class:`JoinWindow`)
+    READY = "ready"  # a host tried answered the preflight (``host``): it waits for its batch (:class:`JoinWindow`)
+    MISSED = "missed"  # a host tried did not answer (``host``): tried again later (:class:`Backoff`)
     TICK = "tick"  # the clock moved
 
 
@@ -220,9 +224,10 @@ class Dump:
 
 @dataclass(frozen=True)
 class Admit:
-    """Host ``host`` may be tried again now."""
+    """The hosts ``hosts`` (not running) are tried now: their preflight, which answers with READY or
+    MISSED."""
 
-    host: str
+    hosts: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -300,7 +305,9 @@ class FailFast:
 
 @dataclass
 class Backoff:
-    """A flapping host's wait: each loss within :data:`FLAP_WINDOW_S` of joining doubles it, capped.
+    """When a host not running may be tried: :data:`RETRY_S` after it was seen out, then longer after
+    each try it did not answer (up to :data:`RETRY_MAX_S`); and a flapping host's wait on top: each
+    loss within :data:`FLAP_WINDOW_S` of joining doubles it, capped.
 
     The bound: after its first flaps a host is admitted at most once every ``max_s`` seconds, so a
     host that flaps every P seconds costs the others at most two regroups (its join, its loss) per
@@ -310,8 +317,26 @@ class Backoff:
     first_s: float = BACKOFF_FIRST_S
     max_s: float = BACKOFF_MAX_S
     window_s: float = FLAP_WINDOW_S
+    retry_s: float = RETRY_S
     flaps: dict[str, int] = field(default_factory=dict)
-    not_before: dict[str, float] = field(default_factory=dict)
+    not_before: dict[str, float] = field(default_factory=dict)  # a flapping host's
+    misses: dict[str, int] = field(default_factory=dict)  # tries not answered since it last joined
+    retry_at: dict[str, float] = field(default_factory=dict)
+
+    def out(self, host: str, now: float) -> None:
+        """``host`` is seen not running (at the start, or lost): its first try waits :attr:`retry_s`."""
+        self.retry_at.setdefault(host, now + self.retry_s)
+
+    def missed(self, host: str, now: float) -> None:
+        self.misses[host] = self.misses.get(host, 0) + 1
+        self.retry_at[host] = now + min(RETRY_MAX_S, self.retry_s * 2 ** max(0, self.misses[host] - RETRY_AT_FIRST))
+
+    def joined(self, host: str) -> None:
+        self.misses.pop(host, None)
+        self.retry_at.pop(host, None)
+
+    def due(self, host: str, now: float) -> bool:
+        return self.retry_at.get(host, now) <= now and self.wait(host, now) <= 0
 
     def lost(self, host: str, *, joined: float, now: float) -> float:
         """Host ``host`` (joined at ``joined``) was lost at ``now``: the wait before it is admitted again."""
@@ -378,13 +403,17 @@ class Elastic:
 
     def __init__(self, *, min_nnodes: int, max_nnodes: int, regroup_s: float, store: str,
                  backoff: Backoff | None = None, joins: JoinWindow | None = None,
-                 slow_s: float | None = None, next_round: Callable[[], int] | None = None) -> None:
+                 slow_s: float | None = None, next_round: Callable[[], int] | None = None,
+                 hosts: Sequence[str] = ()) -> None:
         """``slow_s``: the agents' connections are kept alive by their transport (ssh's keep-alives
         end it within seconds when the host is gone): a silent agent whose process still runs is
         slow, not lost, up to this; None: no such transport, silence is loss. ``next_round``: the
         next job-wide round number, from the store the agents' rounds take theirs from (an
-        in-place round has no rendezvous to number it); None: regroups restart the workers."""
+        in-place round has no rendezvous to number it); None: regroups restart the workers.
+        ``hosts``: every host of the range, those not running tried in this order."""
         self.slow_s = slow_s
+        self.hosts = tuple(hosts)
+        self.trying: set[str] = set()  # admitted, their preflight not answered yet
         self.next_round = next_round
         self.min_nnodes, self.max_nnodes = min_nnodes, max_nnodes
         self.regroup_s = regroup_s
@@ -406,8 +435,17 @@ class Elastic:
         if event.kind is EventKind.ROUND and not sup.agents.in_state(AgentState.REGROUPING):
             self.regroup_since = None
         if event.kind is EventKind.READY:
+            self.trying.discard(event.host)
             if not sup.finished and event.host not in {row.host for row in sup.agents.live()}:
                 self.joins.arrived(event.host, event.at)
+            return None
+        if event.kind is EventKind.MISSED:
+            self.trying.discard(event.host)
+            self.backoff.missed(event.host, event.at)
+            return None
+        if event.kind is EventKind.JOINED:
+            self.trying.discard(event.host)
+            self.backoff.joined(event.host)
             return None
         if event.kind is EventKind.EXITED and event.code == 0:
             # The job's training is done: a host let in while it trained, whose round never stepped,
@@ -467,6 +505,7 @@ class Elastic:
                 return Stop(code=1, reason="regroup timed out",
                             report=f"disttrain: the regroup did not form within {self.regroup_s:.0f} s "
                                    f"(rendezvous {self.store}; waiting: {waiting or 'none'}): stopped the job")
+            return self._admit(sup, event.at)
         return None
 
     def _regroup(self, sup: Supervisor, lost: tuple[Agent, ...], event: Event) -> Decision:
@@ -511,12 +550,21 @@ class Elastic:
         return InPlace(attempt=attempt, ranks=ranks, group_ranks={row.host: i for i, row in enumerate(ordered)},
                        world_size=len(ranks), store=self.store), None
 
-    def admit(self, sup: Supervisor, hosts: Sequence[str], now: float) -> list[Admit]:
-        """Which of ``hosts`` (not running) may be tried now: room below MAX, backoff over."""
-        room = self.max_nnodes - len(sup.agents.live())
-        running = {row.host for row in sup.agents.live()}
-        ready = [h for h in hosts if h not in running and self.backoff.wait(h, now) <= 0]
-        return [Admit(h) for h in ready[:max(0, room)]] if not sup.finished else []
+    def _admit(self, sup: Supervisor, now: float) -> Admit | None:
+        """The hosts of the range not running to try now: their wait over, room below MAX for them
+        beside the members, those being tried and those ready."""
+        if sup.finished:
+            return None
+        live = {row.host for row in sup.agents.live()}
+        out = [h for h in self.hosts if h not in live and h not in self.trying and h not in self.joins.ready]
+        for host in out:
+            self.backoff.out(host, now)
+        room = self.max_nnodes - len(live) - len(self.trying) - len(self.joins.ready)
+        due = tuple(h for h in out if self.backoff.due(h, now))[:max(0, room)]
+        if not due:
+            return None
+        self.trying.update(due)
+        return Admit(hosts=due)
 
 
 class HangWatch:
@@ -555,7 +603,6 @@ class Supervisor:
         self.clock = clock
         self.silent_s = silent_s
         self.policies = list(policies)
-        self.finished = False  # an agent ended well: the job is done, nobody is admitted or regrouped
         self.trained_at: float | None = None  # when a rank first stepped (None: no rank reports steps)
         self.ended: Stop | None = None  # the decision that ended the job
         if agents is None:
@@ -564,6 +611,11 @@ class Supervisor:
             for host in hosts:
                 agents.add(host, now)
         self.agents = agents
+
+    @property
+    def finished(self) -> bool:
+        """An agent ended well: the job is done, nobody is admitted or regrouped."""
+        return bool(self.agents.in_state(AgentState.DONE))
 
     @property
     def elastic(self) -> Elastic | None:
@@ -624,8 +676,6 @@ class Supervisor:
             if event.slot is None:
                 self.agents.add(event.host, event.at)
             return True
-        if event.kind is EventKind.READY:
-            return True
         if event.slot is None:
             return True
         row = self.agents[event.slot]
@@ -660,7 +710,6 @@ class Supervisor:
         elif event.kind is EventKind.EXITED:
             if event.code == 0:
                 self.agents.move(row.slot, AgentState.DONE, "it finished")
-                self.finished = True
             elif row.state is AgentState.HUNG:  # as asked: reported its ranks, stopped
                 self.agents.move(row.slot, AgentState.STOPPED, "stopped after the hang verdict")
                 return False

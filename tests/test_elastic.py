@@ -18,7 +18,7 @@ import pytest
 from disttrain.config.launch import LaunchSpec
 from disttrain.launch.elastic import Membership, starting_hosts
 from disttrain.launch.membership_record import Change, membership_line
-from disttrain.launch.supervision import AgentState
+from disttrain.launch.supervision import AgentState, Elastic, Event, EventKind, Supervisor
 from disttrain.plan.launch import NodeFacts, make_plan
 from disttrain.wire import AttemptStarted, Beats, HostFacts
 from elastic_rig import JOB, WORKER, bench, field_load, finish, wait_for  # noqa: F401 (field_load: autouse)
@@ -65,13 +65,23 @@ def test_fewer_than_min_is_the_first_failure_and_no_host_is_required():
 
 
 def test_an_agent_stopped_from_outside_is_a_lost_host_and_a_failure_is_not():
-    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], run_dir="/nonexistent",
+    m = Membership(hosts=["a", "b", "c", "d"], running=[0, 1, 2, 3], run_dir="/nonexistent",
                    own_failure=lambda i, code, last, quiet: f"ssh failed: {last}" if code == 255 else None)
-    m.agent_line(1, AttemptStarted(host="b", attempt=0, nodes=3, world_size=3, ranks=(1,)).to_line())
-    assert m.why_lost(2, 255, "Timeout, server c not responding.") == "ssh failed: Timeout, server c not responding."
-    assert m.why_lost(1, 137, "") == "its agent was killed by SIGKILL"
-    assert m.why_lost(1, 1, "disttrain: rank 1 on b exited with code 1") is None  # its workers failed
-    assert "before joining a round: no route" in m.why_lost(0, 1, "no route")  # never got that far
+    assert m.transport_cause(2, 255, "Timeout, server c not responding.") == \
+        "ssh failed: Timeout, server c not responding."
+    assert m.transport_cause(1, 137, "") is None  # its transport has nothing to say: the supervisor judges
+    sup = Supervisor(m.hosts, policies=[Elastic(min_nnodes=1, max_nnodes=4, regroup_s=60, store="x:1")])
+    for slot in (1, 2, 3):
+        sup.handle(Event(EventKind.ROUND, at=0.0, slot=slot, attempt=0, ranks=(slot,)))
+
+    def ended(slot, code, cause=None, last=""):
+        sup.handle(Event(EventKind.EXITED, at=0.0, slot=slot, code=code, cause=cause, last=last))
+        return sup.agents[slot].state, sup.agents[slot].why
+
+    assert ended(2, 255, cause="ssh failed: Timeout") == (AgentState.LOST, "ssh failed: Timeout")
+    assert ended(1, 137) == (AgentState.LOST, "its agent was killed by SIGKILL")
+    assert ended(0, 1, last="no route") == (AgentState.LOST, "its agent ended (exit 1) before joining a round: no route")
+    assert ended(3, 1, last="disttrain: rank 3 on d exited with code 1") == (AgentState.FAILED, "its workers failed")
 
 
 def test_ssh_tells_a_killed_agent_from_a_lost_connection_by_the_silence_before():

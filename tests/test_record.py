@@ -202,8 +202,10 @@ def test_an_ssh_notice_is_never_the_why(tmp_path):
     relay.close()
     m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], run_dir=str(tmp_path),
                    own_failure=lambda i, code, last, quiet: ssh.own_failure(code, last, quiet))
-    assert m.why_lost(2, 255, relay.last_line(1), 4.0) == "ssh failed: the connection was lost (exit 255)"
-    assert "Warning" not in m.why_lost(2, 1, relay.last_line(1), 4.0)
+    assert m.transport_cause(2, 255, relay.last_line(1), 4.0) == "ssh failed: the connection was lost (exit 255)"
+    sup = Supervisor(("a", "b", "c"), policies=[Elastic(min_nnodes=1, max_nnodes=3, regroup_s=60, store="x:1")])
+    sup.handle(Event(EventKind.EXITED, at=0.0, slot=2, code=1, last=relay.last_line(1)))
+    assert sup.agents[2].why == "its agent ended (exit 1) before joining a round: no message"
 
 
 def _steps(first_t: float, n: int) -> list[dict]:

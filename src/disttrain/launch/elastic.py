@@ -34,7 +34,7 @@ from ..preflight.checks import check_facts, fact_checks, first_failure
 from ..wire import AttemptStarted, Beats, HostFacts, WireError
 from ..workerenv import RESUMED_MARKER
 from .membership_record import Change, membership_line, write_record
-from .supervision import Agents, AgentState, exit_cause
+from .supervision import Agents, AgentState
 
 RESUME_LINE_WAIT_S = 3.0  # after a round's first step, for rank 0's "resuming from step N" line
 FIRST_STEP_WAIT_S = 60.0  # a round whose ranks report no steps is said once its workers started, after this
@@ -330,18 +330,10 @@ class Membership:
 
     # -- hosts that end ---------------------------------------------------------------------
 
-    def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None:
-        """Why agent ``slot``, which ended with ``code`` (and ``last`` as its last own line), means its
-        host was lost; None: its workers failed (or it finished), which ends the job as usual."""
-        own = self._own_failure(self._index(slot), code, last, quiet_s)
-        if own:
-            return own
-        killed = exit_cause(code)
-        if killed:
-            return killed
-        if slot not in self._attempted:  # it never got as far as a round: the host, not the training
-            return f"its agent ended (exit {code}) before joining a round: {last.strip() or 'no message'}"
-        return None
+    def transport_cause(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None:
+        """What agent ``slot``'s transport says of its end with ``code`` (``last``: its last own line,
+        ``quiet_s``: its silence before): ssh's lost connection, say; the supervisor judges the rest."""
+        return self._own_failure(self._index(slot), code, last, quiet_s) or None
 
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]:
         """Agent ``slot``'s host is lost (its row, moved by the supervisor): the change recorded; the

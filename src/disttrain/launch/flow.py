@@ -156,7 +156,7 @@ class _Solo:
     def missed(self) -> list[str]: return []
     def try_hosts(self, names) -> None: ...
     def go(self, names) -> None: ...
-    def why_lost(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
+    def transport_cause(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]: return []
     def ended(self, slot: int) -> None: ...
 
@@ -339,7 +339,7 @@ class _Supervised:
                     continue
                 if self.sup.agents[index].state is AgentState.HUNG:
                     continue  # it reports its ranks, then stops: collected after the watch
-                cause = None
+                cause, last = None, ""
                 if code != 0:
                     last = self.relay.last_line(index)
                     ended = self._handle_pending()  # its last lines, read to the end, are events too
@@ -348,11 +348,11 @@ class _Supervised:
                     if self.sup.agents[index].state.final:
                         continue  # judged meanwhile (its silence)
                     quiet = time.monotonic() - self.sup.agents[index].heard
-                    cause = self.membership.why_lost(index, code, last, quiet)
+                    cause = self.membership.transport_cause(index, code, last, quiet)
                 else:
                     self.membership.ended(index)
                 ended = self.act(self.sup.handle(Event(EventKind.EXITED, at=time.monotonic(), slot=index,
-                                                       code=code, cause=cause)))
+                                                       code=code, cause=cause, last=last)))
                 if ended is not False:
                     return ended
             ended = self.act(self.sup.tick())

@@ -182,7 +182,8 @@ class Event:
     slot: int | None = None
     host: str | None = None
     code: int | None = None
-    cause: str | None = None  # EXITED: why its host is lost (None: its workers failed or it finished)
+    cause: str | None = None  # EXITED: its transport's word on its end (ssh's lost connection), if any
+    last: str = ""  # EXITED: its agent's last own line
     progress: float | None = None
     steps: dict[int, int] | None = None
     attempt: int | None = None
@@ -457,7 +458,7 @@ class Elastic:
             return None
         if event.kind is EventKind.EXITED and event.code != 0:
             row = sup.agents[event.slot]
-            if event.cause is None:  # its workers failed: the job's failure, as without a range
+            if row.state is AgentState.FAILED:  # its workers failed: the job's failure, as without a range
                 return Stop(code=event.code, reason="its workers failed", slot=event.slot)
             self.backoff.lost(row.host, joined=row.joined, now=event.at)
             return self._regroup(sup, (row,), event)
@@ -713,11 +714,22 @@ class Supervisor:
             elif row.state is AgentState.HUNG:  # as asked: reported its ranks, stopped
                 self.agents.move(row.slot, AgentState.STOPPED, "stopped after the hang verdict")
                 return False
-            elif event.cause is not None:
-                self.agents.move(row.slot, AgentState.LOST, event.cause)
+            elif (cause := self._lost_cause(row, event)) is not None:
+                self.agents.move(row.slot, AgentState.LOST, cause)
             else:
                 self.agents.move(row.slot, AgentState.FAILED, "its workers failed")
         return True
+
+    def _lost_cause(self, row: Agent, event: Event) -> str | None:
+        """Why an agent that ended badly means its host is gone; None: its workers failed, which is
+        the job's failure. Without a range, only its transport's word counts (the job ends either way)."""
+        if event.cause is not None or self.elastic is None:
+            return event.cause
+        if killed := exit_cause(event.code):
+            return killed
+        if row.attempt is None:  # it never got as far as a round: the host, not the training
+            return f"its agent ended (exit {event.code}) before joining a round: {event.last.strip() or 'no message'}"
+        return None
 
     def _stop_all(self) -> None:
         for row in self.agents.rows:

@@ -411,6 +411,40 @@ def test_an_agent_whose_workers_are_not_armed_restarts_them(tmp_path):
     assert said == [(1, True)]
 
 
+def test_an_agent_meeting_a_waiting_node_after_the_job_finished_elsewhere_keeps_its_workers(tmp_path):
+    """torch closes the rendezvous when a node's agent ends (its workers done): an agent meeting a late
+    node then has nobody to meet. Its armed workers stay, untold, and their own end decides the node's
+    (a suite under load once failed a finished job here: 'RendezvousClosedError' from the survivor)."""
+    from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup, WorkerState
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    from disttrain.agent.elastic_agent import ElasticNodeAgent
+
+    agent = object.__new__(ElasticNodeAgent)
+    agent._sockets, agent._host, agent._meet_at = str(tmp_path), "a", "h:1"
+    agent._peer_lost = agent._closed = agent._in_place_round = False
+    met = []
+
+    def closed(group):
+        met.append(group)
+        raise RendezvousClosedError()
+
+    agent._rendezvous = closed
+    group = WorkerGroup.__new__(WorkerGroup)
+    worker = Worker(local_rank=0, global_rank=1, role_rank=1, world_size=2, role_world_size=2)
+    worker.id = 4242
+    group.workers, group.state = [worker], WorkerState.HEALTHY
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listening.bind(socket_path(str(tmp_path), 0))  # armed
+    try:
+        agent._restart_workers(group)
+        agent._restart_workers(group)  # torch's loop sees the node still waiting: nobody to meet, not tried again
+    finally:
+        listening.close()
+    assert len(met) == 1 and group.state is WorkerState.HEALTHY
+    assert (worker.id, worker.global_rank, worker.world_size) == (4242, 1, 2)
+
+
 def test_the_state_carried_is_a_steps_own(tmp_path, monkeypatch):
     """Inside an epoch's steps the objects hold the last step's state (or the one in flight's, once its
     optimizer stepped); after them the script's own code may have moved them (a scheduler's epoch step):

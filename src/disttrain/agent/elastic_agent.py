@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from .. import torchcompat
 from ..inplace import FALLBACK_EXIT, JOIN_ENV, STACKS_SIGNAL_OFFSET, Plan, formed, join_timeout_s, socket_path
@@ -137,6 +138,7 @@ class ElasticNodeAgent(LocalElasticAgent):
         self._settle_s = settle_s
         self._peer_lost = False
         self._told: tuple[int, float, float] | None = None  # round, deadline, limit: workers told to form it
+        self._closed = False  # the rendezvous closed while this node met a node that waits (see _restart_workers)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -207,6 +209,8 @@ class ElasticNodeAgent(LocalElasticAgent):
         """A node waits to join (torch's agent restarts the workers for the round with it): workers
         armed for it stay, told their ranks in the new round; its new workers take the state from them."""
         growing = not self._peer_lost and worker_group.state == WorkerState.HEALTHY  # not a failure's restart
+        if growing and self._closed:
+            return
         if not growing or not self._meet_at or not self._armed(worker_group):
             if growing:
                 self._restart_why = self._not_kept(worker_group)
@@ -221,6 +225,12 @@ class ElasticNodeAgent(LocalElasticAgent):
         try:
             self._rendezvous(worker_group)  # the round with the new node: this node's new ranks
             kept = self._in_place_round
+        except RendezvousClosedError:
+            # Another node's agent ended (its workers done: the job finished there) while this one met
+            # the node that waits: nobody is left to meet it. The workers, untold, stay as they are,
+            # and their own end says how this node ends (done, or failed without their peers).
+            self._closed = True
+            return
         finally:
             self._in_place_round = False
         for worker in worker_group.workers:

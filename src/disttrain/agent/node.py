@@ -19,6 +19,7 @@ from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from torch.distributed.launcher.api import elastic_launch
 
 from .. import torchcompat
@@ -315,10 +316,14 @@ def run_node(plan: LaunchPlan, node: NodePlan, *, report_to: TextIO = sys.stderr
             return 130
         except Exception as err:  # rendezvous/store failures: name them, no traceback
             busy = busy_rendezvous(plan.master_addr, plan.master_port)  # a port the user chose: exit 2
-            # torch's RendezvousTimeoutError comes with no message: say what was waited for, on whom.
+            # torch's RendezvousTimeoutError and RendezvousClosedError come with no message: say what
+            # was waited for, on whom, or why nobody is left to wait for.
             wanted = f"--nnodes {plan.min_nnodes}:{plan.nnodes}" if plan.elastic else f"--nnodes {plan.nnodes}"
-            said = str(err).strip() or (f"waited {plan.rdzv_timeout_s:g} s for the other nodes at the rendezvous "
-                                        f"{plan.master_addr}:{plan.master_port} ({wanted})")
+            rendezvous = f"the rendezvous {plan.master_addr}:{plan.master_port}"
+            said = str(err).strip() or (
+                f"{rendezvous} was closed: another node's agent ended (the job finished or failed there)"
+                if isinstance(err, RendezvousClosedError)
+                else f"waited {plan.rdzv_timeout_s:g} s for the other nodes at {rendezvous} ({wanted})")
             raise (UsageError if busy else DisttrainError)(
                 f"the elastic agent on {node.name} failed before the workers finished: "
                 f"{type(err).__name__}: {said}{busy}"

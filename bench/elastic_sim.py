@@ -1,6 +1,6 @@
 """The launcher's supervisor at scale, simulated: fake agents, a fake clock, the real state machine.
 
-    python bench/elastic_sim.py [--hosts 256] [--start 16] [--spread 60] [--losses 8] [--seed 1] [--runs 20] [--no-window]
+    python bench/elastic_sim.py [--hosts 256] [--start 16] [--spread 60] [--losses 8] [--seed 1] [--runs 20] [--no-window] [--tries]
 
 ``--start`` hosts answer at t=0 and start the job; the others answer the preflight at random
 times spread over ``--spread`` seconds (a late boot); ``--losses`` hosts are lost at random
@@ -8,6 +8,12 @@ times. Each round takes a random 2-8 s to form (the rendezvous under load). Ever
 each second. Counts the rounds (those that let arrivals in, those after a loss) and the
 supervisor's decisions by kind, over ``--runs`` seeds, and prints JSON. No process, no network:
 what is measured is the protocol -- how many rounds N staggered arrivals cost.
+
+By default a host answers the moment it boots, as if it were tried without pause. ``--tries``
+goes through the supervisor's own tries instead: its ``Admit`` decisions, each answered 1-3 s later
+by a host that has booted (its preflight) or 5 s later by one that has not (ssh's connect timeout),
+on the retry schedule of :class:`~disttrain.launch.supervision.Backoff`. A lost host, up again, is
+tried and comes back too.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from disttrain.launch.supervision import (  # noqa: E402
+    Admit,
     AgentState,
     Elastic,
     Event,
@@ -40,14 +47,15 @@ STEP_S = 3.0  # and its ranks step this long after it formed (workers arming: im
 
 
 def simulate(*, hosts: int = 256, start: int = 16, spread_s: float = 60.0, losses: int = 8, seed: int = 1,
-             min_nnodes: int = 2, horizon_s: float = 240.0, window: bool = True) -> dict:
+             min_nnodes: int = 2, horizon_s: float = 240.0, window: bool = True, tries: bool = False) -> dict:
     """One run (see the module); ``window`` False: each ready host let in as soon as no round forms
-    (no join window), for comparison."""
+    (no join window), for comparison; ``tries``: hosts answer the supervisor's tries (see the module)."""
     rng = random.Random(seed)
     names = [f"h{i:03d}" for i in range(hosts)]
     now = [0.0]
     joins = JoinWindow() if window else JoinWindow(quiet_s=0.0, pace_max_s=0.0, hold_s=0.0)
-    policy = Elastic(min_nnodes=min_nnodes, max_nnodes=hosts, regroup_s=120.0, store="sim:0", joins=joins)
+    policy = Elastic(min_nnodes=min_nnodes, max_nnodes=hosts, regroup_s=120.0, store="sim:0", joins=joins,
+                     hosts=names if tries else ())
     sup = Supervisor(names[:start], policies=[policy], clock=lambda: now[0], silent_s=30.0)
     queue: list[tuple[float, int, str, str | None]] = []  # (time, order, what, host)
     order = iter(range(10**9))
@@ -57,7 +65,8 @@ def simulate(*, hosts: int = 256, start: int = 16, spread_s: float = 60.0, losse
 
     arrivals = {host: rng.uniform(0.0, spread_s) for host in names[start:]}
     for host, t in arrivals.items():
-        at(t, "ready", host)
+        if not tries:
+            at(t, "ready", host)
     for _ in range(losses):
         at(rng.uniform(5.0, spread_s + 30.0), "lose")
     at(rng.uniform(*FORM_S), "round")  # the first round, of the hosts that started
@@ -77,6 +86,8 @@ def simulate(*, hosts: int = 256, start: int = 16, spread_s: float = 60.0, losse
         out = []
         if what == "ready":
             out = sup.handle(Event(EventKind.READY, at=t, host=host))
+        elif what == "missed":
+            out = sup.handle(Event(EventKind.MISSED, at=t, host=host))
         elif what == "lose":
             live = [row for row in sup.agents.live() if row.state is AgentState.RUNNING]
             if len(live) > min_nnodes:
@@ -96,6 +107,10 @@ def simulate(*, hosts: int = 256, start: int = 16, spread_s: float = 60.0, losse
             out = sup.tick()
         for decision in out:
             decisions[type(decision).__name__] += 1
+            if isinstance(decision, Admit):
+                for name in decision.hosts:
+                    up = arrivals.get(name, 0.0) <= t
+                    at(t + (rng.uniform(1.0, 3.0) if up else 5.0), "ready" if up else "missed", name)
             if isinstance(decision, Stop):
                 return {"stopped": decision.reason}
             if isinstance(decision, Join):
@@ -126,13 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--no-window", action="store_true", help="let each host in as soon as no round forms")
+    parser.add_argument("--tries", action="store_true", help="hosts answer the supervisor's tries, not at their boot")
     args = parser.parse_args(argv)
     runs = [simulate(hosts=args.hosts, start=args.start, spread_s=args.spread, losses=args.losses, seed=args.seed + i,
-                     window=not args.no_window) for i in range(args.runs)]
+                     window=not args.no_window, tries=args.tries) for i in range(args.runs)]
     arrival_rounds = [r["arrival_rounds"] for r in runs]
     print(json.dumps({
         "hosts": args.hosts, "started": args.start, "spread_s": args.spread, "losses": args.losses, "runs": args.runs,
-        "join_window": not args.no_window,
+        "join_window": not args.no_window, "tries": args.tries,
         "arrival_rounds": {"max": max(arrival_rounds), "mean": round(sum(arrival_rounds) / len(runs), 2)},
         "loss_rounds": {"max": max(r["rounds"].get("loss", 0) for r in runs)},
         "every_arrival_let_in": all(r["members_at_end"] == args.hosts - r["lost"] for r in runs),

@@ -34,6 +34,9 @@ def field_load():
         yield
 
 
+# Why a host that lost power left: the launcher's connection probe (its agent silent 1.3 s, then no
+# TCP connection in 0.8 s), or ssh's keep-alives when they came first (a loaded launcher).
+POWER_LOST = ("its agent said nothing for ", "ssh failed: ")
 JOB = ["--samples", "120", "--epochs", "2", "--batch-size", "2", "--every", "4", "--pause", "0.2"]
 
 

@@ -97,6 +97,52 @@ def test_ssh_tells_a_killed_agent_from_a_lost_connection_by_the_silence_before()
     assert ssh.own_failure(1, "", quiet_s=0.4) is None
 
 
+def test_ssh_asks_the_hosts_own_port_and_no_port_behind_a_jump_host():
+    """A listening port takes the connection, a closed one refuses it (its kernel answered: the
+    machine is up); through ProxyJump the port is the jump host's, so nothing is asked."""
+    import socket
+
+    from disttrain.config.hosts import Host
+    from disttrain.launch.probe import SshTransport
+    from disttrain.ssh import ssh_address
+
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: refused
+        for sock in (listening, closed):
+            port = sock.getsockname()[1]
+            ssh = SshTransport(Host(name="127.0.0.1", port=port))
+            assert ssh_address(ssh.host) == ("127.0.0.1", port)
+            assert ssh.answers(0.8) is True
+    jumped = SshTransport(Host(name="127.0.0.1"), options=("ProxyJump=gateway",))
+    assert ssh_address(jumped.host, jumped.options) is None and jumped.answers(0.8) is None
+
+
+def test_a_host_whose_port_takes_no_connection_while_ssh_reaches_it_is_never_probed(tmp_path):
+    """c's port is firewalled from the launcher (ssh goes another way): asked once as it joins, it is
+    never taken for a lost machine by its silence; b, asked later and not answering, is."""
+    from disttrain.launch.elastic import CALIBRATE_S
+
+    def answers(index, timeout_s):  # a always answers, b the first ask only (it lost power since), c never
+        return index == 0 or (index == 1 and timeout_s == CALIBRATE_S)
+
+    m = Membership(hosts=["a", "b", "c"], running=[0, 1, 2], run_dir=str(tmp_path), answers=answers)
+    m.start(lambda _line: None)
+    deadline = time.monotonic() + 10
+    while m._unprobed != {2} and time.monotonic() < deadline:
+        time.sleep(0.02)
+    m.probe(2, 0.8)
+    m.probe(1, 0.8)
+    unreachable = []
+    while not unreachable and time.monotonic() < deadline:
+        time.sleep(0.02)
+        unreachable = m.unreachable()
+    time.sleep(0.2)
+    m.close()
+    assert unreachable + m.unreachable() == [1]
+
+
 def lose(m: Membership, slot: int, why: str) -> list[int]:
     """As the flow does: the supervisor moves the row (the one record of members), the membership records it."""
     m.table.move(slot, AgentState.LOST, why)

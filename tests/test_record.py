@@ -142,6 +142,25 @@ def test_a_join_no_round_trained_with_has_no_path_and_says_what_came_first(tmp_p
     assert "c joined" in said[-1] and "c left" in said[-1], said
 
 
+def test_hosts_let_in_together_are_each_the_rounds_and_said_in_one_line(tmp_path):
+    """c and d, one batch, join one round: each entry has that round's world and path (both held in
+    it); the line says both."""
+    m, said = membership(tmp_path, hosts=("a", "b", "c", "d"), running=(0, 1))
+    round_of(m, 0, {0: ("a", False, ""), 1: ("b", False, "")})
+    trains(m, 0, "a")
+    for index in (2, 3):
+        m._joined.put((index, object()))
+    assert len(m.joined()) == 2
+    round_of(m, 1, {0: ("a", True, ""), 1: ("b", True, ""), 2: ("c", False, ""), 3: ("d", False, "")})
+    trains(m, 0, "a")
+    m.close()
+    c, d = record(tmp_path)[1:]
+    for entry, host in ((c, "c"), (d, "d")):
+        assert (entry["change"], entry["host"], entry["path"], entry["world_size"], entry["attempt"], entry["hosts"]) == (
+            "joined", host, "in place", 4, 1, ["a", "b", "c", "d"]), entry
+    assert said[-1].startswith("disttrain: membership: c joined (it answered the preflight), then d joined "), said
+
+
 def test_hosts_are_the_rounds_and_the_others_wait(tmp_path):
     """4 agents run (-n 1 each) but the round that trained has 2 nodes: "2 hosts, world size 2",
     the other two named as waiting, never "4 hosts, world size 2"."""

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from disttrain.launch.supervision import (
+    PROBE_AFTER_S,
+    PROBE_TIMEOUT_S,
+    RETRY_FAST_S,
+    RETRY_MAX_S,
     RETRY_S,
     TRANSITIONS,
     Admit,
@@ -18,11 +24,13 @@ from disttrain.launch.supervision import (
     HangWatch,
     IllegalTransition,
     Join,
+    Probe,
     RegroupWithout,
     Slow,
     Stop,
     Supervisor,
     exit_cause,
+    retry_phase,
 )
 from disttrain.wire import InPlace, Regroup
 
@@ -234,6 +242,11 @@ def test_a_regroup_that_never_forms_ends_in_one_line_naming_the_store():
                            "waiting: b, c, d): stopped the job")
 
 
+def retry(host: str, seconds: float = RETRY_S) -> int:
+    """A wait of ``seconds`` times ``host``'s own factor, in the one-second ticks that see it over."""
+    return math.ceil(seconds * retry_phase(host))
+
+
 def until_tried(sup: Supervisor, clock: Clock, host: str, limit: int = 300) -> float:
     """Seconds of one-second ticks (every agent beating, its ranks moving) until ``host`` is tried."""
     start = clock.now
@@ -259,7 +272,7 @@ def test_a_host_lost_is_tried_again_and_let_in_when_there_is_room():
     advance(sup, clock, 100)
     exited(sup, clock, 2, 255, cause="ssh failed")  # lost long after it joined: no backoff
     running(sup, clock, attempt=1)
-    assert until_tried(sup, clock, "c") == 1 + RETRY_S  # seen out at the next tick, tried RETRY_S later
+    assert until_tried(sup, clock, "c") == 1 + retry("c")  # seen out at the next tick, tried RETRY_S later
     assert not any(isinstance(d, Admit) for d in advance(sup, clock, 10))  # being tried: never twice
     sup.handle(Event(EventKind.READY, at=clock.now, host="c"))
     assert sup.tick() == [Join(hosts=("c",), reason="it fills the job to its maximum: nobody else to wait for")]
@@ -271,27 +284,42 @@ def test_a_host_lost_is_tried_again_and_let_in_when_there_is_room():
 def test_a_host_that_does_not_answer_is_tried_less_often_up_to_a_cap():
     sup, clock = ranged(("a", "b"), ("a", "b", "c"))
     gaps = []
-    for _ in range(10):
+    for _ in range(30):
         gaps.append(until_tried(sup, clock, "c"))
         sup.handle(Event(EventKind.MISSED, at=clock.now, host="c"))
-    assert gaps == [1 + RETRY_S, 3, 3, 3, 3, 3, 6, 12, 24, 30]  # its first 5 misses, then doubling
+    assert retry_phase("c") == pytest.approx(1.155) and retry("c") == 4  # c's wait: 3.465 s, seen at the 4th tick
+    # Seen out at the first tick, tried at 5 s, then every 4 s while it may be booting (its misses up to
+    # RETRY_FAST_S: at 89 s, the 22nd), then twice as long after each miss (6.9, 13.9, 27.7 s), up to the cap.
+    assert RETRY_FAST_S == 90
+    assert gaps == [5] + [4] * 22 + [7, 14, 28] + [RETRY_MAX_S] * 4, gaps
     sup.handle(Event(EventKind.JOINED, at=clock.now, host="c"))
     running(sup, clock, attempt=1)
     advance(sup, clock, 61)  # past the flapping window
     exited(sup, clock, 2, 255, cause="ssh failed")
     running(sup, clock, attempt=2)
-    assert until_tried(sup, clock, "c") == 1 + RETRY_S  # it answered once: its misses are forgotten
+    assert until_tried(sup, clock, "c") == 1 + retry("c")  # it answered once: its misses are forgotten
 
 
 def test_hosts_being_tried_or_ready_take_the_room_left():
     sup, clock = ranged(("a", "b"), ("a", "b", "c", "d"), max_nnodes=3)
-    assert until_tried(sup, clock, "c") == 1 + RETRY_S
-    assert not any(isinstance(d, Admit) for d in advance(sup, clock, 10))  # d waits: c takes the last place
-    sup.handle(Event(EventKind.MISSED, at=clock.now, host="c"))
-    assert until_tried(sup, clock, "d") == 1  # the place is free again; c's next try is RETRY_S away
-    sup.handle(Event(EventKind.READY, at=clock.now, host="d"))
+    assert retry("d") < retry("c") and until_tried(sup, clock, "d") == 1 + retry("d")  # d's own wait is shorter
+    assert not any(isinstance(d, Admit) for d in advance(sup, clock, 10))  # c waits: d takes the last place
+    sup.handle(Event(EventKind.MISSED, at=clock.now, host="d"))
+    assert until_tried(sup, clock, "c") == 1  # the place is free again; d's next try is its retry wait away
+    sup.handle(Event(EventKind.READY, at=clock.now, host="c"))
     assert sup.elastic.joins.ready and not sup.elastic.trying
-    assert sup.tick() == [Join(hosts=("d",), reason="it fills the job to its maximum: nobody else to wait for")]
+    assert sup.tick() == [Join(hosts=("c",), reason="it fills the job to its maximum: nobody else to wait for")]
+
+
+def test_hosts_seen_out_together_are_tried_spread_not_in_a_wave():
+    hosts = [f"h{i:03d}" for i in range(200)]
+    backoff = Backoff()
+    for host in hosts:
+        backoff.out(host, 0.0)
+    firsts = sorted(backoff.retry_at.values())
+    assert firsts[0] >= RETRY_S / 2 and firsts[-1] < RETRY_S * 1.5
+    # about uniform over those 3 s: no half second holds more than a quarter of them
+    assert max(sum(t <= at < t + 0.5 for at in firsts) for t in firsts) < len(hosts) / 4
 
 
 def test_nobody_is_tried_once_the_job_finished():
@@ -334,7 +362,7 @@ def test_the_backoffs_bound():
 
 def test_the_launchers_knobs_of_seconds_are_read_whole_or_refused_in_one_line(monkeypatch):
     from disttrain.errors import UsageError
-    from disttrain.launch.knobs import backoff, slow_limit
+    from disttrain.launch.knobs import backoff, probe_limit, slow_limit
 
     monkeypatch.delenv("DISTTRAIN_BACKOFF_S", raising=False)
     assert (backoff().first_s, backoff().max_s) == (10, 120)
@@ -343,7 +371,12 @@ def test_the_launchers_knobs_of_seconds_are_read_whole_or_refused_in_one_line(mo
     assert [flaps.lost("c", joined=0, now=t) for t in (1, 2, 3)] == [2.5, 5, 10]
     monkeypatch.setenv("DISTTRAIN_BACKOFF_S", "300")  # above the usual cap: the cap is the first wait
     assert (backoff().first_s, backoff().max_s) == (300, 300)
-    for name, knob in (("DISTTRAIN_BACKOFF_S", backoff), ("DISTTRAIN_SLOW_S", slow_limit)):
+    monkeypatch.delenv("DISTTRAIN_PROBE_S", raising=False)
+    assert probe_limit() == PROBE_TIMEOUT_S
+    monkeypatch.setenv("DISTTRAIN_PROBE_S", "2")
+    assert probe_limit() == 2
+    for name, knob in (("DISTTRAIN_BACKOFF_S", backoff), ("DISTTRAIN_SLOW_S", slow_limit),
+                       ("DISTTRAIN_PROBE_S", probe_limit)):
         for bad in ("", "x", "0", "-1", "inf", "nan", "1e400"):
             monkeypatch.setenv(name, bad)
             with pytest.raises(UsageError, match=f"^{name}='.*' is not a number of seconds above 0 "):
@@ -400,7 +433,8 @@ def test_a_hang_and_a_loss_at_once_is_the_loss():
 
 def kept_alive(hosts=("a", "b", "c"), slow_s=60.0):
     clock = Clock()
-    policy = Elastic(min_nnodes=2, max_nnodes=len(hosts), regroup_s=60.0, store="10.0.0.9:29500", slow_s=slow_s)
+    policy = Elastic(min_nnodes=2, max_nnodes=len(hosts), regroup_s=60.0, store="10.0.0.9:29500", slow_s=slow_s,
+                     probe_s=PROBE_TIMEOUT_S)
     sup = Supervisor(hosts, policies=[policy], clock=clock)
     return sup, clock
 
@@ -417,6 +451,61 @@ def test_a_late_agent_whose_connection_is_up_is_slow_not_lost():
     assert sup.agents[2].state is S.RUNNING
     advance(sup, clock, 3)  # c speaks again: nothing happened
     assert sup.agents[2].state is S.RUNNING
+
+
+def ticks(sup: Supervisor, clock: Clock, seconds: float, *, step: float = 0.1, but=()) -> list:
+    """``seconds`` of the flow's 0.1 s ticks, the others beating each second."""
+    out = []
+    for i in range(round(seconds / step)):
+        clock.now = round(clock.now + step, 6)
+        if i % round(1 / step) == 0:
+            beat_all(sup, clock, progress=clock.now, but=but)
+        out += sup.tick()
+    return out
+
+
+def test_a_silent_agents_host_is_asked_for_a_connection_once_and_lost_when_it_takes_none():
+    """A machine that lost power: its agent's words stop; 1.3 s later the launcher asks its host for a
+    TCP connection (once per silence), and a host that takes none is lost -- before ssh's keep-alives."""
+    sup, clock = kept_alive()
+    running(sup, clock)
+    ticks(sup, clock, 5)
+    decisions = ticks(sup, clock, 3, but=("c",))
+    probes = [d for d in decisions if isinstance(d, Probe)]
+    assert probes == [Probe(slot=2, host="c", timeout_s=PROBE_TIMEOUT_S)] and not [d for d in decisions if isinstance(d, RegroupWithout)]
+    (regroup,) = sup.handle(Event(EventKind.UNREACHABLE, at=clock.now, slot=2))
+    assert isinstance(regroup, RegroupWithout) and regroup.lost == ("c",) and regroup.members == ("a", "b")
+    assert sup.agents[2].state is S.LOST
+    assert Probe(slot=1, host="b", timeout_s=PROBE_TIMEOUT_S) in ticks(sup, clock, 2, but=("b",))  # b too, while they regroup
+    (stop,) = sup.handle(Event(EventKind.UNREACHABLE, at=clock.now, slot=1))  # below the minimum
+    assert (stop.code, stop.reason) == (255, "below the minimum")  # a lost connection, as ssh's exit says
+    assert sup.agents[2].why.startswith("its agent said nothing for ") and sup.agents[2].why.endswith(
+        f"s and its host took no connection within {PROBE_TIMEOUT_S:g} s (power or network lost)")
+
+
+def test_a_host_that_spoke_after_it_was_asked_is_not_lost_by_the_answer():
+    sup, clock = kept_alive()
+    running(sup, clock)
+    ticks(sup, clock, 5)
+    assert Probe(slot=2, host="c", timeout_s=PROBE_TIMEOUT_S) in ticks(sup, clock, 2, but=("c",))
+    beat_all(sup, clock, progress=clock.now)  # c's word came (a loaded host), then the probe's late answer
+    assert sup.handle(Event(EventKind.UNREACHABLE, at=clock.now, slot=2)) == []
+    assert sup.agents[2].state is S.RUNNING
+
+
+def test_a_loaded_agent_is_asked_about_only_past_its_own_pace_and_a_bare_transport_never():
+    sup, clock = kept_alive()
+    running(sup, clock)
+    for _ in range(5):  # every word 3 s apart: asked after 4.5 s of silence, not 1.3
+        clock.now += 3
+        beat_all(sup, clock, progress=clock.now)
+    asked = []
+    for _ in range(60):
+        asked += [(round(clock.now - sup.agents[2].heard, 1), d) for d in ticks(sup, clock, 0.1, but=("c",))]
+    assert asked == [(4.6, Probe(slot=2, host="c", timeout_s=PROBE_TIMEOUT_S))] and PROBE_AFTER_S < 4.5
+    sup, clock = elastic(("a", "b", "c"))  # no kept-alive transport (silence is loss): never asked
+    running(sup, clock)
+    assert not [d for d in ticks(sup, clock, 4, but=("c",)) if isinstance(d, Probe)]
 
 
 def test_a_stuck_agent_whose_connection_is_up_is_lost_after_the_slow_limit():

@@ -11,10 +11,12 @@ keeps the first value it sees).
 from __future__ import annotations
 
 import shlex
+import socket
+import subprocess
 from collections.abc import Mapping, Sequence
 
 from .config.hosts import Host
-from .errors import UsageError
+from .errors import DisttrainError, UsageError
 
 DEFAULT_OPTIONS = ("BatchMode=yes", "ConnectTimeout=10", "ServerAliveInterval=5", "ServerAliveCountMax=3")
 # The client's notices on stderr ("Warning: Permanently added 'h' (ED25519) to the list of known
@@ -51,6 +53,31 @@ def remote_command(argv: Sequence[str], *, cwd: str | None = None, env: Mapping[
     if cwd:
         command = f"cd {shlex.quote(cwd)} && {command}"
     return command
+
+
+def ssh_config(host: Host, options: Sequence[str] = ()) -> dict[str, str]:
+    """How ssh would connect to ``host`` (``ssh -G``: ``~/.ssh/config`` applied), keys in lower case."""
+    argv = ["ssh", "-G", *(w for o in options for w in ("-o", o)), *(["-p", str(host.port)] if host.port else []),
+            "--", host.destination]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True,
+                             stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise DisttrainError(f"cannot ask ssh how to reach {host.name}: {err}") from None
+    return dict(line.split(None, 1) for line in out.splitlines() if " " in line)
+
+
+def ssh_address(host: Host, options: Sequence[str] = ()) -> tuple[str, int] | None:
+    """The IPv4 address and port ssh connects to for ``host``; None through a jump host or a proxy
+    command (that port is not the host's), or when ssh or the resolver cannot say."""
+    try:
+        config = ssh_config(host, options)
+        if config.get("proxyjump", "none") != "none" or "proxycommand" in config:
+            return None
+        address = socket.getaddrinfo(config.get("hostname", host.name), None, socket.AF_INET)[0][4][0]
+        return address, int(config.get("port", 22))
+    except (DisttrainError, OSError, ValueError):
+        return None
 
 
 def ssh_argv(

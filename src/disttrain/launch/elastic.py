@@ -7,7 +7,8 @@ and the record of every change. Every decision is the supervisor's
   nothing for the supervisor's silence limit. The others regroup; below MIN the job stops.
   An agent that ends with a failure of its workers is a failure of the job, as without a range.
 - **back**: the supervisor admits hosts not running (room below MAX, their wait over:
-  :class:`~disttrain.launch.supervision.Backoff`); each is tried here, in the background: one
+  :class:`~disttrain.launch.supervision.Backoff`); each is tried here, in the background and
+  beside the others (a host that does not answer holds up no other's try): one
   that answers the preflight is ready (:class:`Ready`) and waits for the supervisor to let its
   batch in (:class:`~disttrain.launch.supervision.JoinWindow`): then it gets its plan and joins
   the next round with the others of its batch (torch's agents make room for them).
@@ -38,6 +39,8 @@ from .supervision import Agents, AgentState
 
 RESUME_LINE_WAIT_S = 3.0  # after a round's first step, for rank 0's "resuming from step N" line
 FIRST_STEP_WAIT_S = 60.0  # a round whose ranks report no steps is said once its workers started, after this
+TRIES_AT_ONCE = 16  # hosts tried side by side (each try: an ssh connection and its preflight)
+CALIBRATE_S = 3.0  # a member's port, asked once when it joins: none in this long, it is never probed
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class Membership:
     def __init__(self, *, hosts: Sequence[str], running: Sequence[int], run_dir: str,
                  join: Callable[[int], subprocess.Popen | Ready] | None = None,
                  own_failure: Callable[[int, int, str, float | None], str | None] | None = None,
-                 kept_alive: bool = False) -> None:
+                 kept_alive: bool = False, answers: Callable[[int, float], bool | None] | None = None) -> None:
         self.hosts = tuple(hosts)
         # The agents' connections are kept alive by their transport (ssh's keep-alives end one within
         # seconds of its host going away): a silent agent whose connection is up is slow, not lost.
@@ -73,17 +76,19 @@ class Membership:
         self._run_dir = run_dir
         self._join = join
         self._own_failure = own_failure or (lambda _index, _code, _last, _quiet: None)
+        self._answers = answers or (lambda _index, _timeout: None)
+        self._unreachable: queue.Queue[int] = queue.Queue()  # agent slots whose host took no connection
+        self._unprobed: set[int] = set()  # hosts whose port took no connection while ssh reached them
         self._lock = threading.Lock()
         self.table = Agents()
         for index in running:
             self.table.add(self.hosts[index], time.monotonic())
         self._joined: queue.Queue[tuple[int, subprocess.Popen]] = queue.Queue()
-        self._to_try: queue.Queue[int] = queue.Queue()
+        self._tries = threading.BoundedSemaphore(TRIES_AT_ONCE)
         self._missed: queue.Queue[str] = queue.Queue()  # hosts tried that did not answer
         self._held: dict[int, Ready] = {}  # hosts ready, waiting for their batch to be let in
         self._fresh: queue.Queue[int] = queue.Queue()  # hosts ready since the last ready()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.changes: list[Change] = []
         # The changes waiting for their round to train: [change, monotonic time it happened, the
         # time the next round formed or None, the time the launcher knew of it, the in-place round
@@ -123,18 +128,26 @@ class Membership:
         return self.hosts.index(self.table[slot].host)
 
     def start(self, say: Callable[[str], None]) -> None:
-        """Begin trying the hosts the supervisor admits (none when there is no ``join``); ``say``
-        shows a line to the user."""
+        """``say`` shows a line to the user."""
         self.say = say
         self._write()
-        if self._join is not None and len(self.hosts) > 1:  # a host not running now, or lost later
-            self._thread = threading.Thread(target=self._rejoin, name="disttrain-rejoin", daemon=True)
-            self._thread.start()
+        for row in self.table.live():
+            self._calibrate(self.hosts.index(row.host))
+
+    def _calibrate(self, index: int) -> None:
+        """Ask a member's port once: where it takes no connection while ssh reaches the host (a
+        firewall between, a port forwarded elsewhere), its silence is never taken for a lost machine."""
+
+        def ask() -> None:
+            if self._answers(index, CALIBRATE_S) is False:
+                self._unprobed.add(index)
+            else:
+                self._unprobed.discard(index)
+
+        threading.Thread(target=ask, name=f"disttrain-calibrate-{self.hosts[index]}", daemon=True).start()
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1)
+        self._stop.set()  # a try still under way ends its session when it answers
         with self._lock:
             held, self._held = list(self._held.values()), {}
         for ready in held:  # never let in: their sessions end
@@ -284,18 +297,23 @@ class Membership:
         the changes it follows (not those that came after its start: the next round answers them)."""
         self._round_said = True
         settled = [entry for entry in self._pending if entry[3] <= started]
-        # Several changes before one round (a host lost, then back before the round formed): the
-        # round's world is the last one's; the earlier ones are said with it, their counts kept.
+        when = trained_at if trained_at is not None else started
+        # Several changes before one round: the earlier ones are said with the last. One that still
+        # holds in the round (hosts let in together) is the round's too; one undone before it (a
+        # host lost, then back) trained in no world of its own.
+        hosts = self._round_hosts(self._round[2], ())[0] if self._round is not None else ()
         for (change, at, formed, *_), (later, *_) in zip(settled[:-1], settled[1:]):
             if change.change == "start":  # the start has the world it started with
                 self._settle(change, at, formed, None, say=False)
+            elif hosts and (change.host in hosts) == (change.change == "joined"):
+                self._settle(change, at, formed, when, steps=trained_at is not None, say=False)
             else:
                 self._settle(change, at, None, None, say=False,
                              untrained=f"{later.host} {later.change} before a round trained with this change")
         if settled:
             change, at, formed, *_ = settled[-1]
-            self._settle(change, at, formed, trained_at if trained_at is not None else started,
-                         steps=trained_at is not None, earlier=[c for c, *_ in settled[:-1] if c.change != "start"])
+            self._settle(change, at, formed, when, steps=trained_at is not None,
+                         earlier=[c for c, *_ in settled[:-1] if c.change != "start"])
         self._pending = [entry for entry in self._pending if entry[3] > started]
         if settled:
             self._write()
@@ -334,6 +352,28 @@ class Membership:
         """What agent ``slot``'s transport says of its end with ``code`` (``last``: its last own line,
         ``quiet_s``: its silence before): ssh's lost connection, say; the supervisor judges the rest."""
         return self._own_failure(self._index(slot), code, last, quiet_s) or None
+
+    def probe(self, slot: int, timeout_s: float) -> None:
+        """Does agent ``slot``'s host take a connection within ``timeout_s``? Asked in a thread of its
+        own; a host that does not is in :meth:`unreachable` (one that does, or cannot be asked, is not)."""
+        index = self._index(slot)
+        if index in self._unprobed:
+            return
+
+        def ask() -> None:
+            if self._answers(index, timeout_s) is False:
+                self._unreachable.put(slot)
+
+        threading.Thread(target=ask, name=f"disttrain-probe-{self.hosts[index]}", daemon=True).start()
+
+    def unreachable(self) -> list[int]:
+        """The agent slots whose host took no connection since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self._unreachable.get_nowait())
+            except queue.Empty:
+                return out
 
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]:
         """Agent ``slot``'s host is lost (its row, moved by the supervisor): the change recorded; the
@@ -378,6 +418,7 @@ class Membership:
                 name = self.hosts[host]
                 back = any(row.host == name for row in self.table.in_state(AgentState.LOST))
                 self.table.add(name, time.monotonic())
+                self._calibrate(host)
                 change = Change(time=time.time(), change="joined", host=name,
                                 why="it answered again" if back else "it answered the preflight",
                                 hosts=self.member_hosts())
@@ -412,9 +453,13 @@ class Membership:
             self._joined.put((index, proc))
 
     def try_hosts(self, names: Sequence[str]) -> None:
-        """The supervisor admits these hosts: each is tried in turn (see :meth:`ready`, :meth:`missed`)."""
+        """The supervisor admits these hosts: each is tried in a thread of its own (see :meth:`ready`,
+        :meth:`missed`); none when there is no ``join``."""
+        if self._join is None:
+            return
         for name in names:
-            self._to_try.put(self.hosts.index(name))
+            threading.Thread(target=self._try, args=(self.hosts.index(name),), name=f"disttrain-try-{name}",
+                             daemon=True).start()
 
     def missed(self) -> list[str]:
         """The hosts tried since the last call that did not answer (tried again when the supervisor says)."""
@@ -425,28 +470,26 @@ class Membership:
             except queue.Empty:
                 return out
 
-    def _rejoin(self) -> None:
-        while not self._stop.is_set():
-            try:
-                host = self._to_try.get(timeout=0.2)
-            except queue.Empty:
-                continue
+    def _try(self, host: int) -> None:
+        with self._tries:
+            if self._stop.is_set():
+                return
             try:
                 answer = self._join(host)
             except DisttrainError:
                 self._missed.put(self.hosts[host])
-                continue
-            if isinstance(answer, Ready):
-                with self._lock:
-                    closed = self._stop.is_set()
-                    if not closed:
-                        self._held[host] = answer
-                if closed:  # the launch ended while it was tried: close() ended the others
-                    answer.cancel()
-                    continue
-                self._fresh.put(host)  # the supervisor lets it in with its batch
-            else:
-                self._joined.put((host, answer))
+                return
+        if isinstance(answer, Ready):
+            with self._lock:
+                closed = self._stop.is_set()
+                if not closed:
+                    self._held[host] = answer
+            if closed:  # the launch ended while it was tried: close() ended the others
+                answer.cancel()
+                return
+            self._fresh.put(host)  # the supervisor lets it in with its batch
+        else:
+            self._joined.put((host, answer))
 
     # -- the record -------------------------------------------------------------------------
 

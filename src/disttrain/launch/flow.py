@@ -47,7 +47,7 @@ from ..wire import (
 from ..workerenv import REGROUP_MODE
 from .diagnostics import Diagnostics
 from .elastic import Membership
-from .knobs import backoff, slow_limit
+from .knobs import backoff, probe_limit, slow_limit
 from .relay import Relay
 from .rendezvous_store import round_counter
 from .rootcause import first_in_time
@@ -63,6 +63,7 @@ from .supervision import (
     HangWatch,
     Held,
     Join,
+    Probe,
     RegroupWithout,
     Slow,
     Stop,
@@ -154,6 +155,8 @@ class _Solo:
     def joined(self) -> list[subprocess.Popen]: return []
     def ready(self) -> list[str]: return []
     def missed(self) -> list[str]: return []
+    def unreachable(self) -> list[int]: return []
+    def probe(self, slot: int, timeout_s: float) -> None: ...
     def try_hosts(self, names) -> None: ...
     def go(self, names) -> None: ...
     def transport_cause(self, slot: int, code: int, last: str, quiet_s: float | None = None) -> str | None: return None
@@ -175,6 +178,7 @@ class _Supervised:
         policies = [Elastic(min_nnodes=plan.min_nnodes or plan.nnodes, max_nnodes=min(plan.nnodes, len(membership.hosts)),
                             regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S, store=store, backoff=backoff(),
                             slow_s=slow_limit() if membership.kept_alive else None,
+                            probe_s=probe_limit() if membership.kept_alive else None,
                             next_round=round_counter(store) if in_place else None,
                             hosts=membership.hosts)] if membership is not None else [FailFast()]
         # An elastic launch's table is its membership's (who is a member is recorded once).
@@ -359,6 +363,10 @@ class _Supervised:
             if ended is not False:
                 return ended
             self.membership.poll()
+            for slot in self.membership.unreachable():  # a silent agent's host took no connection
+                ended = self.act(self.sup.handle(Event(EventKind.UNREACHABLE, at=time.monotonic(), slot=slot)))
+                if ended is not False:
+                    return ended
             for host in self.membership.missed():  # tried again later (the supervisor's Backoff)
                 self.sup.handle(Event(EventKind.MISSED, at=time.monotonic(), host=host))
             for host in self.membership.ready():  # the supervisor batches them (a Join decision)
@@ -406,6 +414,8 @@ class _Supervised:
                          f"signal (SIGSTOP) {decision.held_s:.0f} s ago; no rank can step without "
                          f"{'them' if len(decision.ranks) > 1 else 'it'} (kill -CONT resumes"
                          + (", --hang-timeout ends the job)" if self.plan.hang_timeout_s else ")"))
+            if isinstance(decision, Probe):
+                self.membership.probe(decision.slot, decision.timeout_s)
             if isinstance(decision, Admit):
                 self.membership.try_hosts(decision.hosts)
             if isinstance(decision, Join):  # each says its line as its agent is relayed (membership.joined)

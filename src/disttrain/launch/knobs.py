@@ -7,7 +7,7 @@ import math
 import os
 
 from ..errors import UsageError
-from .supervision import BACKOFF_FIRST_S, BACKOFF_MAX_S, SLOW_S, Backoff
+from .supervision import BACKOFF_FIRST_S, BACKOFF_MAX_S, PROBE_TIMEOUT_S, SLOW_S, Backoff
 
 
 def seconds_knob(name: str, default: float) -> float:
@@ -29,6 +29,12 @@ def slow_limit() -> float:
     """How long an agent kept alive by ssh may be silent, its round not stepping, before its host is
     lost: ``DISTTRAIN_SLOW_S`` or :data:`SLOW_S`."""
     return seconds_knob("DISTTRAIN_SLOW_S", SLOW_S)
+
+
+def probe_limit() -> float:
+    """How long a silent agent's host has to take a TCP connection before it is lost:
+    ``DISTTRAIN_PROBE_S`` or :data:`PROBE_TIMEOUT_S` (more where a link's queue holds longer)."""
+    return seconds_knob("DISTTRAIN_PROBE_S", PROBE_TIMEOUT_S)
 
 
 def backoff() -> Backoff:

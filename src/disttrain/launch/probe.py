@@ -19,6 +19,7 @@ the node.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -44,7 +45,7 @@ from ..preflight.checks import (
     reach_targets,
     targets_for,
 )
-from ..ssh import is_notice, last_word, ssh_argv
+from ..ssh import is_notice, last_word, ssh_address, ssh_argv
 from ..wire import (
     ConnectResults,
     ConnectTargets,
@@ -62,7 +63,7 @@ from ..workerenv import BOOTSTRAP_NAMES, forwarded_env
 from .base import AgentLauncher, Events, Facts, LaunchContext
 from .elastic import Membership, Ready, starting_hosts
 from .flow import run_agents, start, stop
-from .knobs import backoff, slow_limit
+from .knobs import backoff, probe_limit, slow_limit
 from .rendezvous_store import LauncherStore, launcher_address
 
 PROBE_TIMEOUT_S = 30  # for a node's hello: the transport's connect, a Python start, disttrain's import
@@ -89,6 +90,11 @@ class Transport(ABC):
         ``quiet_s``: how long the agent had been silent when it ended (None: unknown)."""
         return None
 
+    def answers(self, timeout_s: float) -> bool | None:
+        """Whether the node takes a TCP connection within ``timeout_s`` (its machine and network are
+        up); None: not known this way."""
+        return None
+
 
 KILLED_QUIET_S = 2.0  # an elastic job's ssh gives up on a connection after 3 s without an answer
 
@@ -100,9 +106,25 @@ class SshTransport(Transport):
     def __init__(self, host: Host, *, options: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         super().__init__(host.name)
         self.host, self.options, self.env = host, tuple(options), env
+        self._address: tuple[str, int] | bool | None = None  # where its sshd listens; False: not known
 
     def argv(self, command: Sequence[str]) -> list[str]:
         return ssh_argv(self.host, command, options=self.options, env=self.env)
+
+    def answers(self, timeout_s: float) -> bool | None:
+        """Its sshd's port, as ssh resolves it, takes a connection. None through a jump host or a
+        proxy command (the port is not the host's), or when ssh cannot say where it connects."""
+        if self._address is None:
+            self._address = ssh_address(self.host, self.options) or False
+        if not self._address:
+            return None
+        try:
+            socket.create_connection(self._address, timeout=timeout_s).close()
+        except ConnectionRefusedError:  # its kernel answered: the machine is up
+            return True
+        except OSError:  # no answer in time, no route to it
+            return False
+        return True
 
     def own_failure(self, code: int, last: str, quiet_s: float | None = None) -> str | None:
         if code != 255:
@@ -356,7 +378,7 @@ class SessionLauncher(AgentLauncher):
         reach = ctx.preflight and self.reach_checks
         transports = self.transports(spec, ctx)
         if spec.elastic:
-            slow_limit(), backoff()  # a wrong DISTTRAIN_SLOW_S or _BACKOFF_S is said before any host is asked
+            slow_limit(), backoff(), probe_limit()  # a wrong DISTTRAIN_SLOW_S, _BACKOFF_S or _PROBE_S: said before any host is asked
         if spec.elastic and spec.min_nnodes > len(transports):
             raise UsageError(f"--nnodes {spec.min_nnodes}:{spec.nnodes} needs at least {spec.min_nnodes} hosts, "
                              f"and {len(transports)} were given")
@@ -401,6 +423,7 @@ class SessionLauncher(AgentLauncher):
                 hosts=[t.name for t in start.transports], running=start.facts.node_ranks, run_dir=plan.run_dir,
                 join=lambda index: self._join(start, index, events),
                 own_failure=lambda index, code, last, quiet: start.transports[index].own_failure(code, last, quiet),
+                answers=lambda index, timeout_s: start.transports[index].answers(timeout_s),
                 kept_alive=all(t.kept_alive for t in start.transports))
         return run_agents(plan, started=[s.proc for s in sessions], agent_cwd=ctx.cwd, transcript=events.transcript,
                           membership=membership)

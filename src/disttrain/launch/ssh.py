@@ -23,6 +23,7 @@ from ..config.launch import LaunchSpec
 from ..errors import DisttrainError
 from ..plan.launch import LaunchPlan, NodeFacts
 from ..preflight.checks import CheckResult, fact_checks
+from ..ssh import ssh_config
 from ..wire import HostFacts, Outcome
 from ..workerenv import BOOTSTRAP_NAMES
 from .base import Events, Facts, LaunchContext
@@ -46,12 +47,7 @@ CONTROL_PERSIST_S = 5  # an idle control master outlives its last session this l
 
 def master_address(host: Host, options: Sequence[str]) -> str:
     """The first host's IPv4 address as ssh resolves it (``~/.ssh/config`` HostName included)."""
-    argv = ["ssh", "-G", *(w for o in options for w in ("-o", o)), "--", host.destination]
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as err:
-        raise DisttrainError(f"cannot ask ssh how to reach {host.name}: {err}") from None
-    name = next((line.split(None, 1)[1] for line in out.splitlines() if line.startswith("hostname ")), host.name)
+    name = ssh_config(host, options).get("hostname", host.name)
     try:
         return socket.getaddrinfo(name, None, socket.AF_INET)[0][4][0]
     except socket.gaierror:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import signal
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,13 +43,19 @@ SILENT_S = 5.0  # an agent speaks each second: this long without a word, its hos
 JITTER_FACTOR = 3.0  # ...or this many times the longest recent gap between its words (a loaded host's pace)
 GAPS_KEPT = 30  # the recent gaps kept per agent, for that
 SLOW_S = 60.0  # an agent whose connection its transport keeps alive (ssh) is slow, not lost, up to this
+# ...unless its host takes no TCP connection: asked once the agent has said nothing for PROBE_AFTER_S
+# (or 1.5 times its longest recent gap, on a loaded host), given PROBE_TIMEOUT_S. A machine that
+# lost power or its network answers nothing (ssh's keep-alives would say so only after 3-4 s); a
+# live one's kernel answers at once, however loaded.
+PROBE_AFTER_S = 1.3
+PROBE_TIMEOUT_S = 0.8
 LATE_S = 2.0  # an agent this long without a word: its ranks' progress is unknown, no hang is judged
 FLAP_WINDOW_S = 60.0  # a host lost within this long of joining is flapping
 BACKOFF_FIRST_S = 10.0  # the wait before admitting a flapping host again: this, doubled each flap,
 BACKOFF_MAX_S = 120.0  # up to this
-RETRY_S = 3.0  # a host not running is tried this long after it was seen out, and again after each miss:
-RETRY_AT_FIRST = 5  # its first misses; then twice as long after each,
-RETRY_MAX_S = 30.0  # up to this
+RETRY_S = 3.0  # a host not running is tried this long after it was seen out, and again after each miss,
+RETRY_FAST_S = 90.0  # for this long (a late boot, not a dead host); then twice as long after each miss,
+RETRY_MAX_S = 30.0  # up to this. Each wait is stretched by the host's own factor (retry_phase)
 HELD_S = 10.0  # a rank stopped by a signal this long: its host leaves an elastic job (said, without a range)
 REGROUP_MARGIN_S = 15.0  # a regroup forms within the rendezvous timeout plus this, or the job stops
 # Hosts that answer the preflight are let in together, as torch's last_call_timeout batches the
@@ -56,6 +63,8 @@ REGROUP_MARGIN_S = 15.0  # a regroup forms within the rendezvous timeout plus th
 # the longest of the last 8 gaps between answers, up to JOIN_PACE_MAX_S: hosts booting one by one keep coming
 # at their own pace), or JOIN_HOLD_S after its first answered (however many keep coming), and
 # never while a round forms -- so N staggered arrivals cost about span / JOIN_HOLD_S + 1 rounds.
+# While hosts of the range that never joined are still booting (seen out less than RETRY_FAST_S),
+# only the hold lets a batch go: the others of a late boot are waited for, not let in one by one.
 # A batch that fills the job to its maximum goes at once: nobody else can come.
 JOIN_QUIET_S = 2.0
 JOIN_PACE_MAX_S = 12.0
@@ -130,6 +139,7 @@ class Agent:
     held: tuple[int, ...] = ()  # its ranks stopped by a signal (SIGSTOP), as its last beats said
     held_since: float | None = None  # the launcher's clock: since when some of its ranks are stopped
     held_said: bool = False
+    probed: bool = False  # its host was asked for a connection (once per silence)
 
 
 class Agents:
@@ -172,6 +182,7 @@ class EventKind(str, Enum):
     JOINED = "joined"  # a host answered again: a new agent (``host``; ``slot``: its row, already added)
     READY = "ready"  # a host tried answered the preflight (``host``): it waits for its batch (:class:`JoinWindow`)
     MISSED = "missed"  # a host tried did not answer (``host``): tried again later (:class:`Backoff`)
+    UNREACHABLE = "unreachable"  # a silent agent's host took no connection (:class:`Probe`)
     TICK = "tick"  # the clock moved
 
 
@@ -232,6 +243,16 @@ class Admit:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """Agent ``slot`` on ``host`` has said nothing for :data:`PROBE_AFTER_S`: does its host take a TCP
+    connection within ``timeout_s``? UNREACHABLE when not."""
+
+    slot: int
+    host: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class Slow:
     """Agent ``slot`` on ``host`` has said nothing for ``silent_s``, its connection up: it is waited
     for (up to ``limit_s``), not lost."""
@@ -263,7 +284,14 @@ class Join:
     reason: str
 
 
-Decision = Stop | RegroupWithout | Dump | Admit | Join | Slow | Held
+Decision = Stop | RegroupWithout | Dump | Admit | Join | Slow | Held | Probe
+
+
+def retry_phase(host: str) -> float:
+    """Host ``host``'s own factor on its retry waits, 0.5 to 1.5, fixed by its name: hosts seen out
+    together are tried spread over time, not in waves (whose answers would split the join
+    window's batches, as the gaps between waves look like the end of a boot)."""
+    return 0.5 + zlib.crc32(host.encode()) % 1000 / 1000
 
 
 def ranks_said(ranks: Sequence[int]) -> str:
@@ -306,9 +334,10 @@ class FailFast:
 
 @dataclass
 class Backoff:
-    """When a host not running may be tried: :data:`RETRY_S` after it was seen out, then longer after
-    each try it did not answer (up to :data:`RETRY_MAX_S`); and a flapping host's wait on top: each
-    loss within :data:`FLAP_WINDOW_S` of joining doubles it, capped.
+    """When a host not running may be tried: :data:`RETRY_S` after it was seen out and after each try
+    it did not answer, for :data:`RETRY_FAST_S`; then twice as long after each miss (up to
+    :data:`RETRY_MAX_S`); each wait times the host's :func:`retry_phase`. And a flapping host's wait
+    on top: each loss within :data:`FLAP_WINDOW_S` of joining doubles it, capped.
 
     The bound: after its first flaps a host is admitted at most once every ``max_s`` seconds, so a
     host that flaps every P seconds costs the others at most two regroups (its join, its loss) per
@@ -321,20 +350,28 @@ class Backoff:
     retry_s: float = RETRY_S
     flaps: dict[str, int] = field(default_factory=dict)
     not_before: dict[str, float] = field(default_factory=dict)  # a flapping host's
-    misses: dict[str, int] = field(default_factory=dict)  # tries not answered since it last joined
+    since: dict[str, float] = field(default_factory=dict)  # seen out, since it last joined
+    misses: dict[str, int] = field(default_factory=dict)  # tries not answered after its first RETRY_FAST_S out
     retry_at: dict[str, float] = field(default_factory=dict)
 
     def out(self, host: str, now: float) -> None:
         """``host`` is seen not running (at the start, or lost): its first try waits :attr:`retry_s`."""
-        self.retry_at.setdefault(host, now + self.retry_s)
+        self.since.setdefault(host, now)
+        self.retry_at.setdefault(host, now + self.retry_s * retry_phase(host))
 
     def missed(self, host: str, now: float) -> None:
-        self.misses[host] = self.misses.get(host, 0) + 1
-        self.retry_at[host] = now + min(RETRY_MAX_S, self.retry_s * 2 ** max(0, self.misses[host] - RETRY_AT_FIRST))
+        if not self.booting(host, now):
+            self.misses[host] = self.misses.get(host, 0) + 1
+        wait = self.retry_s * 2 ** self.misses.get(host, 0) * retry_phase(host)
+        self.retry_at[host] = now + min(RETRY_MAX_S, wait)
+
+    def booting(self, host: str, now: float) -> bool:
+        """Whether ``host`` was seen out less than :data:`RETRY_FAST_S` ago: it may be booting still."""
+        return now - self.since.get(host, now) < RETRY_FAST_S
 
     def joined(self, host: str) -> None:
-        self.misses.pop(host, None)
-        self.retry_at.pop(host, None)
+        for kept in (self.since, self.misses, self.retry_at):
+            kept.pop(host, None)
 
     def due(self, host: str, now: float) -> bool:
         return self.retry_at.get(host, now) <= now and self.wait(host, now) <= 0
@@ -376,15 +413,17 @@ class JoinWindow:
     def drop(self, host: str) -> None:
         self.ready.pop(host, None)
 
-    def due(self, now: float, room: int) -> str | None:
-        """Why the batch goes now; None: it waits for more. ``room``: hosts the job may still take."""
+    def due(self, now: float, room: int, booting: bool = False) -> str | None:
+        """Why the batch goes now; None: it waits for more. ``room``: hosts the job may still take;
+        ``booting``: hosts of the range that never joined may be booting still (waited for: the
+        batch goes at its hold, not when quiet)."""
         if not self.ready:
             return None
         if len(self.ready) >= room:
             return "it fills the job to its maximum: nobody else to wait for"
         first, last = min(self.ready.values()), max(self.ready.values())
         quiet = max(self.quiet_s, min(self.pace_max_s, 2 * max(self.gaps, default=0.0)))
-        if now - last >= quiet:
+        if now - last >= quiet and not booting:
             return f"no other host answered for {quiet:g} s"
         if now - first >= self.hold_s:
             return f"the first of them waited {self.hold_s:g} s"
@@ -405,14 +444,16 @@ class Elastic:
     def __init__(self, *, min_nnodes: int, max_nnodes: int, regroup_s: float, store: str,
                  backoff: Backoff | None = None, joins: JoinWindow | None = None,
                  slow_s: float | None = None, next_round: Callable[[], int] | None = None,
-                 hosts: Sequence[str] = ()) -> None:
+                 hosts: Sequence[str] = (), probe_s: float | None = None) -> None:
         """``slow_s``: the agents' connections are kept alive by their transport (ssh's keep-alives
         end it within seconds when the host is gone): a silent agent whose process still runs is
         slow, not lost, up to this; None: no such transport, silence is loss. ``next_round``: the
         next job-wide round number, from the store the agents' rounds take theirs from (an
         in-place round has no rendezvous to number it); None: regroups restart the workers.
-        ``hosts``: every host of the range, those not running tried in this order."""
+        ``hosts``: every host of the range, those not running tried in this order. ``probe_s``: a
+        silent agent's host is asked for a connection with this limit (:class:`Probe`); None: never."""
         self.slow_s = slow_s
+        self.probe_s = probe_s
         self.hosts = tuple(hosts)
         self.trying: set[str] = set()  # admitted, their preflight not answered yet
         self.next_round = next_round
@@ -456,6 +497,15 @@ class Elastic:
                         mate.progress is not None for mate in sup.round_mates(row)):
                     sup.agents.move(row.slot, AgentState.STOPPED, "the job finished before its round trained")
             return None
+        if event.kind is EventKind.UNREACHABLE:
+            row = sup.agents[event.slot]
+            silent = event.at - row.heard
+            if row.state.final or not row.probed:  # it spoke since it was asked about
+                return None
+            sup.agents.move(row.slot, AgentState.LOST, f"its agent said nothing for {silent:.1f} s and its host "
+                            f"took no connection within {self.probe_s:g} s (power or network lost)")
+            self.backoff.lost(row.host, joined=row.joined, now=event.at)
+            return self._regroup(sup, (row,), event)
         if event.kind is EventKind.EXITED and event.code != 0:
             row = sup.agents[event.slot]
             if row.state is AgentState.FAILED:  # its workers failed: the job's failure, as without a range
@@ -485,6 +535,12 @@ class Elastic:
                 return self._regroup(sup, tuple(stopped), event)
             if stopped and not stopped[0].held_said:
                 return held_notice(stopped[0], event.at)
+            if self.probe_s is not None:
+                ask = next((row for row in sup.agents.live() if not row.probed and event.at - row.heard > max(
+                    PROBE_AFTER_S, 1.5 * max(row.gaps, default=0.0))), None)
+                if ask is not None:
+                    ask.probed = True
+                    return Probe(slot=ask.slot, host=ask.host, timeout_s=self.probe_s)
             slow = next((row for row in late if not row.slow_said), None)
             if slow is not None:
                 slow.slow_said = True
@@ -496,7 +552,7 @@ class Elastic:
                 return Slow(slot=stuck.slot, host=stuck.host, silent_s=round(event.at - stuck.heard, 1),
                             limit_s=cut, training=True)
             room = self.max_nnodes - len(sup.agents.live())
-            why = self.joins.due(event.at, room)
+            why = self.joins.due(event.at, room, booting=self._booting(sup, event.at))
             if why is not None and not sup.finished and not self.forming(sup):
                 batch = self.joins.take(room)
                 if batch:
@@ -516,7 +572,9 @@ class Elastic:
             return RegroupWithout(lost=lost_hosts, members=(), slots=(), reason=lost[0].why or "")
         if len(members) < self.min_nnodes:
             everyone = "; ".join(f"{row.host}: {row.why}" for row in sup.agents.in_state(AgentState.LOST))
-            return Stop(code=event.code if event.code else 1, reason="below the minimum", slot=lost[-1].slot,
+            # A host that took no connection is a lost connection, as ssh's own exit would have said (255).
+            code = event.code or (255 if event.kind is EventKind.UNREACHABLE else 1)
+            return Stop(code=code, reason="below the minimum", slot=lost[-1].slot,
                         report=f"disttrain: {len(members)} host(s) left, below the minimum of --nnodes "
                                f"{self.min_nnodes}:{self.max_nnodes}: stopped the job\n"
                                f"  hosts lost: {everyone}\n"
@@ -550,6 +608,12 @@ class Elastic:
             row.attempt, row.ranks = attempt, tuple(ranks[rank] for rank in sorted(row.ranks))
         return InPlace(attempt=attempt, ranks=ranks, group_ranks={row.host: i for i, row in enumerate(ordered)},
                        world_size=len(ranks), store=self.store), None
+
+    def _booting(self, sup: Supervisor, now: float) -> bool:
+        """Whether a host of the range that never joined, nor answered yet, may be booting still."""
+        ever = {row.host for row in sup.agents.rows}
+        return any(host not in ever and host not in self.joins.ready and self.backoff.booting(host, now)
+                   for host in self.hosts)
 
     def _admit(self, sup: Supervisor, now: float) -> Admit | None:
         """The hosts of the range not running to try now: their wait over, room below MAX for them
@@ -682,10 +746,10 @@ class Supervisor:
         row = self.agents[event.slot]
         if row.state.final:
             return False
-        if event.kind is not EventKind.EXITED:  # its exit is not a word: a lost host's record dates from its last
+        if event.kind not in (EventKind.EXITED, EventKind.UNREACHABLE):  # not its words: a lost host's record dates from its last
             if event.at > row.heard:
                 row.gaps.append(event.at - row.heard)
-                row.slow_said = row.carried_said = False
+                row.slow_said = row.carried_said = row.probed = False
             row.heard = max(row.heard, event.at)
         if event.kind is EventKind.HEARD:
             if event.progress is not None and row.state is AgentState.STARTING:

@@ -76,7 +76,7 @@ class Membership:
         self._run_dir = run_dir
         self._join = join
         self._own_failure = own_failure or (lambda _index, _code, _last, _quiet: None)
-        self._answers = answers or (lambda _index, _timeout: None)
+        self._answers = answers  # None: the transport cannot be asked (no probe, no calibration)
         self._unreachable: queue.Queue[int] = queue.Queue()  # agent slots whose host took no connection
         self._unprobed: set[int] = set()  # hosts whose port took no connection while ssh reached them
         self._lock = threading.Lock()
@@ -137,6 +137,8 @@ class Membership:
     def _calibrate(self, index: int) -> None:
         """Ask a member's port once: where it takes no connection while ssh reaches the host (a
         firewall between, a port forwarded elsewhere), its silence is never taken for a lost machine."""
+        if self._answers is None:
+            return
 
         def ask() -> None:
             if self._answers(index, CALIBRATE_S) is False:
@@ -357,7 +359,7 @@ class Membership:
         """Does agent ``slot``'s host take a connection within ``timeout_s``? Asked in a thread of its
         own; a host that does not is in :meth:`unreachable` (one that does, or cannot be asked, is not)."""
         index = self._index(slot)
-        if index in self._unprobed:
+        if self._answers is None or index in self._unprobed:
             return
 
         def ask() -> None:
@@ -368,12 +370,7 @@ class Membership:
 
     def unreachable(self) -> list[int]:
         """The agent slots whose host took no connection since the last call."""
-        out = []
-        while True:
-            try:
-                out.append(self._unreachable.get_nowait())
-            except queue.Empty:
-                return out
+        return _drained(self._unreachable)
 
     def leave(self, slot: int, why: str, *, backoff: float | None = None) -> list[int]:
         """Agent ``slot``'s host is lost (its row, moved by the supervisor): the change recorded; the
@@ -429,12 +426,7 @@ class Membership:
 
     def ready(self) -> list[str]:
         """The hosts that answered the preflight since the last call (the supervisor batches them)."""
-        out = []
-        while True:
-            try:
-                out.append(self.hosts[self._fresh.get_nowait()])
-            except queue.Empty:
-                return out
+        return [self.hosts[index] for index in _drained(self._fresh)]
 
     def go(self, names: Sequence[str]) -> None:
         """The supervisor lets these ready hosts in: each gets its plan (see :meth:`joined`)."""
@@ -463,12 +455,7 @@ class Membership:
 
     def missed(self) -> list[str]:
         """The hosts tried since the last call that did not answer (tried again when the supervisor says)."""
-        out = []
-        while True:
-            try:
-                out.append(self._missed.get_nowait())
-            except queue.Empty:
-                return out
+        return _drained(self._missed)
 
     def _try(self, host: int) -> None:
         with self._tries:
@@ -495,6 +482,16 @@ class Membership:
 
     def _write(self) -> None:
         write_record(self._run_dir, [*self.changes, *(entry[0] for entry in self._pending)])
+
+
+def _drained(items: queue.Queue) -> list:
+    """What ``items`` holds now, taken out in order (its producers are the membership's threads)."""
+    out = []
+    while True:
+        try:
+            out.append(items.get_nowait())
+        except queue.Empty:
+            return out
 
 
 def _dismiss(proc: subprocess.Popen) -> None:

@@ -69,20 +69,22 @@ SNAPSHOT_MODES = ("none", "memory", "shm", "peer", "disk")
 
 
 def read_attempts(out: Path) -> dict[int, dict]:
-    """Every attempt the workers logged: ``{attempt: {"ranks": {rank: [steps]}, "start": {rank: stamps}}}``."""
+    """Every attempt the workers logged: ``{attempt: {"ranks": {rank: [steps finished]}, "taken": {rank:
+    [steps begun]}, "start": {rank: stamps}}}`` ("taken": only where the script writes it)."""
     attempts: dict[int, dict] = {}
-    for path in sorted(out.glob("attempt*_rank*.jsonl")):
-        attempt, rank = (int(part) for part in path.stem.removeprefix("attempt").split("_rank"))
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:  # the last line of a worker killed while writing it
-                pass
-        attempts.setdefault(attempt, {"ranks": {}, "start": {}})["ranks"][rank] = records
+    for suffix, key in ((".jsonl", "ranks"), (".taken", "taken")):
+        for path in sorted(out.glob(f"attempt*_rank*{suffix}")):
+            attempt, rank = (int(part) for part in path.stem.removeprefix("attempt").split("_rank"))
+            records = []
+            for line in path.read_text().splitlines():
+                try:
+                    records.append(json.loads(line))
+                except ValueError:  # the last line of a worker killed while writing it
+                    pass
+            attempts.setdefault(attempt, {"ranks": {}, "taken": {}, "start": {}})[key][rank] = records
     for path in sorted(out.glob("attempt*_rank*.start")):
         attempt, rank = (int(part) for part in path.stem.removeprefix("attempt").split("_rank"))
-        attempts.setdefault(attempt, {"ranks": {}, "start": {}})["start"][rank] = json.loads(path.read_text())
+        attempts.setdefault(attempt, {"ranks": {}, "taken": {}, "start": {}})["start"][rank] = json.loads(path.read_text())
     return attempts
 
 
@@ -94,7 +96,12 @@ def account(out: Path, samples: int) -> dict:
     may be missing, and one may be trained twice only where the runtime says so: resuming an epoch
     part-way on another world size W re-trains ``consumed % W`` samples (DistributedSampler's
     positions are cut per rank), as padding at the epoch's end -- so only by the last attempt that
-    resumed part-way into that epoch (an earlier one was cut before its end)."""
+    resumed part-way into that epoch (an earlier one was cut before its end).
+
+    A step before the cut was finished by every rank of its world, a lost one too (its gradients were
+    in the reduction its peers went on from), so its samples come from the steps begun where the script
+    logs them: a rank lost between the reduction and its finished line trained samples it never logged
+    as finished."""
     attempts = read_attempts(out)
     order = [a for a in sorted(attempts) if any(attempts[a]["ranks"].values())]
     per_epoch: dict[int, Counter] = {}
@@ -108,7 +115,9 @@ def account(out: Path, samples: int) -> dict:
         cut = float("inf")
         if nxt is not None:
             cut = min(r["step"] for rs in attempts[nxt]["ranks"].values() for r in rs)
-        counted = [r for r in records if r["step"] < cut]
+        ranks, taken = attempts[attempt]["ranks"], attempts[attempt]["taken"]
+        begun = [r for rank in {*ranks, *taken} for r in taken.get(rank, ranks.get(rank, []))]
+        counted = [r for r in begun if r["step"] < cut]
         redone[attempt] = len({r["step"] for r in records if r["step"] >= cut})
         if i > 0:  # this attempt resumed part-way into an epoch on (maybe) another world size
             first = min(records, key=lambda r: r["step"])

@@ -233,6 +233,28 @@ def test_membership_line_without_disttrain_resume():
         "step said, workers started 4.3 s later (the script reports no steps)")
 
 
+def test_the_accounting_counts_a_step_a_lost_rank_finished_but_never_logged(tmp_path):
+    """CI's failure of test_a_second_loss_during_a_regroup: rank 1 of 2 was stopped after step 1's
+    reduction and before its finished line; its peer went on from step 2 in a world of 1. Its samples
+    of step 1 were trained (they were in the reduction), and the steps begun say so; the finished lines
+    alone had them missing."""
+    def log(attempt, rank, suffix, steps):
+        (tmp_path / f"attempt{attempt}_rank{rank}{suffix}").write_text("".join(
+            json.dumps({"step": step, "epoch": 0, "world_size": world, "samples": samples}) + "\n"
+            for step, world, samples in steps))
+
+    log(0, 0, ".jsonl", [(0, 2, [0]), (1, 2, [2])])
+    log(0, 1, ".jsonl", [(0, 2, [1])])
+    log(0, 0, ".taken", [(0, 2, [0]), (1, 2, [2])])
+    log(0, 1, ".taken", [(0, 2, [1]), (1, 2, [3])])
+    log(1, 0, ".jsonl", [(2, 1, [4]), (3, 1, [5])])
+    log(1, 0, ".taken", [(2, 1, [4]), (3, 1, [5])])
+    accounting = bench.account(tmp_path, 6)
+    assert (accounting["missing"], accounting["extra"], accounting["redone_steps"]) == ({}, 0, 0), accounting
+    (tmp_path / "attempt0_rank1.taken").unlink()  # a script that logs finished steps only: what CI saw
+    assert bench.account(tmp_path, 6)["missing"] == {0: [3]}
+
+
 def test_an_elastic_plan_keeps_its_range_and_each_host_its_place():
     spec = LaunchSpec(entry="train.py", nproc_per_node=2, nnodes=3, min_nnodes=2, rdzv_backend="c10d",
                       master_addr="10.0.0.1", master_port=29500)

@@ -4,11 +4,14 @@ for every sample across attempts.
 
 Usage: elastic_train.py --out OUT [--ckpt CKPT] --samples N --epochs E --batch-size B --every K [--pause S]
                         [--strategy fsdp] [--stop-after N] [--final WEIGHTS] [--trainer] [--entry]
-                        [--hold-gil-at STEP]
+                        [--hold-gil-at STEP] [--stop-at STEP:RANK]
 (CKPT: default $DISTTRAIN_CHECKPOINT_DIR, a job's checkpoint folder)
 Writes OUT/attempt<A>_rank<R>.jsonl: one line per finished step (the line precedes the step's
-checkpoint, so a step logged may be re-done after a loss; one checkpointed is always logged), and
-OUT/attempt<A>_rank<R>.start: the times this process started, loaded its checkpoint, and so on.
+checkpoint, so a step logged may be re-done after a loss; one checkpointed is always logged);
+OUT/attempt<A>_rank<R>.taken: one line per step begun, its samples, written before the step's forward
+(a rank lost after its gradients were reduced, before its finished line, still trained them: its peers
+went on from that step); and OUT/attempt<A>_rank<R>.start: the times this process started, loaded its
+checkpoint, and so on.
 """
 
 import time
@@ -47,7 +50,11 @@ def main() -> None:
     parser.add_argument("--hold-gil-at", type=int, default=0,
                         help="in the first world, every rank sleeps in native code holding the GIL before this step "
                         "(after OUT/held_rank<R>)")
+    parser.add_argument("--stop-at", default="", metavar="STEP:RANK",
+                        help="in the first world, RANK stops itself (SIGSTOP, after OUT/stopped_rank<R>) once STEP's "
+                        "gradients are reduced and applied, before its finished line")
     args = parser.parse_args()
+    stop_step, _, stop_rank = args.stop_at.partition(":")
 
     imported = time.time()
     if args.trainer:
@@ -71,9 +78,11 @@ def main() -> None:
         "started": started, "imported": imported, "joined": joined, "prepared": prepared, "loaded": loaded,
         "resumed_from": state.resumed_from, "world_size": ctx.world_size, "pid": os.getpid(), "calls": calls,
     }))
-    with open(args.out / f"{name}.jsonl", "a") as log:
+    with open(args.out / f"{name}.jsonl", "a") as log, open(args.out / f"{name}.taken", "a") as taken:
         for epoch in state.epochs(args.epochs):
             for (x,) in state.steps(loader):
+                taken.write(json.dumps({"step": state.step, "epoch": epoch, "samples": x.tolist()}) + "\n")
+                taken.flush()
                 if args.hold_gil_at and state.step == args.hold_gil_at and attempt == 0:
                     import ctypes  # no thread of this process runs again: not its regroup's, not its watch's
 
@@ -89,6 +98,9 @@ def main() -> None:
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
+                if args.stop_at and (state.step, ctx.rank, attempt) == (int(stop_step), int(stop_rank), 0):
+                    (args.out / f"stopped_rank{ctx.rank}").touch()
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 log.write(json.dumps({"step": state.step, "epoch": epoch, "world_size": ctx.world_size,
                                       "samples": x.tolist(), "time": time.time()}) + "\n")
                 log.flush()

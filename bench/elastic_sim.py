@@ -11,7 +11,7 @@ No process, no network: what is measured is the protocol -- how many rounds N st
 
 Hosts are found by the supervisor's own tries: its ``Admit`` decisions, each answered 1-3 s later
 by a host that has booted (its preflight) or 5 s later by one that has not (ssh's connect timeout),
-on the retry schedule of :class:`~disttrain.launch.supervision.Backoff`. A lost host, up again, is
+on the retry schedule of :class:`~disttrain.launch.policies.Backoff`. A lost host, up again, is
 tried and comes back too. ``--at-boot``: a host answers the moment it boots instead, as if it were
 tried without pause (the protocol without its tries, for comparison).
 """
@@ -28,14 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from disttrain.launch.policies import Elastic, JoinWindow  # noqa: E402
 from disttrain.launch.supervision import (  # noqa: E402
     Admit,
     AgentState,
-    Elastic,
     Event,
     EventKind,
     Join,
-    JoinWindow,
     RegroupWithout,
     Stop,
     Supervisor,

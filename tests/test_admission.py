@@ -1,5 +1,5 @@
 """Admission of hosts that answer while an elastic job runs: the supervisor alone lets them in, in
-batches (disttrain.launch.supervision.JoinWindow), never while a round forms; at 256 simulated
+batches (disttrain.launch.policies.JoinWindow), never while a round forms; at 256 simulated
 hosts arriving over 60 s, at most 3 rounds (bench/elastic_sim.py). Fake agents, a fake clock; the
 membership's tries, in threads of their own."""
 
@@ -13,19 +13,8 @@ from pathlib import Path
 
 from disttrain.errors import DisttrainError
 from disttrain.launch.elastic import Membership, Ready
-from disttrain.launch.supervision import (
-    JOIN_HOLD_S,
-    JOIN_PACE_MAX_S,
-    RETRY_FAST_S,
-    TRAINS_WITHIN_S,
-    AgentState,
-    Elastic,
-    Event,
-    EventKind,
-    Join,
-    RegroupWithout,
-    Supervisor,
-)
+from disttrain.launch.policies import JOIN_HOLD_S, JOIN_PACE_MAX_S, RETRY_FAST_S, TRAINS_WITHIN_S, Elastic
+from disttrain.launch.supervision import AgentState, Event, EventKind, Join, RegroupWithout, Supervisor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,7 +177,7 @@ def test_a_batch_takes_no_more_than_the_room_below_max():
     assert [j.hosts for j in joins] == [("c",)]
     assert joins[0].reason == "it fills the job to its maximum: nobody else to wait for"  # at once
     assert decisions[0][0] == 1.0
-    assert "d" in sup.elastic.joins.ready  # it stays ready: let in when a member leaves
+    assert "d" in sup.policies[0].joins.ready  # it stays ready: let in when a member leaves
 
 
 def test_the_membership_holds_a_ready_host_until_the_supervisor_lets_it_in(tmp_path):

@@ -18,7 +18,8 @@ import pytest
 from disttrain.config.launch import LaunchSpec
 from disttrain.launch.elastic import Membership, starting_hosts
 from disttrain.launch.membership_record import Change, membership_line
-from disttrain.launch.supervision import AgentState, Elastic, Event, EventKind, Supervisor
+from disttrain.launch.policies import Elastic
+from disttrain.launch.supervision import AgentState, Event, EventKind, Supervisor
 from disttrain.plan.launch import NodeFacts, make_plan
 from disttrain.wire import AttemptStarted, Beats, HostFacts
 from elastic_rig import JOB, WORKER, bench, field_load, finish, wait_for  # noqa: F401 (field_load: autouse)

@@ -24,7 +24,7 @@ from slurm_rig import slurm_fixture
 PLAIN = SCRIPTS / "plain_hang.py"
 GIL = SCRIPTS / "plain_gil.py"
 # --hang-timeout of the hang tests (5 s, as test_launch_diagnostics gives its hang across hosts): its clock
-# is armed only once a rank moved (agent/watchdog.py's freshest(), supervision.HangWatch), so a slow start-up
+# is armed only once a rank moved (agent/watchdog.py's freshest(), policies.HangWatch), so a slow start-up
 # cannot trip it, and until the branch each rank moves every 0.2 s. The waits for the verdict and the exit
 # (RUN_WAIT_S, ACROSS_WAIT_S) stay what they were with 10 s.
 HANG_S = 5

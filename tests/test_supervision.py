@@ -6,22 +6,26 @@ import math
 
 import pytest
 
-from disttrain.launch.supervision import (
+from disttrain.launch.policies import (
     PROBE_AFTER_S,
     PROBE_TIMEOUT_S,
     RETRY_FAST_S,
     RETRY_MAX_S,
     RETRY_S,
+    Backoff,
+    Elastic,
+    FailFast,
+    HangWatch,
+    exit_cause,
+    retry_phase,
+)
+from disttrain.launch.supervision import (
     TRANSITIONS,
     Admit,
     AgentState,
-    Backoff,
     Dump,
-    Elastic,
     Event,
     EventKind,
-    FailFast,
-    HangWatch,
     IllegalTransition,
     Join,
     Probe,
@@ -29,8 +33,6 @@ from disttrain.launch.supervision import (
     Slow,
     Stop,
     Supervisor,
-    exit_cause,
-    retry_phase,
 )
 from disttrain.wire import InPlace, Regroup
 
@@ -137,7 +139,7 @@ def test_the_store_host_lost_is_a_loss_like_any_other():
                                      reason="a: ssh failed: connection lost", restart_why="DISTTRAIN_REGROUP=restart")
     assert [r.state for r in sup.agents.rows] == [S.LOST, S.REGROUPING, S.REGROUPING, S.REGROUPING]
     running(sup, clock, attempt=1)
-    assert [r.state for r in sup.agents.rows[1:]] == [S.RUNNING] * 3 and sup.elastic.regroup_since is None
+    assert [r.state for r in sup.agents.rows[1:]] == [S.RUNNING] * 3 and sup.policies[0].regroup_since is None
 
 
 def test_two_hosts_lost_at_once_by_their_silence_are_one_regroup():
@@ -307,7 +309,7 @@ def test_hosts_being_tried_or_ready_take_the_room_left():
     sup.handle(Event(EventKind.MISSED, at=clock.now, host="d"))
     assert until_tried(sup, clock, "c") == 1  # the place is free again; d's next try is its retry wait away
     sup.handle(Event(EventKind.READY, at=clock.now, host="c"))
-    assert sup.elastic.joins.ready and not sup.elastic.trying
+    assert sup.policies[0].joins.ready and not sup.policies[0].trying
     assert sup.tick() == [Join(hosts=("c",), reason="it fills the job to its maximum: nobody else to wait for")]
 
 
@@ -336,7 +338,7 @@ def test_a_flapping_host_waits_longer_each_time_up_to_the_cap():
         advance(sup, clock, 10)
         exited(sup, clock, slot, 255, cause="ssh failed")
         running(sup, clock, attempt=attempt)
-        waits.append(sup.elastic.backoff.wait("c", clock.now))
+        waits.append(sup.policies[0].backoff.wait("c", clock.now))
         tried.append(until_tried(sup, clock, "c"))
         sup.handle(Event(EventKind.JOINED, at=clock.now, host="c"))
         running(sup, clock, attempt=attempt)
@@ -344,7 +346,7 @@ def test_a_flapping_host_waits_longer_each_time_up_to_the_cap():
     # a host that stays up past the window starts again from no backoff
     advance(sup, clock, 61)
     exited(sup, clock, sup.agents.rows[-1].slot, 255, cause="ssh failed")
-    assert sup.elastic.backoff.wait("c", clock.now) == 0
+    assert sup.policies[0].backoff.wait("c", clock.now) == 0
 
 
 def test_the_backoffs_bound():

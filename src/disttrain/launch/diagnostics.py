@@ -25,7 +25,7 @@ SILENT_S = 10.0
 
 class Diagnostics:
     """Stragglers and steps/s per host from the agents' beats. Whether no rank moved at all (the
-    hang) is the supervisor's rule (:class:`~disttrain.launch.supervision.HangWatch`); ``late()``
+    hang) is the supervisor's rule (:class:`~disttrain.launch.policies.HangWatch`); ``late()``
     says whether an agent's word is late, which freezes its ranks' rates (the supervisor's clock)."""
 
     def __init__(self, *, say, late=lambda: False, clock=time.monotonic) -> None:

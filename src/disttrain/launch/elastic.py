@@ -1,16 +1,16 @@
 """An elastic job's hosts, at the launcher (``--nnodes MIN:MAX``): the tries of hosts not running,
 and the record of every change. Every decision is the supervisor's
-(:class:`~disttrain.launch.supervision.Elastic`); this carries some out and records them all:
+(:class:`~disttrain.launch.policies.Elastic`); this carries some out and records them all:
 
 - **lost**: the host's agent ended without its workers failing -- the connection to it dropped
   (ssh's 255: no answer to its keep-alives), the agent was killed (a signal), or the agent said
   nothing for the supervisor's silence limit. The others regroup; below MIN the job stops.
   An agent that ends with a failure of its workers is a failure of the job, as without a range.
 - **back**: the supervisor admits hosts not running (room below MAX, their wait over:
-  :class:`~disttrain.launch.supervision.Backoff`); each is tried here, in the background and
+  :class:`~disttrain.launch.policies.Backoff`); each is tried here, in the background and
   beside the others (a host that does not answer holds up no other's try): one
   that answers the preflight is ready (:class:`Ready`) and waits for the supervisor to let its
-  batch in (:class:`~disttrain.launch.supervision.JoinWindow`): then it gets its plan and joins
+  batch in (:class:`~disttrain.launch.policies.JoinWindow`): then it gets its plan and joins
   the next round with the others of its batch (torch's agents make room for them).
 
 Each change is one line when the next round trains again -- which host left or joined, the

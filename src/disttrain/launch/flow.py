@@ -48,19 +48,16 @@ from ..workerenv import REGROUP_MODE
 from .diagnostics import Diagnostics
 from .elastic import Membership
 from .knobs import backoff, probe_limit, slow_limit
+from .policies import REGROUP_MARGIN_S, Elastic, FailFast, HangWatch, ranks_said
 from .relay import Relay
 from .rendezvous_store import round_counter
 from .rootcause import first_in_time
 from .supervision import (
-    REGROUP_MARGIN_S,
     Admit,
     AgentState,
     Dump,
-    Elastic,
     Event,
     EventKind,
-    FailFast,
-    HangWatch,
     Held,
     Join,
     Probe,
@@ -68,7 +65,6 @@ from .supervision import (
     Slow,
     Stop,
     Supervisor,
-    ranks_said,
 )
 
 
@@ -175,14 +171,16 @@ class _Supervised:
         self.membership = membership or _Solo()
         store = f"{plan.master_addr}:{plan.master_port}"
         in_place = os.environ.get(REGROUP_MODE, "in-place") != "restart"  # the survivors' workers stay
-        policies = [Elastic(min_nnodes=plan.min_nnodes or plan.nnodes, max_nnodes=min(plan.nnodes, len(membership.hosts)),
-                            regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S, store=store, backoff=backoff(),
-                            slow_s=slow_limit() if membership.kept_alive else None,
-                            probe_s=probe_limit() if membership.kept_alive else None,
-                            next_round=round_counter(store) if in_place else None,
-                            hosts=membership.hosts)] if membership is not None else [FailFast()]
+        self.elastic = Elastic(
+            min_nnodes=plan.min_nnodes or plan.nnodes, max_nnodes=min(plan.nnodes, len(membership.hosts)),
+            regroup_s=plan.rdzv_timeout_s + REGROUP_MARGIN_S, store=store, backoff=backoff(),
+            slow_s=slow_limit() if membership.kept_alive else None,
+            probe_s=probe_limit() if membership.kept_alive else None,
+            next_round=round_counter(store) if in_place else None,
+            hosts=membership.hosts) if membership is not None else None
         # An elastic launch's table is its membership's (who is a member is recorded once).
-        self.sup = Supervisor(tuple(n.name for n in plan.nodes), policies=[*policies, HangWatch(plan.hang_timeout_s)],
+        self.sup = Supervisor(tuple(n.name for n in plan.nodes),
+                              policies=[self.elastic or FailFast(), HangWatch(plan.hang_timeout_s)],
                               agents=membership.table if membership is not None else None)
         self.diag = Diagnostics(say=self.say, late=self.sup.late)
         self.hangs: list[HangReport] = []
@@ -326,7 +324,7 @@ class _Supervised:
             return Outcome(exit_code=ended.code, failed=ended.slot, report=ended.report)
         # Every agent has stopped: all have said. (An elastic job's hosts that left earlier failed in
         # rounds already over: there the agent heard of first stays the one reported.)
-        index, code = first_in_time(ended.slot, ended.code, {} if self.sup.elastic else self.failed)
+        index, code = first_in_time(ended.slot, ended.code, {} if self.elastic else self.failed)
         return Outcome(exit_code=code, failed=index, report=self.relay.report(index))
 
     def watch(self) -> Stop | None:
@@ -433,7 +431,7 @@ class _Supervised:
             if row.slot in self.recorded:
                 continue
             self.recorded.add(row.slot)
-            elastic = self.sup.elastic
+            elastic = self.elastic
             members = self.membership.leave(row.slot, row.why or "lost",
                                             backoff=elastic.backoff.wait(row.host, time.monotonic()) if elastic else None)
             if elastic is not None and len(members) >= elastic.min_nnodes:

@@ -7,7 +7,7 @@ import math
 import os
 
 from ..errors import UsageError
-from .supervision import BACKOFF_FIRST_S, BACKOFF_MAX_S, PROBE_TIMEOUT_S, SLOW_S, Backoff
+from .policies import BACKOFF_FIRST_S, BACKOFF_MAX_S, PROBE_TIMEOUT_S, SLOW_S, Backoff
 
 
 def seconds_knob(name: str, default: float) -> float:

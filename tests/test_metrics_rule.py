@@ -26,12 +26,14 @@ def test_read_on_every_rank_then_used_on_one_works():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("mode", "test", "line"), [
-    ("inside-if", "ctx.is_main", 29),
-    ("early-return", "not (ctx.rank != 0)", 19),
+@pytest.mark.parametrize(("mode", "test", "line", "slow_exit"), [
+    ("inside-if", "ctx.is_main", 37, "0"),
+    # rank 0 ends 2 s after closing its group: rank 1, failing at once of the lost peer, is seen
+    # first, and rank 0 is stopped by the agent while it exits -- it is still the one named (CI's race)
+    ("early-return", "not (ctx.rank != 0)", 27, "2"),
 ])
-def test_read_inside_a_rank_test_fails_at_once_in_one_line(mode, test, line):
-    result = run_ranks(SCRIPT, 2, [mode], timeout=110, env={"DISTTRAIN_PG_TIMEOUT": "600"})
+def test_read_inside_a_rank_test_fails_at_once_in_one_line(mode, test, line, slow_exit):
+    result = run_ranks(SCRIPT, 2, [mode], timeout=110, env={"DISTTRAIN_PG_TIMEOUT": "600", "SLOW_EXIT": slow_exit})
     assert result.returncode == 1, result.stderr[-3000:]  # rank 0's, at once: not after 600 s
     told = [x for x in result.stderr.splitlines() if x.startswith("[rank0]") and "MeanMeter.avg" in x]
     assert told == [f"[rank0] disttrain: error: MeanMeter.avg at {SCRIPT}:{line} runs only where `{test}` "

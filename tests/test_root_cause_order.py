@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
 from conftest import cli_env, disttrain
+from disttrain.agent.report import rank_failure, root_cause
 from disttrain.launch.rootcause import first_in_time
 from disttrain.wire import RankFailed
+from disttrain.workerenv import raised_marker
 
 
 def failed(rank: int, code: int, at: float, lost_peer: bool = False) -> RankFailed:
@@ -21,6 +25,34 @@ def test_the_earliest_failure_on_the_workers_clocks_wins_not_the_first_heard():
     assert first_in_time(0, 134, {0: failed(0, 134, 11.0, lost_peer=True), 1: failed(1, 5, 11.5)}) == (1, 5)
     assert first_in_time(1, 7, {0: failed(0, 3, 10.0), 1: failed(1, 7, 10.5)}) == (0, 3)
     assert first_in_time(1, 7, {}) == (1, 7)  # no agent could say: the one heard of first
+
+
+def on_node(tmp_path, raw_codes: dict[int, int], raised: dict[int, float]):
+    """The node's failures as torch's agent saw them, all noticed in the same second, and the
+    markers of the ranks whose excepthook ran (at the given times)."""
+    (tmp_path / "attempt_0").mkdir(exist_ok=True)
+    for rank, at in raised.items():
+        marker = raised_marker(str(tmp_path), rank, 0)
+        open(marker, "w").close()
+        os.utime(marker, (at, at))
+    return [rank_failure(rank=rank, host="vm", raw_code=code, pid=100 + rank, timestamp=1000, attempt=0,
+                         run_dir=str(tmp_path)) for rank, code in raw_codes.items()]
+
+
+def test_the_rank_that_raised_first_is_the_root_cause_though_its_peer_exited_first(tmp_path):
+    # rank 0 raised; its atexit closed the group, rank 1 raised of the lost peer and exited, and the
+    # agent, seeing rank 1 first, stopped rank 0 (SIGTERM) while it was still exiting
+    failures = on_node(tmp_path, {1: 1, 0: -15}, raised={0: 1000.25, 1: 1000.5})
+    first = root_cause(failures, str(tmp_path))
+    assert (first.rank, first.exit_code, first.signal_name, first.stopped_by_agent) == (0, 1, None, False)
+
+
+def test_a_rank_stopped_before_it_raised_is_a_consequence(tmp_path):
+    failures = on_node(tmp_path, {1: 1, 0: -15}, raised={1: 1000.5})
+    first = root_cause(failures, str(tmp_path))
+    assert first.rank == 1
+    stopped = next(f for f in failures if f.rank == 0)
+    assert (stopped.exit_code, stopped.signal_name, stopped.stopped_by_agent) == (143, "SIGTERM", True)
 
 
 # Rank 1 fails first, but freezes its own agent (SIGSTOP) so the launcher hears of rank 0's

@@ -164,6 +164,12 @@ def cpu_library_warning(source: str, script: str) -> str | None:
     return None
 
 
+def raised_marker(run_dir: str | os.PathLike, rank: int, attempt: int) -> str:
+    """``<run_dir>/attempt_<k>/rank<R>.raised``, next to the rank's logs: the rank touches it when an
+    exception ends it (its excepthook), so its agent knows when it failed on its own."""
+    return os.path.join(run_dir, f"attempt_{attempt}", f"rank{rank}.raised")
+
+
 def attempt_library_env(worker: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
     """Lightning's node count from an attempt's world (torch elastic's ``WORLD_SIZE`` and
     ``LOCAL_WORLD_SIZE`` in ``worker``), for workers whose inherited ``environ`` got

@@ -1,5 +1,11 @@
-"""MeanMeter.avg read the ways tutorials do; MODE picks one. Prints what rank 0 read."""
+"""MeanMeter.avg read the ways tutorials do; MODE picks one. Prints what rank 0 read.
 
+SLOW_EXIT=S: rank 0 takes S seconds more to exit after disttrain closed its group (an atexit
+handler registered before init runs after disttrain's): its peer, told at once, ends first.
+"""
+
+import atexit
+import os
 import sys
 import time
 
@@ -8,6 +14,8 @@ import torch
 import disttrain
 
 mode = sys.argv[1]
+if float(os.environ.get("SLOW_EXIT", "0")) and os.environ.get("RANK") == "0":
+    atexit.register(time.sleep, float(os.environ["SLOW_EXIT"]))
 ctx = disttrain.init()
 meter = disttrain.MeanMeter()
 meter.update(torch.tensor(float(ctx.rank + 1)), n=2)  # rank 0: 1.0 twice, rank 1: 2.0 twice

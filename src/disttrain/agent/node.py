@@ -40,7 +40,7 @@ from .log_tail import tails_end_at_once
 from .oom import OomWatch
 from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
-from .report import RankFailure, failed_line, failure_lines, format_failure, lost_a_peer, root_cause, shell_exit_code
+from .report import RankFailure, failed_line, failure_lines, format_failure, lost_a_peer, rank_failure, root_cause
 from .runpath import run_path
 from .watchdog import HANG_EXIT, Attempt, Watchdog
 
@@ -134,18 +134,10 @@ def _per_attempt(stores: AttemptStores, seen: Attempt, group: Container):
     return hook
 
 
-def _failures(err: ChildFailedError, host: str, attempt: int) -> list[RankFailure]:
-    failures = []
-    for rank, failure in err.failures.items():
-        code, sig = shell_exit_code(failure.exitcode)
-        failures.append(
-            RankFailure(
-                rank=rank, host=host, exit_code=code, signal_name=sig, pid=failure.pid,
-                timestamp=failure.timestamp, attempt=attempt,
-                stopped_by_agent=failure.exitcode == -signal.SIGTERM,
-            )
-        )
-    return failures
+def _failures(err: ChildFailedError, host: str, attempt: int, run_dir: str) -> list[RankFailure]:
+    return [rank_failure(rank=rank, host=host, raw_code=failure.exitcode, pid=failure.pid,
+                         timestamp=failure.timestamp, attempt=attempt, run_dir=run_dir)
+            for rank, failure in err.failures.items()]
 
 
 def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt, stores: AttemptStores,
@@ -335,7 +327,7 @@ def _failed(err: ChildFailedError, plan: LaunchPlan, node: NodePlan, link: Role,
             report_to: TextIO) -> int:
     """A worker failed: the root cause, its line for the launcher (which orders the nodes' failures by
     these times) and its block; the first failure's exit code."""
-    failures = _failures(err, node.name, attempt=plan.max_restarts)
+    failures = _failures(err, node.name, attempt=plan.max_restarts, run_dir=plan.run_dir)
     first = root_cause(failures, plan.run_dir)
     failed = {f.rank for f in failures}
     finished = tuple((rank, node.name) for rank in attempt.ranks if rank not in failed)
@@ -352,9 +344,8 @@ def _stopped(err: SignalException, plan: LaunchPlan, node: NodePlan, link: Role,
     stop itself, said as it was (the launcher's reason, else the signal)."""
     if early.failed and (dog is None or dog.fired is None):
         # the launcher stopped this node for another's failure, but one here failed first, maybe
-        failures = [RankFailure(rank=rank, host=node.name, exit_code=shell_exit_code(code)[0],
-                                signal_name=shell_exit_code(code)[1], pid=pid, timestamp=time.time(),
-                                attempt=plan.max_restarts) for rank, code, pid in early.failed]
+        failures = [rank_failure(rank=rank, host=node.name, raw_code=code, pid=pid, timestamp=time.time(),
+                                 attempt=plan.max_restarts, run_dir=plan.run_dir) for rank, code, pid in early.failed]
         first = root_cause(failures, plan.run_dir)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop's second signal: said and decided
         link.send(failed_line(first, plan.run_dir))

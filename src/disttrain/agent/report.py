@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..workerenv import raised_marker
 from .logs import rank_log
 from .oom import OomWatch
 
@@ -32,6 +33,28 @@ class RankFailure:
     timestamp: float
     attempt: int = 0
     stopped_by_agent: bool = False  # SIGTERM from the agent's shutdown: a consequence, not a cause
+    raised_at: float | None = None  # when an exception ended it (its marker's mtime, ns-precise)
+
+
+def rank_failure(*, rank: int, host: str, raw_code: int, pid: int, timestamp: float, attempt: int,
+                 run_dir: str) -> RankFailure:
+    """A failed worker as torch's agent saw it (``raw_code``: negative for a signal), and when it raised.
+
+    A rank whose exception was raised before the agent's SIGTERM came was ending with Python's code 1
+    for it (atexit, interpreter teardown): it failed on its own, and is said so -- its peer, told
+    by the group it closed, may well have exited, and been seen, first.
+    """
+    try:
+        raised = Path(raised_marker(run_dir, rank, attempt)).stat().st_mtime
+    except OSError:
+        raised = None
+    code, sig = shell_exit_code(raw_code)
+    stopped = raw_code == -signal.SIGTERM
+    if stopped and raised is not None:
+        code, sig, stopped = 1, None, False
+    return RankFailure(rank=rank, host=host, exit_code=code, signal_name=sig, pid=pid,
+                       timestamp=timestamp if raised is None else raised, attempt=attempt,
+                       stopped_by_agent=stopped, raised_at=raised)
 
 
 def shell_exit_code(raw: int) -> tuple[int, str | None]:
@@ -67,16 +90,22 @@ def last_output_time(run_dir: str, failure: RankFailure) -> float:
     return max(times, default=failure.timestamp)
 
 
+def failed_at(run_dir: str, failure: RankFailure) -> float:
+    """When the rank raised, else when it last wrote anything."""
+    return failure.raised_at if failure.raised_at is not None else last_output_time(run_dir, failure)
+
+
 def root_cause(failures: list[RankFailure], run_dir: str) -> RankFailure:
     """The rank that failed first.
 
     Ranks the agent itself stopped come last. Among the others, torch's failure times have
-    one-second resolution, and a crash makes its peers fail within milliseconds ("Connection
-    closed by peer"), so the tie is broken by who wrote their last line first.
+    one-second resolution (when the agent noticed), and a crash makes its peers fail within
+    milliseconds ("Connection closed by peer"), so the tie is broken by who raised first, or
+    else wrote their last line first.
     """
     return min(
         failures,
-        key=lambda f: (f.stopped_by_agent, f.timestamp, last_output_time(run_dir, f), f.rank),
+        key=lambda f: (f.stopped_by_agent, int(f.timestamp), failed_at(run_dir, f), f.rank),
     )
 
 
@@ -86,7 +115,7 @@ def failed_line(first: RankFailure, run_dir: str) -> str:
     from ..wire import RankFailed
 
     return RankFailed(host=first.host, rank=first.rank, exit_code=first.exit_code,
-                      at=last_output_time(run_dir, first),
+                      at=failed_at(run_dir, first),
                       lost_peer=lost_a_peer(failure_lines(first, run_dir))).to_line()
 
 

@@ -307,8 +307,8 @@ def test_a_round_after_an_in_place_fallback_keeps_no_node_s_workers():
     other = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     round_ = lambda store, n: dist.PrefixStore(f"torch.rendezvous.job.{n}", store)  # noqa: E731
     assert not round_fell_back(round_(other, 2), 1)
-    say_fell_back(round_(host, 1), 1, "10.0.0.1")
-    assert round_fell_back(round_(other, 2), 1) and round_fell_back(other, 1)
+    say_fell_back(round_(host, 1), 1, "10.0.0.1")  # TCPStore's set is not answered: it waits until held
+    assert round_fell_back(round_(other, 2), 1) and round_fell_back(other, 1)  # another connection, at once
     assert not round_fell_back(round_(other, 2), 0) and not round_fell_back(round_(other, 3), 2)
 
 

@@ -96,8 +96,13 @@ def _shared(store: Store) -> Store:
 
 
 def say_fell_back(store: Store, attempt: int, host: str) -> None:
-    """This node's workers' in-place round ``attempt`` did not form (their exit code says so)."""
-    _shared(store).set(FELL_BACK_KEY.format(attempt), host)
+    """This node's workers' in-place round ``attempt`` did not form (their exit code says so).
+
+    TCPStore's set is not answered; the check after it is, once the server holds the key, so every
+    node that asks after this returns reads it, whichever connection it asks on."""
+    shared = _shared(store)
+    shared.set(FELL_BACK_KEY.format(attempt), host)
+    shared.check([FELL_BACK_KEY.format(attempt)])
 
 
 def round_fell_back(store: Store, attempt: int) -> bool:

@@ -12,6 +12,7 @@ import os
 import pwd
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 DIST_BACKEND = "DISTTRAIN_BACKEND"
 RUN_DIR = "DISTTRAIN_RUN_DIR"
@@ -165,9 +166,20 @@ def cpu_library_warning(source: str, script: str) -> str | None:
 
 
 def raised_marker(run_dir: str | os.PathLike, rank: int, attempt: int) -> str:
-    """``<run_dir>/attempt_<k>/rank<R>.raised``, next to the rank's logs: the rank touches it when an
-    exception ends it (its excepthook), so its agent knows when it failed on its own."""
+    """``<run_dir>/attempt_<k>/rank<R>.raised``, next to the rank's logs (see :func:`mark_raised`)."""
     return os.path.join(run_dir, f"attempt_{attempt}", f"rank{rank}.raised")
+
+
+def mark_raised() -> None:
+    """An exception ends this worker, now: its marker's mtime tells its agent when. Called from the
+    excepthook, which runs before ``atexit`` closes the process group, so a peer that dies of the
+    closed connection always raises after this, even when it exits, and is seen, first."""
+    env = WorkerEnv.from_environ()
+    if env.run_dir:
+        try:
+            Path(raised_marker(env.run_dir, env.rank, env.attempt)).touch()
+        except OSError:  # the run folder is gone: the agent orders by the logs
+            pass
 
 
 def attempt_library_env(worker: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:

@@ -219,6 +219,12 @@ def _exit_cleanly() -> None:
 
     def excepthook(*args):
         failed.append(True)
+        try:  # when the rank raised, for its agent's root cause; disttrain is imported only now
+            from disttrain.workerenv import mark_raised
+
+            mark_raised()
+        except Exception:  # noqa: BLE001 -- never in the way of the script's own error
+            pass
         hook(*args)
 
     def exit(code=None):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..errors import DisttrainError
 from ..placement import choose_device, choose_dist_backend
-from ..workerenv import BENCH_FLUSH_DENORMAL, CONNECT_TIMEOUT, WorkerEnv, raised_marker
+from ..workerenv import BENCH_FLUSH_DENORMAL, CONNECT_TIMEOUT, WorkerEnv, mark_raised
 from . import groupsockets, heartbeat
 from .state import Runtime
 
@@ -170,20 +170,10 @@ class _OneLineErrors:
         elif isinstance(value, KeyboardInterrupt):
             print(f"disttrain: rank {current_rank()}: interrupted by Ctrl-C (SIGINT) at {_where(tb)}, "
                   "without saving a checkpoint", file=sys.stderr, flush=True)
-        else:
-            self.previous(kind, value, tb)  # an in-place regroup's hook runs the script again, never returning
-        _mark_raised()
-
-
-def _mark_raised() -> None:
-    """The moment this rank failed, for its agent: the excepthook runs before atexit closes the group,
-    so a peer that dies of the closed connection always raises after it, even when it exits first."""
-    env = WorkerEnv.from_environ()
-    if env.run_dir:
-        try:
-            Path(raised_marker(env.run_dir, env.rank, env.attempt)).touch()
-        except OSError:  # the run folder is gone: the agent orders by the logs
-            pass
+        else:  # the worker bootstrap's hook, last in the chain, marks it (an in-place regroup's runs the script again)
+            self.previous(kind, value, tb)
+            return
+        mark_raised()
 
 
 def _where(tb) -> str:

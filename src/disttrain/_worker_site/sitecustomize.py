@@ -207,7 +207,9 @@ def _exit_cleanly() -> None:
     holds keeps its process group's threads alive past ``destroy_process_group()``. Collected and
     given the GIL while the interpreter is whole, they finish first (the runtime's own shutdown
     does the same for scripts that call ``disttrain.init()``). A bare ``raise SystemExit(N)`` is
-    not seen: were it followed by such an abort, the rank would count as finished.
+    not seen: were it followed by such an abort, the rank would count as finished. An unhandled
+    exception is also marked when it is raised (``rank<R>.raised``, :func:`disttrain.workerenv.mark_raised`):
+    the agent's root cause is the rank that raised first.
     """
     folder, local_rank = os.environ.get("DISTTRAIN_EXIT_MARKS"), os.environ.get("LOCAL_RANK")
     if not folder or local_rank is None:

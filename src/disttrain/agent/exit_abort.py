@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,18 +53,19 @@ def finished_then_aborted(exitcode: int | None, local_rank: int, pid: int, folde
 
 
 @contextlib.contextmanager
-def aborts_after_return(env: dict[str, str], say) -> Iterator[str]:
-    """For the life of the block (this process runs one node's workers): the marks' folder in
-    ``env`` (the workers' environment), and torch's worker group counting a rank that aborted after
-    its script returned as finished, ``say``-ing so in one line.
+def aborts_after_return(env: dict[str, str], say, folder: Path) -> Iterator[None]:
+    """For the life of the block (this process runs one node's workers): the marks' ``folder`` (made here,
+    in the node's scratch folder, which the agent removes) in ``env`` (the workers' environment), and
+    torch's worker group counting a rank that aborted after its script returned as finished, ``say``-ing
+    so in one line.
 
     The hook is ``SubprocessContext._poll``, which every torch of the supported range has: before torch
     looks at its running workers, such a rank leaves them as done (not failed), so the others run to
     their own end."""
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
-    folder = tempfile.mkdtemp(prefix="disttrain-exit-")
-    env.update(worker_env(folder, {**os.environ, **env}))
+    folder.mkdir()
+    env.update(worker_env(str(folder), {**os.environ, **env}))
     original = SubprocessContext._poll
 
     def poll(self):
@@ -83,10 +82,9 @@ def aborts_after_return(env: dict[str, str], say) -> Iterator[str]:
 
     SubprocessContext._poll = poll
     try:
-        yield folder
+        yield
     finally:
         SubprocessContext._poll = original
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 __all__ = ["ABORTED", "EXIT_MARKS", "aborts_after_return", "finished_then_aborted", "mark_path", "worker_env"]

@@ -23,9 +23,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -68,16 +66,6 @@ def site_env(inherited: Mapping[str, str]) -> dict[str, str]:
     if path.split(os.pathsep)[0] == str(SITE_DIR):
         return {"PYTHONPATH": path}
     return {"PYTHONPATH": f"{SITE_DIR}{os.pathsep}{path}"}
-
-
-def socket_folder(prefix: str = "disttrain-fr-") -> str:
-    """A private folder for the ranks' sockets: short, as a Unix socket's path must be (108 bytes),
-    whatever the run folder's length."""
-    return tempfile.mkdtemp(prefix=prefix)
-
-
-def remove_folder(folder: str) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 class _Unix(http.client.HTTPConnection):

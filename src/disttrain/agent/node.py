@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -42,6 +43,7 @@ from .optml import instance_prefix
 from .rendezvous_wait import RendezvousWait
 from .report import RankFailure, failed_line, failure_lines, format_failure, lost_a_peer, rank_failure, root_cause
 from .runpath import run_path
+from .scratch import node_scratch
 from .watchdog import HANG_EXIT, Attempt, Watchdog
 
 NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's switch (dynamic_rendezvous.py)
@@ -161,18 +163,16 @@ def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt, sto
 
 
 @contextlib.contextmanager
-def _regroup_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | None]:
-    """An elastic PyTorch job: a private folder where each worker armed by ``disttrain.resume()``
+def _regroup_sockets(plan: LaunchPlan, env: dict[str, str], scratch: Path) -> Iterator[str | None]:
+    """An elastic PyTorch job: a folder of the node's scratch where each worker armed by ``disttrain.resume()``
     listens for an in-place regroup (disttrain.runtime.regroup), in the workers' environment."""
     if not plan.elastic or plan.framework != "pytorch" or plan.run_path or env.get(REGROUP_MODE) == "restart":
         yield None
         return
-    folder = flight.socket_folder("disttrain-rg-")
-    env[REGROUP_SOCKET] = folder
-    try:
-        yield folder
-    finally:
-        flight.remove_folder(folder)
+    folder = scratch / "rg"
+    folder.mkdir()
+    env[REGROUP_SOCKET] = str(folder)
+    yield str(folder)
 
 
 @contextlib.contextmanager
@@ -208,33 +208,33 @@ def _worker_group(plan: LaunchPlan, node: NodePlan) -> Iterator[Container]:
 
 
 @contextlib.contextmanager
-def _recorder_sockets(plan: LaunchPlan, env: dict[str, str]) -> Iterator[str | None]:
-    """Under --hang-timeout: a folder for the ranks' worker servers, and the bootstrap that starts
-    them (disttrain/_worker_site) in the workers' environment; removed at the end."""
+def _recorder_sockets(plan: LaunchPlan, env: dict[str, str], scratch: Path) -> Iterator[str | None]:
+    """Under --hang-timeout: a folder of the node's scratch for the ranks' worker servers, and the
+    bootstrap that starts them (disttrain/_worker_site) in the workers' environment."""
     if not plan.hang_timeout_s or plan.framework != "pytorch":
         yield None
         return
-    folder = flight.socket_folder()
-    env.update(flight.worker_env(sockets=folder, inherited={**os.environ, **env}))
-    try:
-        yield folder
-    finally:
-        flight.remove_folder(folder)
+    folder = scratch / "fr"
+    folder.mkdir()
+    env.update(flight.worker_env(sockets=str(folder), inherited={**os.environ, **env}))
+    yield str(folder)
 
 
 def _started(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, env: dict[str, str], say,
              terminal: bool = True):
     """Start: what the workers need before torch's agent starts them -- the program's signal handlers
-    kept, their exits awaited, their process group, the recorders' sockets (``--hang-timeout``: this
-    adds the bootstrap to ``env``), the abort at exit prevented, ``env`` exported, the output tails ended at
+    kept, their exits awaited, their process group, the node's scratch folder (scratch.py) with the
+    recorders' sockets (``--hang-timeout``: this adds the bootstrap to ``env``) and the regroups', the abort
+    at exit prevented, ``env`` exported, the output tails ended at
     the workers' end. Undone by ``stack``."""
     stack.enter_context(_handlers_kept())
     early = stack.enter_context(exits_awaited())
     stack.enter_context(tails_end_at_once(terminal=terminal))  # under a launcher: its channel, wire lines kept
     group = stack.enter_context(_worker_group(plan, node))
-    sockets = stack.enter_context(_recorder_sockets(plan, env))
-    regroups = stack.enter_context(_regroup_sockets(plan, env))
-    stack.enter_context(aborts_after_return(env, say))
+    scratch = stack.enter_context(node_scratch())
+    sockets = stack.enter_context(_recorder_sockets(plan, env, scratch))
+    regroups = stack.enter_context(_regroup_sockets(plan, env, scratch))
+    stack.enter_context(aborts_after_return(env, say, scratch / "exit"))
     stack.enter_context(_exported(env))
     return early, group, sockets, regroups
 

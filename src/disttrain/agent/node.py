@@ -162,17 +162,15 @@ def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt, sto
                                    store=f"{plan.master_addr}:{plan.master_port}" if sockets else "")
 
 
-@contextlib.contextmanager
-def _regroup_sockets(plan: LaunchPlan, env: dict[str, str], scratch: Path) -> Iterator[str | None]:
+def _regroup_sockets(plan: LaunchPlan, env: dict[str, str], scratch: Path) -> str | None:
     """An elastic PyTorch job: a folder of the node's scratch where each worker armed by ``disttrain.resume()``
     listens for an in-place regroup (disttrain.runtime.regroup), in the workers' environment."""
     if not plan.elastic or plan.framework != "pytorch" or plan.run_path or env.get(REGROUP_MODE) == "restart":
-        yield None
-        return
+        return None
     folder = scratch / "rg"
     folder.mkdir()
     env[REGROUP_SOCKET] = str(folder)
-    yield str(folder)
+    return str(folder)
 
 
 @contextlib.contextmanager
@@ -207,33 +205,30 @@ def _worker_group(plan: LaunchPlan, node: NodePlan) -> Iterator[Container]:
         group.close()
 
 
-@contextlib.contextmanager
-def _recorder_sockets(plan: LaunchPlan, env: dict[str, str], scratch: Path) -> Iterator[str | None]:
+def _recorder_sockets(plan: LaunchPlan, env: dict[str, str], scratch: Path) -> str | None:
     """Under --hang-timeout: a folder of the node's scratch for the ranks' worker servers, and the
     bootstrap that starts them (disttrain/_worker_site) in the workers' environment."""
     if not plan.hang_timeout_s or plan.framework != "pytorch":
-        yield None
-        return
+        return None
     folder = scratch / "fr"
     folder.mkdir()
     env.update(flight.worker_env(sockets=str(folder), inherited={**os.environ, **env}))
-    yield str(folder)
+    return str(folder)
 
 
 def _started(stack: contextlib.ExitStack, plan: LaunchPlan, node: NodePlan, env: dict[str, str], say,
              terminal: bool = True):
     """Start: what the workers need before torch's agent starts them -- the program's signal handlers
-    kept, their exits awaited, their process group, the node's scratch folder (scratch.py) with the
+    kept, their exits awaited, their process group, the node's scratch folder (scratch.py) holding the
     recorders' sockets (``--hang-timeout``: this adds the bootstrap to ``env``) and the regroups', the abort
-    at exit prevented, ``env`` exported, the output tails ended at
-    the workers' end. Undone by ``stack``."""
+    at exit prevented, ``env`` exported, the output tails ended at the workers' end. Undone by ``stack``."""
     stack.enter_context(_handlers_kept())
     early = stack.enter_context(exits_awaited())
     stack.enter_context(tails_end_at_once(terminal=terminal))  # under a launcher: its channel, wire lines kept
     group = stack.enter_context(_worker_group(plan, node))
     scratch = stack.enter_context(node_scratch())
-    sockets = stack.enter_context(_recorder_sockets(plan, env, scratch))
-    regroups = stack.enter_context(_regroup_sockets(plan, env, scratch))
+    sockets = _recorder_sockets(plan, env, scratch)
+    regroups = _regroup_sockets(plan, env, scratch)
     stack.enter_context(aborts_after_return(env, say, scratch / "exit"))
     stack.enter_context(_exported(env))
     return early, group, sockets, regroups

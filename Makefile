@@ -39,7 +39,7 @@ demo: setup-demo
 test: setup
 	@echo "== the multi-node rig's system packages (openssh, iproute2, iptables, Slurm; needs root, else those tests skip)"
 	-bash tests/rig_setup.sh
-	$(PY) -m pytest -n 3 --dist loadfile
+	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 bench: setup-demo
 	$(PY) bench/overhead.py

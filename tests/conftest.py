@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -20,6 +21,30 @@ SCRIPTS = Path(__file__).parent / "scripts"
 # terminal gives it.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# The modules that take minutes, in the order the lanes take them: `make test` runs xdist with
+# --no-loadscope-reorder, so a lane's next module is the next of the collection, taken as it nears the
+# end of its last. Long first, so that none ends alone at the tail; the ones that mostly wait (hosts lost
+# and back, regroups, hangs, Slurm) spread among the ones that compute, since while two lanes only wait a
+# core idles. Wall times of a 3-lane run: docs/testing.md. The other modules follow, those with the
+# most tests first (xdist's own order).
+LONG_MODULES = ("test_elastic_ssh.py", "test_comm.py", "test_sharded.py", "test_checkpoint_remote.py",
+                "test_multinode.py", "test_tracking_side_effect.py", "test_resume_ranks.py", "test_regroup.py",
+                "test_sagemaker.py", "test_sagemaker_notebooks.py", "test_tracking.py", "test_hangs.py",
+                "test_jobs.py", "test_torchrun_run.py", "test_periodic.py", "test_slurm.py", "test_elastic_slurm.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    counts = collections.Counter(item.path.name for item in items)
+
+    def rank(item: pytest.Item) -> tuple[int, int, str]:
+        name = item.path.name
+        if name in LONG_MODULES:
+            return LONG_MODULES.index(name), 0, ""
+        return len(LONG_MODULES), -counts[name], str(item.path)
+
+    items.sort(key=rank)  # stable: a module's own tests keep their order
 
 
 @pytest.fixture(autouse=True, scope="session")

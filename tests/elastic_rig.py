@@ -87,6 +87,22 @@ def record_so_far(tmp_path: Path) -> list[dict]:
     except (OSError, ValueError):
         return []
 
+def brief(record: list[dict]) -> str:
+    """The record, one change a line, as a failure shows it (pytest cuts a long list short)."""
+    keys = ("change", "host", "attempt", "world_size", "path", "path_why", "seconds")
+    return "\n".join(" ".join(f"{k}={c.get(k)}" for k in keys) for c in record)
+
+
+def logs_after(tmp_path: Path, attempt: int, lines: int = 15) -> str:
+    """The last lines of each rank's stderr in the rounds after ``attempt``, and of each node's log:
+    what a failure under load needs shown (the relay may not have carried a worker's last line)."""
+    run = tmp_path if tmp_path.name == "run" else tmp_path / "run"
+    files = sorted(run.glob("node*.log")) + sorted(
+        f for f in run.glob("attempt_*/rank*.stderr") if int(f.parent.name.split("_")[1]) > attempt)
+    return "\n".join(f"--- {f.relative_to(run)}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-lines:])
+                     for f in files)
+
+
 def agent_of(cluster, node) -> int:
     """The pid of the disttrain agent on ``node`` (its python process whose parent is not one)."""
     import psutil

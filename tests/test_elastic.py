@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -310,6 +311,43 @@ def test_a_round_after_an_in_place_fallback_keeps_no_node_s_workers():
     say_fell_back(round_(host, 1), 1, "10.0.0.1")  # TCPStore's set is not answered: it waits until held
     assert round_fell_back(round_(other, 2), 1) and round_fell_back(other, 1)  # another connection, at once
     assert not round_fell_back(round_(other, 2), 0) and not round_fell_back(round_(other, 3), 2)
+
+
+def test_the_first_round_waits_for_every_node_started_with_the_job():
+    """Each node says it came to the job's first rendezvous, on the launcher's store, and waits for the
+    others started with it (under load they come seconds apart, and each late one would restart every
+    worker); a node joining a running job (a round formed) does not wait, nor one whose peer was lost
+    at the start, past the limit (a fake clock)."""
+    import torch.distributed as dist
+
+    from disttrain.agent.elastic_agent import gather_at_start
+    from disttrain.net import free_port
+    from disttrain.workerenv import ROUND_COUNTER
+
+    port = free_port("127.0.0.1")
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    endpoint = f"127.0.0.1:{port}"
+    waited: list[int] = []
+    first = threading.Thread(target=lambda: waited.append(gather_at_start(endpoint, 2, 30)))
+    first.start()
+    first.join(1.0)
+    assert first.is_alive() and not waited  # alone: it waits
+    assert gather_at_start(endpoint, 2, 30) == 2
+    first.join(5)
+    assert waited == [2]
+
+    clock = [0.0]
+    def sleep(s: float) -> None:
+        clock[0] += s
+    lost = free_port("127.0.0.1")
+    alone = dist.TCPStore("127.0.0.1", lost, is_master=True, timeout=timedelta(seconds=10))
+    assert gather_at_start(f"127.0.0.1:{lost}", 3, 60, clock=lambda: clock[0], sleep=sleep) == 1
+    assert 60 <= clock[0] < 61
+
+    server.add(ROUND_COUNTER, 1)  # the job's first round formed: a node that comes now joins at once
+    clock[0] = 0.0
+    assert gather_at_start(endpoint, 3, 60, clock=lambda: clock[0], sleep=sleep) == 3 and clock[0] == 0.0
+    del alone
 
 
 def test_torch_builds_its_agent_where_disttrain_replaces_it():

@@ -23,8 +23,10 @@ from elastic_rig import (  # noqa: F401 (field_load: the autouse fixture)
     ROOT,
     agent_of,
     bench,
+    brief,
     field_load,
     finish,
+    logs_after,
     record_of,
     record_so_far,
     start_job,
@@ -328,7 +330,8 @@ def test_a_second_loss_during_a_regroup_is_one_more_round_in_place(cluster4, tmp
     assert [(c["change"], c["host"]) for c in record[1:3]] == [("left", lost[0]), ("left", lost[1])], record
     assert (record[2]["world_size"], record[2]["path"]) == (2, "in place"), record
     # node2's agent still answers: it may be let in again, in place, if the job still runs
-    assert all((c["change"], c["host"], c["path"]) == ("joined", lost[1], "in place") for c in record[3:]), record
+    assert all((c["change"], c["host"], c["path"]) == ("joined", lost[1], "in place") for c in record[3:]), \
+        f"{brief(record)}\n{logs_after(tmp_path, record[2]['attempt'])}"
     accounting = bench.account(out, 240)
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     assert accounting["redone_steps"] == 0 and accounting["attempts"][1]["world_size"] == 2, accounting

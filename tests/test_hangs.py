@@ -68,7 +68,7 @@ def test_a_collective_mismatch_ends_in_a_verdict_naming_both_ranks_and_ops(home)
     code, err, run_dir = run_hang("op")
     assert code == 124, err
     assert ("cause: a mismatch in collective #6 of the default group: rank 0 called all_reduce [4] Float; "
-            "rank 1 called all_gather [4] Float -> [2, 4]") in err
+            "rank 1 called all_gather [4] Float -> [2, 4]") in err, err
     assert f"called from plain_hang.py:{hang_line('op')} in <module>" in err  # rank 1's line
     assert f"called from plain_hang.py:{hang_line('others')} in <module>" in err  # rank 0's
     assert err.rstrip().endswith("disttrain: stopped the job (exit 124)")
@@ -83,7 +83,7 @@ def test_a_rank_deadlocked_in_its_own_code_is_named_with_its_line(home):
     code, err, _ = run_hang("lock")
     assert code == 124, err
     assert (f"cause: rank 1 never entered collective #6 of the default group (all_reduce [4] Float), which rank 0 "
-            f"waits in: it is at plain_hang.py:{hang_line('lock')} in <module> (the script's own code)") in err
+            f"waits in: it is at plain_hang.py:{hang_line('lock')} in <module> (the script's own code)") in err, err
 
 
 @pytest.mark.timeout(120)
@@ -145,7 +145,7 @@ def test_a_rank_stuck_in_c_code_holding_the_gil_gets_a_verdict_and_is_not_unstuc
     print(f"verdict {time.monotonic() - started - HANG_S:.1f} s past the start plus --hang-timeout")
     assert code == 124, err
     assert (f"cause: rank 1 never entered collective #6 of the default group (all_reduce [4] Float), which rank 0 "
-            f"waits in: it is at plain_gil.py:{hang_line('gil', GIL)} in <module> (the script's own code)") in err
+            f"waits in: it is at plain_gil.py:{hang_line('gil', GIL)} in <module> (the script's own code)") in err, err
     assert "SIGUSR1" not in err  # not killed to be seen, and not unstuck either:
     assert "never gets here" not in (run_dir / "attempt_0" / "rank1.stdout").read_text()
     assert "plain_gil.py" in (run_dir / "attempt_0" / "rank1.stacks").read_text()
@@ -207,7 +207,7 @@ def test_a_mismatch_across_two_hosts_is_judged_at_the_launcher(cluster):
     assert result.returncode == 124, err[-3000:]
     a, b = (node.ip for node in cluster.nodes)
     assert ("cause: a mismatch in collective #6 of the default group: rank 0 called all_reduce [4] Float; "
-            "rank 1 called all_gather [4] Float -> [2, 4]") in err
+            "rank 1 called all_gather [4] Float -> [2, 4]") in err, err
     assert f"  rank 0 ({a}): in #6 all_reduce" in err and f"  rank 1 ({b}): in #6 all_gather" in err
     assert f"stacks on {a}: " in err and f"flight recorder dumps on {b}: " in err
     assert "stopped the job on all 2 hosts (exit 124)" in err
@@ -222,7 +222,7 @@ def test_a_rank_stuck_in_c_code_on_another_host_gets_the_same_verdict(cluster):
     assert result.returncode == 124, err[-3000:]
     a, b = (node.ip for node in cluster.nodes)
     assert (f"cause: rank 1 never entered collective #6 of the default group (all_reduce [4] Float), which rank 0 "
-            f"waits in: it is at plain_gil.py:{hang_line('gil', GIL)} in <module> (the script's own code)") in err
+            f"waits in: it is at plain_gil.py:{hang_line('gil', GIL)} in <module> (the script's own code)") in err, err
     assert f"  rank 0 ({a}): in #6 all_reduce" in err and f"  rank 1 ({b}): completed #5" in err
     assert "no report" not in err and "SIGUSR1" not in err and "never gets here" not in result.stdout
     cluster.assert_nothing_left()

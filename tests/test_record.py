@@ -9,12 +9,15 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
+import types
 from pathlib import Path
 
 import pytest
 
 from disttrain import goodput
 from disttrain.config.hosts import Host
+from disttrain.launch import elastic, rounds
 from disttrain.launch.elastic import Membership
 from disttrain.launch.policies import Elastic
 from disttrain.launch.probe import SshTransport
@@ -50,6 +53,15 @@ def trains(m: Membership, slot: int, host: str, step: int = 12) -> None:
     m.agent_line(slot, Beats(host=host, ranks={0: (1, 0.0)}).to_line())
     m.rank_line(f"disttrain: resuming from step {step} in memory")
     m.poll()
+
+
+def c_joins_in_place(m: Membership) -> None:
+    """a and b train; c is let in, and round 1 forms with a's and b's workers kept, c's new."""
+    round_of(m, 0, {0: ("a", False, ""), 1: ("b", False, "")})
+    trains(m, 0, "a")
+    m._joined.put((2, object()))
+    assert len(m.joined()) == 1
+    round_of(m, 1, {0: ("a", True, ""), 1: ("b", True, ""), 2: ("c", False, "")})
 
 
 def lose(m: Membership, slot: int, why: str) -> None:
@@ -255,13 +267,9 @@ def test_an_in_place_round_is_said_to_train_only_once_its_workers_say_they_went_
     theirs until rank 0's resume line says the regroup took effect. A job that ends first does not
     claim the round trained, nor a world of 3 that never stepped."""
     m, said = membership(tmp_path, running=(0, 1))
-    round_of(m, 0, {0: ("a", False, ""), 1: ("b", False, "")})
-    trains(m, 0, "a")
-    m._joined.put((2, object()))
-    assert len(m.joined()) == 1
-    round_of(m, 1, {0: ("a", True, ""), 1: ("b", True, ""), 2: ("c", False, "")})
+    c_joins_in_place(m)
     m.agent_line(0, Beats(host="a", ranks={0: (40, 0.0)}).to_line())  # an old-world step
-    m._trained = (m._trained[0], m._trained[1] - 10)  # long past the resume line's usual wait
+    m.rounds._trained = (m.rounds._trained[0], m.rounds._trained[1] - 10)  # long past the resume line's usual wait
     m.poll()
     assert not any("membership:" in line for line in said)
     m.table.move(0, AgentState.DONE, "it finished")  # the job ended before the regroup took effect
@@ -271,3 +279,54 @@ def test_an_in_place_round_is_said_to_train_only_once_its_workers_say_they_went_
     assert (joined["attempt"], joined["path"], joined["world_size"]) == (1, None, None)
     assert joined["path_why"] == "the job ended before a round trained"
     assert not any("membership:" in line for line in said)
+
+
+def test_a_new_hosts_word_first_is_not_its_round_training(tmp_path):
+    """The field case (a flapping host, under load): c is let in and its agent says round 1 first; a and
+    b, told to keep their workers, say so later, and meanwhile step on in their old world of 2. Those
+    steps are not round 1 training with 3, however long they go on. c loses power before the round
+    forms; the in-place round after it falls back, which the record says once."""
+    m, said = membership(tmp_path, running=(0, 1))
+    round_of(m, 0, {0: ("a", False, ""), 1: ("b", False, "")})
+    trains(m, 0, "a")
+    m._joined.put((2, object()))
+    assert len(m.joined()) == 1
+    m.agent_line(2, started("c", 1, (2,), nodes=3))  # c's first workers: its word comes first
+    m.agent_line(0, Beats(host="a", ranks={0: (40, 0.0)}).to_line())  # an old-world step
+    m.rounds._trained = (m.rounds._trained[0], m.rounds._trained[1] - 10)  # long past the resume line's usual wait
+    m.poll()
+    assert not any("membership:" in line for line in said), said
+    m.agent_line(0, started("a", 1, (0,), nodes=3, in_place=True))
+    m.agent_line(1, started("b", 1, (1,), nodes=3, in_place=True))
+    m.poll()
+    assert not any("membership:" in line for line in said), said
+    lose(m, 2, "its agent said nothing for 2.4 s and its host took no connection within 0.8 s")
+    round_of(m, 2, {0: ("a", True, ""), 1: ("b", True, "")})  # told in place; its group never forms
+    round_of(m, 3, {0: ("a", False, "the in-place round 2 fell back"), 1: ("b", False, "")})
+    trains(m, 0, "a", step=36)
+    m.close()
+    joined, left = record(tmp_path)[1:]
+    assert (joined["change"], joined["path"], joined["world_size"]) == ("joined", None, None), joined
+    assert joined["path_why"] == "c left before a round trained with this change"
+    assert (left["change"], left["attempt"], left["world_size"], left["path"]) == ("left", 3, 2, "restart"), left
+    assert left["path_why"] == "the in-place round 2 fell back", left
+
+
+def test_a_join_whose_new_workers_start_slowly_is_said_with_the_step_it_resumed_from(tmp_path, monkeypatch):
+    """The field case (a host down at the start comes back, under load): the kept workers wait in the
+    forming group while the new host's start Python and torch, longer than a script without steps is
+    given. The script reported steps before, so the round waits for its own and rank 0's resume line."""
+    clock = [1000.0]
+    for module in (elastic, rounds):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    m, said = membership(tmp_path, running=(0, 1))
+    c_joins_in_place(m)
+    clock[0] += rounds.FIRST_STEP_WAIT_S + 1  # no step for longer than that
+    m.poll()
+    assert not any("membership:" in line for line in said), said
+    m.agent_line(0, Beats(host="a", ranks={0: (1, 0.0)}).to_line())
+    m.rank_line("disttrain: resuming from step 24 in memory")
+    m.poll()
+    line = next(line for line in said if "membership:" in line)
+    assert "c joined" in line and "world size 3, resumed from step 24" in line, line
+    assert record(tmp_path)[-1]["resumed_from"] == 24

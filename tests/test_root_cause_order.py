@@ -11,7 +11,7 @@ from conftest import cli_env, disttrain
 from disttrain.agent.report import rank_failure, root_cause
 from disttrain.launch.rootcause import first_in_time
 from disttrain.wire import RankFailed
-from disttrain.workerenv import raised_marker
+from disttrain.workerenv import rank_file
 
 
 def failed(rank: int, code: int, at: float, lost_peer: bool = False) -> RankFailed:
@@ -32,7 +32,7 @@ def on_node(tmp_path, raw_codes: dict[int, int], raised: dict[int, float]):
     markers of the ranks whose excepthook ran (at the given times)."""
     (tmp_path / "attempt_0").mkdir(exist_ok=True)
     for rank, at in raised.items():
-        marker = raised_marker(str(tmp_path), rank, 0)
+        marker = rank_file(tmp_path, rank, 0, "raised")
         open(marker, "w").close()
         os.utime(marker, (at, at))
     return [rank_failure(rank=rank, host="vm", raw_code=code, pid=100 + rank, timestamp=1000, attempt=0,

@@ -27,16 +27,27 @@ def test_the_sweep_removes_only_the_folders_of_agents_gone_from_this_host(tmp_pa
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     host = scratch._host()
-    started = int(psutil.Process().create_time())
+    started = scratch._started(psutil.Process().pid)
     folders = {
         "gone": _folder(tmp_path, f"{host}-{gone.pid}-{started}"),
-        "pid reused": _folder(tmp_path, f"{host}-1-{int(psutil.Process(1).create_time()) - 1}"),
+        "pid reused": _folder(tmp_path, f"{host}-1-{scratch._started(1) - 1}"),
         "running": _folder(tmp_path, scratch._owner_tag(psutil.Process().pid)),
         "another host's": _folder(tmp_path, f"{host[::-1]}-{gone.pid}-{started}"),
     }
     scratch.sweep(str(tmp_path))
     assert {name: folder.exists() for name, folder in folders.items()} == {
         "gone": False, "pid reused": False, "running": True, "another host's": True}
+
+
+def test_a_running_agent_s_folder_outlives_a_step_of_the_wall_clock(tmp_path, monkeypatch):
+    """The CI's hang verdicts without a recorder: an agent's start read from the wall clock (psutil's boot time
+    plus ticks) moved by a second between two reads, and the next agent removed a live one's sockets."""
+    running = _folder(tmp_path, scratch._owner_tag(psutil.Process().pid))
+    before, booted = psutil.Process().create_time(), psutil.boot_time()
+    monkeypatch.setattr(psutil._psplatform, "boot_time", lambda: booted + 1.5)
+    assert psutil.Process().create_time() == pytest.approx(before + 1.5)  # what the old tag was made of
+    scratch.sweep(str(tmp_path))
+    assert running.exists()
 
 
 def test_a_sigkilled_agent_s_folder_is_removed_by_the_next_run(tmp_path):

@@ -28,7 +28,7 @@ from test_ui import elastic_run, rows, thousand_runs
 from _launch import kill_tree
 from conftest import HP_LOSS_SCRIPT, SCRIPTS, cli_env, disttrain, write
 from disttrain import goodput
-from disttrain.store import JobStore
+from disttrain.store import JobState, JobStore
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("optuna")
@@ -121,8 +121,22 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
                      "opt=adam,sgd", "--set", "epochs=2", "--objective", "loss", "--minimize", "--trials", "3",
                      "--parallel", "3", "--seed", "7", "--name", "uitune", timeout=400, cwd=work, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    _each_trial_gave_its_loss(home, done.stdout)
     elastic_run(home / "runs", "20261128-041907-elastic_train-6ed6", live=True)  # its times moved to now: first
     return home
+
+
+def _each_trial_gave_its_loss(home: Path, said: str) -> None:
+    """Every trial Completed with a loss point; else what the tuning job said and each short trial's
+    record and log (the tune itself succeeds once one trial gave a value)."""
+    with JobStore(home / "jobs.db") as store:
+        trials = [(r, store.metric_series(r.id)) for r in store.list()]
+    short = [(r, series) for r, series in trials if r.state is not JobState.COMPLETED or "loss" not in series]
+    for record, series in short:
+        log = record.logs / "job.log"
+        said += (f"\n--- {record.name}: {record.state}, failure {record.failure!r}, series {sorted(series)}\n"
+                 + (log.read_text(errors="replace")[-3000:] if log.exists() else f"(no {log})"))
+    assert not short, said
 
 
 def _tail(log) -> str:

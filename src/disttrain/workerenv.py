@@ -165,19 +165,20 @@ def cpu_library_warning(source: str, script: str) -> str | None:
     return None
 
 
-def raised_marker(run_dir: str | os.PathLike, rank: int, attempt: int) -> str:
-    """``<run_dir>/attempt_<k>/rank<R>.raised``, next to the rank's logs (see :func:`mark_raised`)."""
-    return os.path.join(run_dir, f"attempt_{attempt}", f"rank{rank}.raised")
+def rank_file(run_dir: str | os.PathLike, rank: int, attempt: int, suffix: str) -> Path:
+    """``<run_dir>/attempt_<k>/rank<R>.<suffix>``: one rank's file of one attempt, written by its worker or
+    its agent (``stdout``, ``stderr``, ``error.json``, ``stacks``, ``raised``)."""
+    return Path(run_dir) / f"attempt_{attempt}" / f"rank{rank}.{suffix}"
 
 
 def mark_raised() -> None:
-    """An exception ends this worker, now: its marker's mtime tells its agent when. Called from the
+    """An exception ends this worker, now: its ``raised`` file's mtime tells its agent when. Called from the
     excepthook, which runs before ``atexit`` closes the process group, so a peer that dies of the
     closed connection always raises after this, even when it exits, and is seen, first."""
     env = WorkerEnv.from_environ()
     if env.run_dir:
         try:
-            Path(raised_marker(env.run_dir, env.rank, env.attempt)).touch()
+            rank_file(env.run_dir, env.rank, env.attempt, "raised").touch()
         except OSError:  # the run folder is gone: the agent orders by the logs
             pass
 

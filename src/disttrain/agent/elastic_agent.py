@@ -58,6 +58,8 @@ KILL_WAIT_S = 5  # for workers SIGKILLed on a regroup to be gone
 GROW_JOIN_S = 120  # kept workers wait this long for a joining node's new ones (they start Python and torch)
 TOLD_MARGIN_S = 15  # past a told worker's own limit: its own fallback (a line, FALLBACK_EXIT) comes first
 STACKS_WAIT_S = 1  # for a stuck worker's stack to be written before it is ended
+START_GATHER_S = 60  # the job's first round waits this long at most for every node started with the job
+ARRIVED_KEY = "disttrain/arrived"  # nodes that came to the job's first rendezvous
 FELL_BACK_KEY = "disttrain/fell_back/{}"  # set by a node whose workers' in-place round (number) did not form
 
 
@@ -112,6 +114,30 @@ def round_fell_back(store: Store, attempt: int) -> bool:
     return _shared(store).check([FELL_BACK_KEY.format(attempt)])
 
 
+def gather_at_start(endpoint: str, nodes: int, limit_s: float = START_GATHER_S, *,
+                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> int:
+    """Before its first rendezvous, a node says it came, on the launcher's store at ``endpoint``, and
+    waits until the ``nodes`` started with the job all did, or a round already formed (this node joins
+    a running job), or ``limit_s`` passed (a node lost at the start). How many had come.
+
+    torch's c10d rendezvous completes a round ``last_call_timeout`` (1 s here) after its last arrival
+    once the minimum is in. Under load the nodes' agents arrive seconds apart (ssh, Python, torch, each
+    at a share of a core), and each late one then restarts every worker for a round with it: five
+    rounds before the first step were seen at a load of 12."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, port = endpoint.rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=max(limit_s, 1)))
+    came = store.add(ARRIVED_KEY, 1)
+    end = clock() + limit_s
+    while came < nodes and store.add(ROUND_COUNTER, 0) == 0 and clock() < end:
+        sleep(0.2)
+        came = store.add(ARRIVED_KEY, 0)
+    return came
+
+
 def job_attempt(store: Store, group_rank: int) -> int:
     """The job-wide number of the round ``store`` belongs to: 0, 1, 2... on every node alike.
 
@@ -130,10 +156,11 @@ class ElasticNodeAgent(LocalElasticAgent):
 
     def __init__(self, *, regroups: Regroups, on_attempt: Callable[[int, WorkerGroup, bool, str], None],
                  host: str = "", sockets: str | None = None, store: str = "", settle_s: float = SETTLE_S,
-                 **kwargs) -> None:
+                 gather: tuple[str, int] | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self._host = host  # as the launcher names it (the keys of InPlace.group_ranks)
         self._meet_at = store  # host:port of the launcher's store, where in-place rounds meet
+        self._gather = gather  # the launcher's store and the nodes started with the job: its first round waits for them
         self._attempt = 0  # the current round's job-wide number
         self._in_place_round = False  # the round being formed keeps this node's workers
         self._restart_why = ""  # the round being formed restarts workers a regroup meant to keep: why
@@ -311,6 +338,10 @@ class ElasticNodeAgent(LocalElasticAgent):
             super()._stop_workers(worker_group, *args, **kwargs)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if self._gather is not None:
+            with contextlib.suppress(RuntimeError):  # the store not answering: torch's rendezvous says so itself
+                gather_at_start(*self._gather)
+            self._gather = None
         previous = self._attempt
         super()._rendezvous(worker_group)
         attempt = self._attempt = job_attempt(worker_group.store, worker_group.group_rank)

@@ -23,14 +23,9 @@ from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Logs
 from ..config.launch import AgentOptions
 from ..config.torchrun import std_of
 from ..private import private_dirs, private_file
-from ..workerenv import ATTEMPT
+from ..workerenv import ATTEMPT, rank_file
 
 _STREAMS = (("stdout", Std.OUT), ("stderr", Std.ERR))
-
-
-def rank_log(run_dir: str | os.PathLike, rank: int, stream: str, attempt: int = 0) -> Path:
-    """``<run_dir>/attempt_<k>/rank<R>.<stream>`` with stream ``stdout`` or ``stderr``."""
-    return Path(run_dir) / f"attempt_{attempt}" / f"rank{rank}.{stream}"
 
 
 def filtered_log(run_dir: str | os.PathLike, stream: str, attempt: int = 0) -> Path:
@@ -125,7 +120,7 @@ class RankLogs(LogsSpecs):
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
             for stream, bit in _STREAMS:
-                path = rank_log(self._run_dir, rank, stream, attempt)
+                path = rank_file(self._run_dir, rank, attempt, stream)
                 private_dirs(path.parent)
                 private_file(path)  # the worker's redirect truncates it again: same inode, both names
                 getattr(dest, f"{stream}s")[local_rank] = str(path)
@@ -133,7 +128,7 @@ class RankLogs(LogsSpecs):
                     getattr(dest, f"tee_{stream}s")[local_rank] = str(path)
                 if theirs is not None:
                     _second_name(getattr(theirs, f"{stream}s").get(local_rank, ""), path)
-            error_file = rank_log(self._run_dir, rank, "error.json", attempt).with_name(f"rank{rank}.error.json")
+            error_file = rank_file(self._run_dir, rank, attempt, "error.json")
             dest.error_files[local_rank] = str(error_file)
             env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
             if theirs is not None and theirs.error_files.get(local_rank) not in (None, "", os.devnull):

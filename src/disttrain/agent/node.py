@@ -158,8 +158,11 @@ def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt, sto
         link.send(AttemptStarted(host=node.name, attempt=number, nodes=group.group_world_size, world_size=world,
                                  ranks=ranks, in_place=in_place, why=why).to_line())
 
+    store = f"{plan.master_addr}:{plan.master_port}"
+    # The launcher holds the store and started the nodes, unless they were started by hand.
+    gather = None if plan.by_hand or len(plan.nodes) < 2 else (store, len(plan.nodes))
     return elastic_agent.installed(regroups=link.regroups, on_attempt=on_attempt, host=node.name, sockets=sockets,
-                                   store=f"{plan.master_addr}:{plan.master_port}" if sockets else "")
+                                   store=store if sockets else "", gather=gather)
 
 
 def _regroup_sockets(plan: LaunchPlan, env: dict[str, str], scratch: Path) -> str | None:

@@ -13,8 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..workerenv import raised_marker
-from .logs import rank_log
+from ..workerenv import rank_file
 from .oom import OomWatch
 
 TAIL_LINES = 15
@@ -45,7 +44,7 @@ def rank_failure(*, rank: int, host: str, raw_code: int, pid: int, timestamp: fl
     by the group it closed, may well have exited, and been seen, first.
     """
     try:
-        raised = Path(raised_marker(run_dir, rank, attempt)).stat().st_mtime
+        raised = rank_file(run_dir, rank, attempt, "raised").stat().st_mtime
     except OSError:
         raised = None
     code, sig = shell_exit_code(raw_code)
@@ -84,7 +83,7 @@ def last_output_time(run_dir: str, failure: RankFailure) -> float:
     times = []
     for stream in ("stderr", "stdout"):
         try:
-            times.append(rank_log(run_dir, failure.rank, stream, failure.attempt).stat().st_mtime)
+            times.append(rank_file(run_dir, failure.rank, failure.attempt, stream).stat().st_mtime)
         except OSError:
             pass
     return max(times, default=failure.timestamp)
@@ -121,7 +120,7 @@ def failed_line(first: RankFailure, run_dir: str) -> str:
 
 def error_file_lines(run_dir: str, failure: RankFailure, lines: int = TAIL_LINES) -> list[str]:
     """What torch's ``@record`` wrote for the rank (``rank<R>.error.json``): message and traceback tail."""
-    path = rank_log(run_dir, failure.rank, "stdout", failure.attempt).with_name(f"rank{failure.rank}.error.json")
+    path = rank_file(run_dir, failure.rank, failure.attempt, "error.json")
     try:
         data = json.loads(path.read_text(errors="replace"))
     except (OSError, ValueError):
@@ -147,12 +146,16 @@ def lost_a_peer(lines: list[str]) -> bool:
     return any(marker in line for line in lines for marker in PEER_LOST)
 
 
+def last_lines(first: RankFailure, run_dir: str) -> list[str]:
+    """The failed rank's last lines: of its stderr, else of its stdout."""
+    stderr = rank_file(run_dir, first.rank, first.attempt, "stderr")
+    stdout = rank_file(run_dir, first.rank, first.attempt, "stdout")
+    return [strip_torch_prefix(line, first.rank) for line in (tail(stderr) or tail(stdout))]
+
+
 def failure_lines(first: RankFailure, run_dir: str) -> list[str]:
     """The failed rank's last lines and what its error file says: where a lost peer shows."""
-    stderr = rank_log(run_dir, first.rank, "stderr", first.attempt)
-    stdout = rank_log(run_dir, first.rank, "stdout", first.attempt)
-    return [strip_torch_prefix(line, first.rank) for line in (tail(stderr) or tail(stdout))] + \
-        error_file_lines(run_dir, first)
+    return last_lines(first, run_dir) + error_file_lines(run_dir, first)
 
 
 def format_failure(first: RankFailure, failures: list[RankFailure], run_dir: str, *,
@@ -160,9 +163,7 @@ def format_failure(first: RankFailure, failures: list[RankFailure], run_dir: str
     """The root-cause block. ``finished``: (rank, host) of the ranks that exited 0 while others
     still ran, on this node or another; ``oom``: started with the workers, to tell a SIGKILL of
     the kernel's OOM killer from any other."""
-    stderr = rank_log(run_dir, first.rank, "stderr", first.attempt)
-    stdout = rank_log(run_dir, first.rank, "stdout", first.attempt)
-    last = [strip_torch_prefix(line, first.rank) for line in (tail(stderr) or tail(stdout))]
+    last = last_lines(first, run_dir)
     from_file = error_file_lines(run_dir, first)
     memory = oom.explain(first.pid) if oom is not None and first.signal_name == "SIGKILL" else None
     how = f"was killed by {first.signal_name}" if first.signal_name else f"exited with code {first.exit_code}"
@@ -187,11 +188,12 @@ def format_failure(first: RankFailure, failures: list[RankFailure], run_dir: str
     if memory:
         lines.append(f"  out of memory: {memory}")
         lines.append("  fix: fewer processes per host, a smaller batch per process, or more memory for the job")
-    lines += [f"  logs: {stderr}", f"        {stdout}"]
+    lines += [f"  logs: {rank_file(run_dir, first.rank, first.attempt, 'stderr')}",
+              f"        {rank_file(run_dir, first.rank, first.attempt, 'stdout')}"]
     if others:
         lines.append(f"  also failed after it: rank {', '.join(map(str, others))}")
     if from_file and not any(from_file[-1] in line for line in last):
-        lines.append(f"  error of rank {first.rank} ({stdout.with_name(f'rank{first.rank}.error.json')}):")
+        lines.append(f"  error of rank {first.rank} ({rank_file(run_dir, first.rank, first.attempt, 'error.json')}):")
         lines.extend(f"    {line}" for line in from_file)
     if last:
         lines.append(f"  last lines of rank {first.rank}:")

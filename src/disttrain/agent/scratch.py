@@ -27,14 +27,23 @@ def _host() -> str:
     return f"{zlib.crc32(socket.gethostname().encode()):08x}"
 
 
-def _owner_tag(pid: int) -> str | None:
-    """``<host>-<pid>-<start time>``: the agent, told apart from a later process that reuses its pid
-    (and, should the temporary directory be shared, from an agent of another host)."""
+def _started(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``'s 22nd field): fixed for the
+    life of the process. Not ``psutil``'s ``create_time()``, which adds the boot time as the wall clock now
+    puts it: once the clock is stepped or slewed by a second, an agent that still runs reads as gone, and the
+    next agent on the host removed its folder (its recorder and regroup sockets) from under its job."""
     try:
-        started = int(psutil.Process(pid).create_time())
-    except psutil.Error:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return None
-    return f"{_host()}-{pid}-{started}"
+    return int(stat.rpartition(")")[2].split()[19])  # after the command's name, which may hold anything
+
+
+def _owner_tag(pid: int) -> str | None:
+    """``<host>-<pid>-<start>``: the agent, told apart from a later process that reuses its pid
+    (and, should the temporary directory be shared, from an agent of another host)."""
+    started = _started(pid)
+    return None if started is None else f"{_host()}-{pid}-{started}"
 
 
 def _stale(folder: Path, host: str) -> bool:
@@ -43,7 +52,10 @@ def _stale(folder: Path, host: str) -> bool:
     made_on, _, pid = owner.rpartition("-")[0].rpartition("-")
     if made_on != host or not pid.isdigit():
         return False
-    return _owner_tag(int(pid)) != owner
+    started = _started(int(pid))
+    if started is None:  # no /proc entry to read: gone, unless it is only hidden from this user
+        return not psutil.pid_exists(int(pid))
+    return f"{host}-{pid}-{started}" != owner
 
 
 def sweep(tmp: str | None = None) -> None:

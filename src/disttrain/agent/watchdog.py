@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from ..wire import Beats, HangReport
+from ..workerenv import rank_file
 from .flight import Recorders
 from .hang import Worker, collect
 from .verdict import verdict
@@ -131,7 +132,7 @@ class Attempt:
         self.world_size = int(next(iter(envs.values())).get("WORLD_SIZE", self.world_size)) if envs else self.world_size
 
     def stacks(self, rank: int) -> Path:
-        return self.run_dir / f"attempt_{self.number}" / f"rank{rank}.stacks"
+        return rank_file(self.run_dir, rank, self.number, "stacks")
 
 
 class Watchdog:

@@ -144,7 +144,7 @@ def handle_logs(args: argparse.Namespace) -> int:
 
     with _store(args) as store:
         record = store.get(args.job)
-        logs = Path(record.log_dir or Path(record.job_dir) / "logs")
+        logs = record.logs
         path = logs / ("job.log" if args.rank is None else f"rank{args.rank}.log")
         if args.rank is not None:
             _check_rank(record, logs, args.rank)

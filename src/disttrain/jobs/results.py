@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DisttrainError
+from ..workerenv import rank_file
 from .layout import JobLayout, private_folder
 from .staging import open_fs
 from .tarballs import pack_dir
@@ -19,11 +20,9 @@ from .tarballs import pack_dir
 
 def final_metrics(logs: Path) -> dict | None:
     """The last JSON object line rank 0 printed (of its last attempt), or None."""
-    from ..agent.logs import rank_log  # imports torch's elastic agent
-
     numbers = (p.name.removeprefix("attempt_") for p in logs.glob("attempt_*"))
     attempts = sorted((int(n) for n in numbers if n.isdigit()), reverse=True)
-    candidates = [rank_log(logs, 0, "stdout", a) for a in attempts]
+    candidates = [rank_file(logs, 0, a, "stdout") for a in attempts]
     candidates.append(logs / "rank0.log")  # the relayed copy, e.g. when the attempt files live on another host
     for path in candidates:
         try:

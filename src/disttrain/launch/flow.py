@@ -419,7 +419,7 @@ class _Supervised:
             if isinstance(decision, Join):  # each says its line as its agent is relayed (membership.joined)
                 self.membership.go(decision.hosts)
             if isinstance(decision, RegroupWithout):
-                self.membership.restart_why = decision.restart_why  # the record's, should the round restart
+                self.membership.rounds.restart_why = decision.restart_why  # the record's, should the round restart
                 for slot in decision.slots:
                     self.stdins.send(self.procs[slot], Regroup(lost=decision.lost, in_place=decision.in_place).to_line())
         return False

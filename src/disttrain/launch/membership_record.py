@@ -1,6 +1,6 @@
 """The record of an elastic job's membership: ``membership.json`` in the run folder, one
 :class:`Change` per change (the start, a host that left, one that joined), and the line the
-launcher says for it. The launcher writes it (:class:`~disttrain.launch.elastic.Membership`);
+launcher says for it. The launcher writes it (:class:`~disttrain.launch.rounds.Rounds`);
 jobs, the web view and the tracker follower read it."""
 
 from __future__ import annotations

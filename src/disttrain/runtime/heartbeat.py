@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from ..workerenv import WorkerEnv
+from ..workerenv import WorkerEnv, rank_file
 
 MIN_INTERVAL_S = 1.0  # an mtime every second is all the watchdog needs
 
@@ -26,10 +26,6 @@ _last = 0.0
 _stacks: TextIO | None = None
 _info = ""
 _steps = 0
-
-
-def stacks_path(run_dir: str | os.PathLike, rank: int, attempt: int) -> Path:
-    return Path(run_dir) / f"attempt_{attempt}" / f"rank{rank}.stacks"
 
 
 def start(env: WorkerEnv) -> None:
@@ -41,7 +37,7 @@ def start(env: WorkerEnv) -> None:
     global _file, _stacks, _info
     if not (env.heartbeat_dir and env.run_dir) or _file is not None:
         return
-    stacks = stacks_path(env.run_dir, env.rank, env.attempt)
+    stacks = rank_file(env.run_dir, env.rank, env.attempt, "stacks")
     stacks.parent.mkdir(parents=True, exist_ok=True)
     _stacks = open(stacks, "w")  # kept open: faulthandler writes to its descriptor from a signal
     faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)

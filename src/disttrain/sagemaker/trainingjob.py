@@ -220,7 +220,7 @@ class TrainingJob:
 
     def logs(self, follow: bool = False) -> None:
         record = self._wait_recorded()
-        path = Path(record.log_dir or Path(record.job_dir) / "logs") / "job.log"
+        path = record.logs / "job.log"
         offset = 0
         while True:
             try:

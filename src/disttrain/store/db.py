@@ -111,6 +111,11 @@ class JobRecord:
     goodput: dict | None = None  # where the job's host-seconds went (disttrain.goodput)
     events: tuple[tuple[str, float], ...] = field(default=())
 
+    @property
+    def logs(self) -> Path:
+        """The folder of the job's log (``job.log``) and its ranks' logs."""
+        return Path(self.log_dir or Path(self.job_dir) / "logs")
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["state"] = str(self.state)

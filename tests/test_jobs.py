@@ -20,6 +20,7 @@ import yaml
 
 from conftest import SCRIPTS, assert_all_gone, cli_env, descendants, disttrain
 from disttrain.jobs import Job
+from disttrain.process_start import started
 from disttrain.store import JobState, JobStore
 
 NOTE = "a b; $(touch /tmp/pwned-job) 'q' \"dq\" `x` | & > <"
@@ -218,7 +219,7 @@ def test_jobs_logs_follow_ends_after_the_runners_last_line(tmp_path, env):
     me = psutil.Process()
     with JobStore(tmp_path / "jobs.db") as store:  # a job whose runner (this test) recorded Stopped
         job = store.create(name="tail", spec={}, job_dir=str(tmp_path / "job"), log_dir=str(logs),
-                           runner_host=socket.gethostname(), runner_pid=me.pid, runner_started=me.create_time())
+                           runner_host=socket.gethostname(), runner_pid=me.pid, runner_started=started(me.pid))
         for state in ("Staging", "Running", "Stopped"):
             store.transition(job.id, JobState(state))
     follow = subprocess.Popen([sys.executable, "-m", "disttrain", "jobs", "logs", "tail", "-f"],
@@ -236,11 +237,11 @@ def test_jobs_logs_follow_ends_after_the_runners_last_line(tmp_path, env):
         follow.kill()
         follow.communicate()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    started = psutil.Process(gone.pid).create_time()
+    began = started(gone.pid)
     gone.wait()
     with JobStore(tmp_path / "jobs.db") as store:  # killed before its last line: nothing to wait for
         job = store.create(name="killed", spec={}, job_dir=str(tmp_path / "job"), log_dir=str(logs),
-                           runner_host=socket.gethostname(), runner_pid=gone.pid, runner_started=started)
+                           runner_host=socket.gethostname(), runner_pid=gone.pid, runner_started=began)
         for state in ("Staging", "Running", "Stopped"):
             store.transition(job.id, JobState(state))
     result = disttrain("jobs", "logs", "killed", "-f", env=env, timeout=30)

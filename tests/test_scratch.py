@@ -13,6 +13,7 @@ import pytest
 
 from conftest import cli_env, disttrain, write
 from disttrain.agent import scratch
+from disttrain.process_start import started
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,10 +28,10 @@ def test_the_sweep_removes_only_the_folders_of_agents_gone_from_this_host(tmp_pa
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     host = scratch._host()
-    started = scratch._started(psutil.Process().pid)
+    mine = started(psutil.Process().pid)
     folders = {
-        "gone": _folder(tmp_path, f"{host}-{gone.pid}-{started}"),
-        "pid reused": _folder(tmp_path, f"{host}-1-{scratch._started(1) - 1}"),
+        "gone": _folder(tmp_path, f"{host}-{gone.pid}-{mine}"),
+        "pid reused": _folder(tmp_path, f"{host}-1-{started(1) - 1}"),
         "running": _folder(tmp_path, scratch._owner_tag(psutil.Process().pid)),
         "another host's": _folder(tmp_path, f"{host[::-1]}-{gone.pid}-{started}"),
     }

@@ -118,20 +118,21 @@ def test_a_job_whose_runner_died_is_marked_failed_when_read(tmp_path):
     import psutil
 
     from disttrain.jobs.control import refresh
+    from disttrain.process_start import started, this_process
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    started = psutil.Process(gone.pid).create_time()
+    began = started(gone.pid)
     gone.wait()
     with JobStore(tmp_path / "jobs.db") as store:
         job = store.create(name="orphan", spec={}, job_dir="/jobs/o", runner_host=socket.gethostname(),
-                           runner_pid=gone.pid, runner_started=started)
+                           runner_pid=gone.pid, runner_started=began)
         store.transition(job.id, JobState.STAGING)
         store.transition(job.id, JobState.RUNNING)
         job = refresh(store, store.get(job.id))
         assert job.state is JobState.FAILED
         assert f"runner (pid {gone.pid} on {socket.gethostname()}) ended without recording" in job.failure
         mine = store.create(name="alive", spec={}, job_dir="/jobs/a", runner_host=socket.gethostname(),
-                            runner_pid=psutil.Process().pid, runner_started=psutil.Process().create_time())
+                            runner_pid=psutil.Process().pid, runner_started=this_process())
         assert refresh(store, mine).state is JobState.PENDING  # its runner (this process) is alive
 
 
@@ -320,3 +321,18 @@ def test_stores_of_one_process_share_a_connection_and_outlive_each_other(tmp_pat
     assert errors == []
     assert {name: len(series) for name, series in first.metric_series(job.id).items()} == {"m0": 50, "m1": 50, "m2": 50}
     first.close()
+
+
+def test_a_runner_recorded_by_an_older_disttrain_is_still_told_alive(tmp_path):
+    """0.7.8 and before recorded a runner's start as psutil's create_time(): such a job that still runs is not
+    marked Failed by this version's `jobs list`."""
+    import socket
+
+    import psutil
+
+    from disttrain.jobs.control import refresh
+
+    with JobStore(tmp_path / "jobs.db") as store:
+        old = store.create(name="old", spec={}, job_dir="/jobs/o", runner_host=socket.gethostname(),
+                           runner_pid=psutil.Process().pid, runner_started=psutil.Process().create_time())
+        assert refresh(store, old).state is JobState.PENDING

@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
+from ..process_start import started
 
 PREFIX = "disttrain-node-"
 
@@ -27,35 +27,22 @@ def _host() -> str:
     return f"{zlib.crc32(socket.gethostname().encode()):08x}"
 
 
-def _started(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``'s 22nd field): fixed for the
-    life of the process. Not ``psutil``'s ``create_time()``, which adds the boot time as the wall clock now
-    puts it: once the clock is stepped or slewed by a second, an agent that still runs reads as gone, and the
-    next agent on the host removed its folder (its recorder and regroup sockets) from under its job."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rpartition(")")[2].split()[19])  # after the command's name, which may hold anything
-
-
 def _owner_tag(pid: int) -> str | None:
-    """``<host>-<pid>-<start>``: the agent, told apart from a later process that reuses its pid
-    (and, should the temporary directory be shared, from an agent of another host)."""
-    started = _started(pid)
-    return None if started is None else f"{_host()}-{pid}-{started}"
+    """``<host>-<pid>-<start>``: the agent, told apart from a later process that reuses its pid (its start in
+    ticks since boot, which no clock step moves: process_start.py), and, should the temporary directory be
+    shared, from an agent of another host."""
+    start = started(pid)
+    return None if start is None else f"{_host()}-{pid}-{start}"
 
 
 def _stale(folder: Path, host: str) -> bool:
-    """Made on this host by an agent that no longer runs."""
+    """Made on this host by an agent that no longer runs (the folders are this user's: their agents' pids
+    are never hidden from it)."""
     owner = folder.name[len(PREFIX):].rpartition("-")[0]  # tempfile's random suffix has no "-"
     made_on, _, pid = owner.rpartition("-")[0].rpartition("-")
     if made_on != host or not pid.isdigit():
         return False
-    started = _started(int(pid))
-    if started is None:  # no /proc entry to read: gone, unless it is only hidden from this user
-        return not psutil.pid_exists(int(pid))
-    return f"{host}-{pid}-{started}" != owner
+    return _owner_tag(int(pid)) != owner
 
 
 def sweep(tmp: str | None = None) -> None:

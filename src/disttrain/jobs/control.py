@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ..errors import DisttrainError
+from ..process_start import same_process
 from ..store import JobRecord, JobState, JobStore, TransitionError
 
 
@@ -25,10 +26,10 @@ def runner_alive(record: JobRecord) -> bool | None:
 
     if record.runner_host != socket.gethostname() or record.runner_pid is None:
         return None
+    if not same_process(record.runner_pid, record.runner_started):
+        return False
     try:
-        process = psutil.Process(record.runner_pid)
-        same = record.runner_started is None or abs(process.create_time() - record.runner_started) < 1.0
-        return same and process.status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(record.runner_pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 

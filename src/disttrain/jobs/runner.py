@@ -26,6 +26,7 @@ from ..launch import Events, Facts, Launcher, Outcome
 from ..launch.membership_record import load_record
 from ..plan.launch import LaunchPlan
 from ..private import private_opener, write_private
+from ..process_start import this_process
 from ..store import JobRecord, JobState, JobStore, TransitionError
 from ..tracking import sink_class
 from ..tracking.follower import RunTracker
@@ -73,7 +74,7 @@ def run_job(spec: JobSpec, *, store: JobStore | str | os.PathLike | None = None,
         layout = job_layout(spec, name)
         record = db.create(
             name=name, spec=spec.to_record(), job_dir=str(layout.root), log_dir=str(layout.logs),
-            runner_host=socket.gethostname(), runner_pid=os.getpid(), runner_started=_started(),
+            runner_host=socket.gethostname(), runner_pid=os.getpid(), runner_started=this_process(),
         )
         output_path = spec.container.output_path or str(jobs_home() / "artifacts")
         return JobRun(spec, db, record, layout, launcher, output_path).run()
@@ -169,12 +170,6 @@ def _instances(layout: JobLayout, facts: Facts) -> list[str]:
     """The instances the nodes of ``facts`` are (an elastic job may start without some)."""
     ranks = facts.node_ranks if facts.node_ranks is not None else range(len(facts.where))
     return [layout.instance_names[rank] for rank in ranks]
-
-
-def _started() -> float:
-    import psutil
-
-    return psutil.Process().create_time()
 
 
 class JobRun(JobBatchStepEvents):

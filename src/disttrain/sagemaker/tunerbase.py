@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DisttrainError, UsageError
+from ..process_start import same_process
 from . import tuning
 from .parameter import ParameterRange
 from .tuning import RUNNER, STATE, TuningConfig
@@ -95,15 +96,10 @@ class TuningJob:
 def _runner_alive(study) -> bool:
     import socket
 
-    import psutil
-
     runner = study.user_attrs.get(RUNNER)
     if not runner or runner.get("host") != socket.gethostname():
         return False
-    try:
-        return abs(psutil.Process(runner["pid"]).create_time() - runner["started"]) < 1.0
-    except psutil.NoSuchProcess:
-        return False
+    return same_process(runner["pid"], runner.get("started"))
 
 
 def log_path(name: str) -> Path:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DisttrainError, UsageError
+from ..process_start import same_process, this_process
 from . import tuning
 from .tuning import ENDED, RUNNER, STATE
 
@@ -61,19 +62,12 @@ class TuningRun:
     # -- the runner's claim on the study ---------------------------------------------------------
     def claim(self) -> None:
         """One loop per tuning job: refuse to start while another one is alive."""
-        import psutil
-
         runner = self.study.user_attrs.get(RUNNER)
         if runner and runner.get("host") == socket.gethostname() and runner.get("pid") != os.getpid():
-            try:
-                alive = abs(psutil.Process(runner["pid"]).create_time() - runner["started"]) < 1.0
-            except psutil.NoSuchProcess:
-                alive = False
-            if alive:
+            if same_process(runner["pid"], runner.get("started")):
                 raise UsageError(f"tuning job {self.name} is being run by pid {runner['pid']}; "
                                  f"stop it first (disttrain tune stop {self.name})")
-        me = psutil.Process()
-        self.study.set_user_attr(RUNNER, {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()})
+        self.study.set_user_attr(RUNNER, {"host": socket.gethostname(), "pid": os.getpid(), "started": this_process()})
         self.study.set_user_attr(STATE, "InProgress")
 
     def adopt(self) -> None:

@@ -3,6 +3,7 @@ SIGKILLed, and then removed by the next agent on the host, never one of an agent
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,11 +34,13 @@ def test_the_sweep_removes_only_the_folders_of_agents_gone_from_this_host(tmp_pa
         "gone": _folder(tmp_path, f"{host}-{gone.pid}-{mine}"),
         "pid reused": _folder(tmp_path, f"{host}-1-{started(1) - 1}"),
         "running": _folder(tmp_path, scratch._owner_tag(psutil.Process().pid)),
-        "another host's": _folder(tmp_path, f"{host[::-1]}-{gone.pid}-{started}"),
+        "another host's": _folder(tmp_path, f"{host[::-1]}-{gone.pid}-{mine}"),
+        "running, named by 0.7.8": _folder(tmp_path, f"{host}-{os.getpid()}-{int(psutil.Process().create_time())}"),
     }
     scratch.sweep(str(tmp_path))
     assert {name: folder.exists() for name, folder in folders.items()} == {
-        "gone": False, "pid reused": False, "running": True, "another host's": True}
+        "gone": False, "pid reused": False, "running": True, "another host's": True,
+        "running, named by 0.7.8": True}
 
 
 def test_a_running_agent_s_folder_outlives_a_step_of_the_wall_clock(tmp_path, monkeypatch):

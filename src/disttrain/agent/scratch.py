@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..process_start import started
+from ..process_start import same_process, started
 
 PREFIX = "disttrain-node-"
 
@@ -40,9 +40,10 @@ def _stale(folder: Path, host: str) -> bool:
     are never hidden from it)."""
     owner = folder.name[len(PREFIX):].rpartition("-")[0]  # tempfile's random suffix has no "-"
     made_on, _, pid = owner.rpartition("-")[0].rpartition("-")
-    if made_on != host or not pid.isdigit():
+    start = owner.rpartition("-")[2]
+    if made_on != host or not pid.isdigit() or not start.isdigit():
         return False
-    return _owner_tag(int(pid)) != owner
+    return not same_process(int(pid), int(start))
 
 
 def sweep(tmp: str | None = None) -> None:

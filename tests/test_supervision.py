@@ -10,6 +10,7 @@ import pytest
 from supervised import Clock, advance, beat_all, elastic, exited, running
 
 from disttrain.launch.policies import (
+    BACKOFF_FIRST_S,
     PROBE_TIMEOUT_S,
     RETRY_FAST_S,
     RETRY_MAX_S,
@@ -305,6 +306,30 @@ def test_a_flapping_host_waits_longer_each_time_up_to_the_cap():
     assert sup.policies[0].backoff.wait("c", clock.now) == 0
 
 
+def test_a_host_lost_just_after_a_slow_join_trained_is_flapping():
+    """Under load a host's start and its round's forming took over a minute: the window counts from its
+    ranks' first step, so a loss right after it is a flap, and one before any step is one too."""
+    for steps in (True, False):
+        sup, clock = ranged(("a", "b", "c"), ("a", "b", "c"))
+        advance(sup, clock, 100)
+        exited(sup, clock, 2, 255, cause="ssh failed")  # long after its first step: no backoff
+        assert sup.policies[0].backoff.wait("c", clock.now) == 0
+        running(sup, clock, attempt=1)
+        until_tried(sup, clock, "c")
+        sup.handle(Event(EventKind.JOINED, at=clock.now, host="c"))
+        row = sup.agents.rows[-1]
+        for _ in range(90):  # admitted 90 s ago; its ranks have not stepped yet
+            clock.now += 1
+            beat_all(sup, clock, progress=clock.now, but=("c",))
+            sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot, progress=None))
+            sup.tick()
+        if steps:
+            sup.handle(Event(EventKind.HEARD, at=clock.now, slot=row.slot, progress=clock.now))
+        clock.now += 1
+        exited(sup, clock, row.slot, 255, cause="ssh failed")
+        assert sup.policies[0].backoff.wait("c", clock.now) == BACKOFF_FIRST_S, steps
+
+
 def test_the_backoffs_bound():
     """After its first flaps, at most one admission per max_s: two regroups per max_s + period."""
     backoff = Backoff()
@@ -312,7 +337,7 @@ def test_the_backoffs_bound():
     while now < 3600:
         admitted.append(now)
         now += 10  # it stays 10 s, then is lost
-        now += backoff.lost("c", joined=now - 10, now=now)
+        now += backoff.lost("c", stepped=now - 10, now=now)
     gaps = [b - a for a, b in zip(admitted, admitted[1:])]
     assert max(gaps) == backoff.max_s + 10 and gaps[4:] == [backoff.max_s + 10] * len(gaps[4:])
     assert len(admitted) <= 3600 / (backoff.max_s + 10) + 5
@@ -326,7 +351,7 @@ def test_the_launchers_knobs_of_seconds_are_read_whole_or_refused_in_one_line(mo
     assert (backoff().first_s, backoff().max_s) == (10, 120)
     monkeypatch.setenv("DISTTRAIN_BACKOFF_S", "2.5")
     flaps = backoff()
-    assert [flaps.lost("c", joined=0, now=t) for t in (1, 2, 3)] == [2.5, 5, 10]
+    assert [flaps.lost("c", stepped=0, now=t) for t in (1, 2, 3)] == [2.5, 5, 10]
     monkeypatch.setenv("DISTTRAIN_BACKOFF_S", "300")  # above the usual cap: the cap is the first wait
     assert (backoff().first_s, backoff().max_s) == (300, 300)
     monkeypatch.delenv("DISTTRAIN_PROBE_S", raising=False)

@@ -44,7 +44,7 @@ SLOW_S = 60.0  # an agent whose connection its transport keeps alive (ssh) is sl
 # live one's kernel answers at once, however loaded.
 PROBE_AFTER_S = 1.3
 PROBE_TIMEOUT_S = 0.8
-FLAP_WINDOW_S = 60.0  # a host lost within this long of joining is flapping
+FLAP_WINDOW_S = 60.0  # a host lost within this long of its first step (or before one) is flapping
 BACKOFF_FIRST_S = 10.0  # the wait before admitting a flapping host again: this, doubled each flap,
 BACKOFF_MAX_S = 120.0  # up to this
 RETRY_S = 3.0  # a host not running is tried this long after it was seen out, and again after each miss,
@@ -116,7 +116,7 @@ class Backoff:
     """When a host not running may be tried: :data:`RETRY_S` after it was seen out and after each try
     it did not answer, for :data:`RETRY_FAST_S`; then twice as long after each miss (up to
     :data:`RETRY_MAX_S`); each wait times the host's :func:`retry_phase`. And a flapping host's wait
-    on top: each loss within :data:`FLAP_WINDOW_S` of joining doubles it, capped.
+    on top: each loss within :data:`FLAP_WINDOW_S` of its first step (or before it) doubles it, capped.
 
     The bound: after its first flaps a host is admitted at most once every ``max_s`` seconds, so a
     host that flaps every P seconds costs the others at most two regroups (its join, its loss) per
@@ -155,9 +155,12 @@ class Backoff:
     def due(self, host: str, now: float) -> bool:
         return self.retry_at.get(host, now) <= now and self.wait(host, now) <= 0
 
-    def lost(self, host: str, *, joined: float, now: float) -> float:
-        """Host ``host`` (joined at ``joined``) was lost at ``now``: the wait before it is admitted again."""
-        if now - joined > self.window_s:
+    def lost(self, host: str, *, stepped: float | None, now: float) -> float:
+        """Host ``host``, whose ranks first stepped at ``stepped`` (None: never), was lost at ``now``: the
+        wait before it is admitted again. The window counts from its first step, not its admission: under
+        load a host's start and its round's forming took over a minute, and one lost right after it
+        trained was taken for a stable host."""
+        if stepped is not None and now - stepped > self.window_s:
             self.flaps.pop(host, None)
             self.not_before.pop(host, None)
             return 0.0
@@ -283,13 +286,13 @@ class Elastic:
                 return None
             sup.agents.move(row.slot, AgentState.LOST, f"its agent said nothing for {silent:.1f} s and its host "
                             f"took no connection within {self.probe_s:g} s (power or network lost)")
-            self.backoff.lost(row.host, joined=row.joined, now=event.at)
+            self.backoff.lost(row.host, stepped=row.first_step, now=event.at)
             return self._regroup(sup, (row,), event)
         if event.kind is EventKind.EXITED and event.code != 0:
             row = sup.agents[event.slot]
             if row.state is AgentState.FAILED:  # its workers failed: the job's failure, as without a range
                 return Stop(code=event.code, reason="its workers failed", slot=event.slot)
-            self.backoff.lost(row.host, joined=row.joined, now=event.at)
+            self.backoff.lost(row.host, stepped=row.first_step, now=event.at)
             return self._regroup(sup, (row,), event)
         if event.kind is EventKind.TICK:
             limit = sup.silence_limit()
@@ -303,14 +306,14 @@ class Elastic:
                 for row in silent:
                     sup.agents.move(row.slot, AgentState.LOST, f"its agent said nothing for {cut:.0f} s" + (
                         ", its connection up (stuck)" if self.slow_s is not None else ""))
-                    self.backoff.lost(row.host, joined=row.joined, now=event.at)
+                    self.backoff.lost(row.host, stepped=row.first_step, now=event.at)
                 return self._regroup(sup, tuple(silent), event)
             stopped = sup.held(event.at)
             if stopped and len(stopped) < len(sup.agents.live()):  # a whole job suspended waits as one
                 for row in stopped:
                     sup.agents.move(row.slot, AgentState.LOST, f"its {ranks_said(row.held)} stopped by a signal "
                                     f"(SIGSTOP) for {event.at - row.held_since:.0f} s")
-                    self.backoff.lost(row.host, joined=row.joined, now=event.at)
+                    self.backoff.lost(row.host, stepped=row.first_step, now=event.at)
                 return self._regroup(sup, tuple(stopped), event)
             if stopped and not stopped[0].held_said:
                 return held_notice(stopped[0], event.at)

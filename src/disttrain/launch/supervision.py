@@ -94,6 +94,7 @@ class Agent:
     attempt: int | None = None  # its workers' current round (or the in-place round planned for them)
     ranks: tuple[int, ...] = ()  # its workers' global ranks in that round
     stepped: bool = False  # its ranks have stepped, in some round
+    first_step: float | None = None  # the launcher's clock: when they first did (a join's worth begins there)
     progress: float | None = None  # the launcher's clock: its ranks' freshest progress
     steps: dict[int, int] = field(default_factory=dict)  # rank -> steps, in the current round
     why: str | None = None  # a final state's cause, as the record says it
@@ -350,6 +351,8 @@ class Supervisor:
             if event.progress is not None:
                 row.progress = event.progress if row.progress is None else max(row.progress, event.progress)
                 row.stepped = True
+                if row.first_step is None:
+                    row.first_step = event.at
                 if self.trained_at is None:
                     self.trained_at = event.at
             if event.steps:

@@ -51,6 +51,7 @@ from .. import torchcompat
 from ..inplace import FALLBACK_EXIT, JOIN_ENV, STACKS_SIGNAL_OFFSET, Plan, formed, join_timeout_s, socket_path
 from ..wire import InPlace
 from ..workerenv import ROUND_COUNTER
+from . import first_round
 from .logs import RankLogs
 
 SETTLE_S = 5.0  # a failure of the workers waits this long for the launcher to name a lost host
@@ -58,8 +59,6 @@ KILL_WAIT_S = 5  # for workers SIGKILLed on a regroup to be gone
 GROW_JOIN_S = 120  # kept workers wait this long for a joining node's new ones (they start Python and torch)
 TOLD_MARGIN_S = 15  # past a told worker's own limit: its own fallback (a line, FALLBACK_EXIT) comes first
 STACKS_WAIT_S = 1  # for a stuck worker's stack to be written before it is ended
-START_GATHER_S = 60  # the job's first round waits this long at most for every node started with the job
-ARRIVED_KEY = "disttrain/arrived"  # nodes that came to the job's first rendezvous
 FELL_BACK_KEY = "disttrain/fell_back/{}"  # set by a node whose workers' in-place round (number) did not form
 
 
@@ -112,30 +111,6 @@ def round_fell_back(store: Store, attempt: int) -> bool:
     ``store`` is any round's; a node says it before its next rendezvous, so it is there once that
     round has formed."""
     return _shared(store).check([FELL_BACK_KEY.format(attempt)])
-
-
-def gather_at_start(endpoint: str, nodes: int, limit_s: float = START_GATHER_S, *,
-                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> int:
-    """Before its first rendezvous, a node says it came, on the launcher's store at ``endpoint``, and
-    waits until the ``nodes`` started with the job all did, or a round already formed (this node joins
-    a running job), or ``limit_s`` passed (a node lost at the start). How many had come.
-
-    torch's c10d rendezvous completes a round ``last_call_timeout`` (1 s here) after its last arrival
-    once the minimum is in. Under load the nodes' agents arrive seconds apart (ssh, Python, torch, each
-    at a share of a core), and each late one then restarts every worker for a round with it: five
-    rounds before the first step were seen at a load of 12."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    host, port = endpoint.rsplit(":", 1)
-    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=max(limit_s, 1)))
-    came = store.add(ARRIVED_KEY, 1)
-    end = clock() + limit_s
-    while came < nodes and store.add(ROUND_COUNTER, 0) == 0 and clock() < end:
-        sleep(0.2)
-        came = store.add(ARRIVED_KEY, 0)
-    return came
 
 
 def job_attempt(store: Store, group_rank: int) -> int:
@@ -338,12 +313,14 @@ class ElasticNodeAgent(LocalElasticAgent):
             super()._stop_workers(worker_group, *args, **kwargs)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        gathered = 0
         if self._gather is not None:
             with contextlib.suppress(RuntimeError):  # the store not answering: torch's rendezvous says so itself
-                gather_at_start(*self._gather)
+                gathered = first_round.gather_at_start(*self._gather)
             self._gather = None
         previous = self._attempt
-        super()._rendezvous(worker_group)
+        with first_round.settings_for(worker_group.spec.rdzv_handler, gathered):  # 0: not the first round
+            super()._rendezvous(worker_group)
         attempt = self._attempt = job_attempt(worker_group.store, worker_group.group_rank)
         if self._in_place_round and round_fell_back(worker_group.store, previous):
             self._in_place_round = False

@@ -1,0 +1,69 @@
+"""The first round of an elastic job that disttrain placed: every node started with the job in it.
+
+torch's c10d rendezvous completes a round ``last_call_timeout`` (1 s here: the regroups' pace)
+after its minimum of nodes joined. Under load the nodes' agents come seconds apart (ssh, Python,
+torch, each at a share of a core), and each late one then restarts every worker for a round with
+it: five rounds before the first step were seen at a load of 12. So a node first says it came, on
+the launcher's store, and waits for the others (:func:`gather_at_start`). Even gathered they join
+torch's rendezvous a moment apart, and a process starved for over a second (CI, at a load past
+10) still missed the first round; so that round's settings are the gathered nodes'
+(:func:`settings_for`): it is complete once all of them joined, or :data:`FIRST_LAST_CALL_S` after
+its minimum did (one lost in between).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+from ..workerenv import ROUND_COUNTER
+
+START_GATHER_S = 60  # the job's first round waits this long at most for every node started with the job
+FIRST_LAST_CALL_S = 30  # ...and, gathered, this long after its minimum joined for the rest
+ARRIVED_KEY = "disttrain/arrived"  # nodes that came to the job's first rendezvous
+
+
+def gather_at_start(endpoint: str, nodes: int, limit_s: float = START_GATHER_S, *,
+                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> int:
+    """Before its first rendezvous, a node says it came, on the launcher's store at ``endpoint``, and
+    waits until the ``nodes`` started with the job all did, or a round already formed (this node joins
+    a running job: 0), or ``limit_s`` passed (a node lost at the start). How many had come."""
+    from torch.distributed import TCPStore
+
+    host, port = endpoint.rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=max(limit_s, 1)))
+    came = store.add(ARRIVED_KEY, 1)
+    end = clock() + limit_s
+    while store.add(ROUND_COUNTER, 0) == 0:
+        if came >= nodes or clock() >= end:
+            return came
+        sleep(0.2)
+        came = store.add(ARRIVED_KEY, 0)
+    return 0
+
+
+@contextlib.contextmanager
+def settings_for(handler: Any, gathered: int) -> Iterator[None]:
+    """Within the block, torch's dynamic rendezvous ``handler`` completes its round once ``gathered``
+    nodes joined (its maximum), or :data:`FIRST_LAST_CALL_S` after its minimum did; its own settings
+    again after. A handler without those settings (another backend), or a count outside its range,
+    is left as it is.
+
+    torch reads the settings at each step of the join (the deadline is set by the node that brings
+    the minimum, the completion by whichever node sees it), so every gathered node sets them alike."""
+    settings = getattr(handler, "_settings", None)
+    timeout = getattr(settings, "timeout", None)
+    if not hasattr(timeout, "_last_call") or not settings.min_nodes <= gathered <= settings.max_nodes:
+        yield
+        return
+    kept = settings.max_nodes, timeout._last_call
+    object.__setattr__(settings, "max_nodes", gathered)  # a frozen dataclass, shared by the handler's parts
+    timeout._last_call = timedelta(seconds=FIRST_LAST_CALL_S)
+    try:
+        yield
+    finally:
+        object.__setattr__(settings, "max_nodes", kept[0])
+        timeout._last_call = kept[1]

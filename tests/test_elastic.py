@@ -6,6 +6,7 @@ tests/test_elastic_slurm.py (a namespace Slurm cluster); what they share, tests/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -320,7 +321,7 @@ def test_the_first_round_waits_for_every_node_started_with_the_job():
     at the start, past the limit (a fake clock)."""
     import torch.distributed as dist
 
-    from disttrain.agent.first_round import gather_at_start
+    from disttrain.agent.gathering import gather_at_start
     from disttrain.net import free_port
     from disttrain.workerenv import ROUND_COUNTER
 
@@ -350,39 +351,58 @@ def test_the_first_round_waits_for_every_node_started_with_the_job():
     del alone
 
 
-def _rendezvous_nodes(port: int, count: int) -> list:
+@contextlib.contextmanager
+def _rendezvous_nodes(count: int):
     """``count`` nodes' handlers of torch's own c10d rendezvous (2 to 3 nodes, a 1 s last call, as
-    disttrain's elastic jobs have it), on the store at ``port``."""
+    disttrain's elastic jobs have it), on a store of their own; their heartbeats stopped after."""
+    import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+    from disttrain.net import free_port
+
+    port = free_port("127.0.0.1")
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
     handlers = []
     for _ in range(count):
         params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="job", min_nodes=2,
                                       max_nodes=3, is_host=False, last_call_timeout=1, join_timeout=30)
         backend, store = create_backend(params)
         handlers.append(create_handler(store, backend, params))
-    return handlers
+    try:
+        yield handlers
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+        del server
 
 
-def _join_at(handlers, delays, gathered, worlds) -> list[threading.Thread]:
-    from disttrain.agent.first_round import settings_for
+def _join_at(handlers, delays, expected) -> list:
+    """Each handler joins its next round ``delays`` seconds from now, waiting for ``expected`` nodes
+    (0: torch's own settings); the world size each got, or the error it raised."""
+    from disttrain.agent.gathering import expecting
+
+    worlds: list = []
 
     def join(handler, delay):
         time.sleep(delay)
-        with settings_for(handler, gathered):
+        with expecting(handler, expected):
             try:
-                info = handler.next_rendezvous()
-            except Exception as err:  # noqa: BLE001 -- the control's late node: its round closed
+                worlds.append(handler.next_rendezvous().world_size)
+            except Exception as err:  # noqa: BLE001 -- the late node of torch's own: its next round never comes
                 worlds.append(type(err).__name__)
-                return
-        worlds.append(info.world_size)
 
     threads = [threading.Thread(target=join, args=(h, d), daemon=True) for h, d in zip(handlers, delays)]
     for thread in threads:
         thread.start()
-    return threads
+    for thread in threads[:2]:
+        thread.join(40)
+    if len(worlds) < len(threads):
+        threads[-1].join(5)
+        handlers[0].set_closed()
+        threads[-1].join(20)
+    return worlds
 
 
 @pytest.mark.timeout(120)
@@ -390,44 +410,17 @@ def test_the_first_round_holds_every_node_gathered_though_one_joins_late(monkeyp
     """Gathered, the nodes still join torch's rendezvous a moment apart, and one starved past the last
     call (1 s) missed the first round: CI's, at a load past 10, formed 2 of 3 and 3 of 4, and each late
     node restarted every worker. Provoked here with torch's own rendezvous: a node 3 s late."""
-    import torch.distributed as dist
+    from disttrain.agent import gathering
 
-    from disttrain.agent import first_round
-    from disttrain.net import free_port
-
-    port = free_port("127.0.0.1")
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
-    # torch's own settings: the round forms without the late node (it then waits for the next round)
-    worlds: list = []
-    handlers = _rendezvous_nodes(port, 3)
-    threads = _join_at(handlers, (0, 0, 3), 0, worlds)
-    for thread in threads[:2]:
-        thread.join(20)
-    assert worlds == [2, 2]
-    threads[2].join(5)
-    handlers[0].set_closed()  # the late node waits for a next round: none comes
-    threads[2].join(20)
-    assert worlds == [2, 2, "RendezvousClosedError"]
-
-    port = free_port("127.0.0.1")
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
-    worlds = []
-    for thread in _join_at(_rendezvous_nodes(port, 3), (0, 0, 3), 3, worlds):
-        thread.join(40)
-    assert worlds == [3, 3, 3]  # the gathered nodes' first round: all of them, at once when the last came
-
-    # one of them lost between the gather and the rendezvous: the others go on after the last call
-    monkeypatch.setattr(first_round, "FIRST_LAST_CALL_S", 2)
-    port = free_port("127.0.0.1")
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
-    worlds = []
-    handlers = _rendezvous_nodes(port, 2)
-    for thread in _join_at(handlers, (0, 0), 3, worlds):
-        thread.join(20)
-    assert worlds == [2, 2]
-    settings = handlers[0]._settings  # its own settings again for the rounds after
-    assert (settings.max_nodes, settings.timeout.last_call) == (3, timedelta(seconds=1))
-    del server
+    with _rendezvous_nodes(3) as handlers:  # torch's own settings: the round forms without the late node
+        assert _join_at(handlers, (0, 0, 3), 0) == [2, 2, "RendezvousClosedError"]
+    with _rendezvous_nodes(3) as handlers:  # the gathered nodes' first round: all, at once when the last came
+        assert _join_at(handlers, (0, 0, 3), 3) == [3, 3, 3]
+    monkeypatch.setattr(gathering, "LAST_CALL_S", 2)
+    with _rendezvous_nodes(2) as handlers:  # one lost between the gather and the rendezvous: after the last call
+        assert _join_at(handlers, (0, 0), 3) == [2, 2]
+        settings = handlers[0]._settings  # its own settings again for the rounds after
+        assert (settings.max_nodes, settings.timeout.last_call) == (3, timedelta(seconds=1))
 
 
 def test_torch_builds_its_agent_where_disttrain_replaces_it():

@@ -51,7 +51,7 @@ from .. import torchcompat
 from ..inplace import FALLBACK_EXIT, JOIN_ENV, STACKS_SIGNAL_OFFSET, Plan, formed, join_timeout_s, socket_path
 from ..wire import InPlace
 from ..workerenv import ROUND_COUNTER
-from . import first_round
+from . import gathering
 from .logs import RankLogs
 
 SETTLE_S = 5.0  # a failure of the workers waits this long for the launcher to name a lost host
@@ -313,13 +313,13 @@ class ElasticNodeAgent(LocalElasticAgent):
             super()._stop_workers(worker_group, *args, **kwargs)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        gathered = 0
+        gathered = 0  # the job's first round waits for the nodes gathered (see .gathering); the others, torch's way
         if self._gather is not None:
             with contextlib.suppress(RuntimeError):  # the store not answering: torch's rendezvous says so itself
-                gathered = first_round.gather_at_start(*self._gather)
+                gathered = gathering.gather_at_start(*self._gather)
             self._gather = None
         previous = self._attempt
-        with first_round.settings_for(worker_group.spec.rdzv_handler, gathered):  # 0: not the first round
+        with gathering.expecting(worker_group.spec.rdzv_handler, gathered):
             super()._rendezvous(worker_group)
         attempt = self._attempt = job_attempt(worker_group.store, worker_group.group_rank)
         if self._in_place_round and round_fell_back(worker_group.store, previous):

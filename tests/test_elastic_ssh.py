@@ -89,7 +89,8 @@ def test_a_host_down_at_the_start_joins_when_it_comes_back(cluster3, tmp_path):
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
     assert accounting["redone_steps"] == 0, accounting
     record = record_of(tmp_path)
-    assert [(c["change"], c["path"]) for c in record] == [("start", None), ("joined", "in place")], record
+    assert [(c["change"], c["path"]) for c in record] == [("start", None), ("joined", "in place")], \
+        f"{brief(record)}\n{err[-3000:]}\n{logs_after(tmp_path, -1)}"
     assert "regrouped in place" in line, line
     # the two hosts that ran on are the processes they were; the new one took the state from them
     first, last = accounting["attempts"][0]["attempt"], record[1]["attempt"]
@@ -334,7 +335,12 @@ def test_a_second_loss_during_a_regroup_is_one_more_round_in_place(cluster4, tmp
         f"{brief(record)}\n{logs_after(tmp_path, record[2]['attempt'])}"
     accounting = bench.account(out, 240)
     assert accounting["missing"] == {} and accounting["extra"] == accounting["expected_extra"], accounting
-    assert accounting["redone_steps"] == 0 and accounting["attempts"][1]["world_size"] == 2, accounting
+    # The loss's round goes on from memory. node2 let in again may come between two epochs' steps (CI's
+    # did, at the job's last step): its round then loads the newest checkpoint, as said, and redoes its steps.
+    attempts = accounting["attempts"]
+    assert attempts[1]["world_size"] == 2 and attempts[0]["redone_after"] == 0, accounting
+    assert all(a["redone_after"] == 0 for a in attempts[1:]) or \
+        "regrouped in place; it came between two epochs' steps: loading the newest checkpoint" in err, accounting
     for attempt in accounting["attempts"]:  # node0's and node1's workers: the processes they were
         pids = [json.loads((out / f"attempt{attempt['attempt']}_rank{r}.start").read_text())["pid"] for r in (0, 1)]
         assert pids == [json.loads((out / f"attempt0_rank{r}.start").read_text())["pid"] for r in (0, 1)], attempt
@@ -364,7 +370,7 @@ def test_a_2_2_partition_leaves_one_side_training_and_nothing_trained_twice(clus
     assert code == 0, err[-4000:]
     record = record_so_far(tmp_path)
     away = {node.ip for node in hosts[2:]}
-    assert record[0]["world_size"] == 4 and {c["host"] for c in record[1:]} == away, record
+    assert record[0]["world_size"] == 4 and {c["host"] for c in record[1:]} == away, f"{brief(record)}\n{err[-3000:]}"
     assert [c["change"] for c in record[1:]] == ["left", "left"] and record[-1]["world_size"] == 2, record
     assert record[-1]["path"] == "in place" and record[-1]["hosts"] == [n.ip for n in hosts[:2]], record
     accounting = bench.account(out, 240)

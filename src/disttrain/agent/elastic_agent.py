@@ -23,6 +23,7 @@ dropped, the agent killed) and sends :class:`~disttrain.wire.Regroup`; this agen
 - when an in-place round fell back on any node (its group did not form: a member that never came,
   as a survivor stuck before it took the word), restarts its workers in the next round like every
   other node: that round keeps nobody (:data:`FELL_BACK_KEY`);
+- holds the job's first round for every node started with it (:mod:`.gathering`);
 - numbers every round for the whole job (:func:`job_attempt`), the same on every node, since
   torch's restart count does not move on membership changes, and says each round's world to
   the launcher (:class:`~disttrain.wire.AttemptStarted`).

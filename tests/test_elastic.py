@@ -354,7 +354,8 @@ def test_the_first_round_waits_for_every_node_started_with_the_job():
 @contextlib.contextmanager
 def _rendezvous_nodes(count: int):
     """``count`` nodes' handlers of torch's own c10d rendezvous (2 to 3 nodes, a 1 s last call, as
-    disttrain's elastic jobs have it), on a store of their own; their heartbeats stopped after."""
+    disttrain's elastic jobs have it), on a store of their own at the port given; their heartbeats
+    stopped after."""
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
@@ -371,7 +372,7 @@ def _rendezvous_nodes(count: int):
         backend, store = create_backend(params)
         handlers.append(create_handler(store, backend, params))
     try:
-        yield handlers
+        yield port, handlers
     finally:
         for handler in handlers:
             handler.shutdown()
@@ -412,15 +413,69 @@ def test_the_first_round_holds_every_node_gathered_though_one_joins_late(monkeyp
     node restarted every worker. Provoked here with torch's own rendezvous: a node 3 s late."""
     from disttrain.agent import gathering
 
-    with _rendezvous_nodes(3) as handlers:  # torch's own settings: the round forms without the late node
+    with _rendezvous_nodes(3) as (_, handlers):  # torch's own settings: the round forms without the late node
         assert _join_at(handlers, (0, 0, 3), 0) == [2, 2, "RendezvousClosedError"]
-    with _rendezvous_nodes(3) as handlers:  # the gathered nodes' first round: all, at once when the last came
+    with _rendezvous_nodes(3) as (_, handlers):  # the gathered nodes' first round: all, at once when the last came
         assert _join_at(handlers, (0, 0, 3), 3) == [3, 3, 3]
     monkeypatch.setattr(gathering, "LAST_CALL_S", 2)
-    with _rendezvous_nodes(2) as handlers:  # one lost between the gather and the rendezvous: after the last call
+    with _rendezvous_nodes(2) as (_, handlers):  # one lost between the gather and the rendezvous: after the last call
         assert _join_at(handlers, (0, 0), 3) == [2, 2]
         settings = handlers[0]._settings  # its own settings again for the rounds after
         assert (settings.max_nodes, settings.timeout.last_call) == (3, timedelta(seconds=1))
+
+
+_NEWCOMER = """
+import os
+import sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from disttrain.agent.gathering import expecting
+
+params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="job", min_nodes=2, max_nodes=3,
+                              is_host=False, last_call_timeout=1, join_timeout=30)
+handler = create_handler(*reversed(create_backend(params)), params)
+with expecting(handler, None if sys.argv[2] == "as-many-as-come" else 0):
+    try:
+        print(handler.next_rendezvous().world_size, flush=True)
+    except Exception as err:
+        print(type(err).__name__, flush=True)
+os._exit(0)  # no shutdown: it would close the round the members are in
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_round_that_grows_holds_a_newcomer_that_looks_late(monkeypatch):
+    """A node waits to join a round of two. When both members left it, torch opens the next round; each
+    node waiting looks at it once a second, and the round is complete 1 s after its second node
+    joined: a newcomer starved past that (stopped here for 3 s, a process at a share of a core) is
+    left out and restarts every worker for one more round. Each member waits for the members and the
+    nodes waiting, the newcomer for as many as come: one round of three."""
+    from disttrain.agent.node import NO_SHARED_STORE
+
+    monkeypatch.setenv(NO_SHARED_STORE, "1")  # as disttrain's agents run it: each round says its own address
+    for members_expect, newcomer_expects, want in ((0, "torch", (2, "RendezvousClosedError")),
+                                                   (3, "as-many-as-come", (3, "3"))):
+        with _rendezvous_nodes(2) as (port, members):
+            assert _join_at(members, (0, 0), 0) == [2, 2]
+            newcomer = subprocess.Popen([sys.executable, "-c", _NEWCOMER, f"127.0.0.1:{port}", newcomer_expects],
+                                        stdout=subprocess.PIPE, text=True)
+            try:
+                deadline = time.monotonic() + 60
+                while members[0].num_nodes_waiting() == 0:
+                    assert time.monotonic() < deadline and newcomer.poll() is None, "the newcomer never waited"
+                    time.sleep(0.1)
+                newcomer.send_signal(signal.SIGSTOP)
+                threading.Timer(3, newcomer.send_signal, (signal.SIGCONT,)).start()
+                worlds = _join_at(members, (0, 0), members_expect)
+                assert worlds == [want[0]] * 2, members_expect
+                if want[0] == 2:
+                    time.sleep(4)  # the newcomer, back, waits for a next round: none comes
+                    members[0].set_closed()
+                assert newcomer.communicate(timeout=40)[0].strip() == want[1]
+            finally:
+                newcomer.kill()
+                newcomer.wait()
 
 
 def test_torch_builds_its_agent_where_disttrain_replaces_it():

@@ -23,7 +23,8 @@ dropped, the agent killed) and sends :class:`~disttrain.wire.Regroup`; this agen
 - when an in-place round fell back on any node (its group did not form: a member that never came,
   as a survivor stuck before it took the word), restarts its workers in the next round like every
   other node: that round keeps nobody (:data:`FELL_BACK_KEY`);
-- holds the job's first round for every node started with it (:mod:`.gathering`);
+- holds the job's first round for every node started with it, and a round that grows for its
+  members and newcomers (:mod:`.gathering`);
 - numbers every round for the whole job (:func:`job_attempt`), the same on every node, since
   torch's restart count does not move on membership changes, and says each round's world to
   the launcher (:class:`~disttrain.wire.AttemptStarted`).
@@ -230,8 +231,9 @@ class ElasticNodeAgent(LocalElasticAgent):
             return
         pids = {worker.local_rank: worker.id for worker in worker_group.workers}
         self._in_place_round = True
-        try:
-            self._rendezvous(worker_group)  # the round with the new node: this node's new ranks
+        waiting = worker_group.spec.rdzv_handler.num_nodes_waiting()
+        try:  # the round with the new node: this node's new ranks
+            self._rendezvous(worker_group, expected=worker_group.group_world_size + waiting)
             kept = self._in_place_round
         except RendezvousClosedError:
             # Another node's agent ended (its workers done: the job finished there) while this one met
@@ -313,14 +315,17 @@ class ElasticNodeAgent(LocalElasticAgent):
         else:  # torch's stop (SIGTERM, then the grace): a round that grows lets disttrain.resume() save
             super()._stop_workers(worker_group, *args, **kwargs)
 
-    def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        gathered = 0  # the job's first round waits for the nodes gathered (see .gathering); the others, torch's way
+    def _rendezvous(self, worker_group: WorkerGroup, expected: int | None = 0) -> None:
+        """torch's rendezvous, for a round that waits for ``expected`` nodes (:mod:`.gathering`; 0:
+        torch's own round, None: as many as come): the job's first waits for the nodes gathered, a
+        node's first in a running job for as many as come, one that grows for its members and the
+        nodes waiting."""
         if self._gather is not None:
             with contextlib.suppress(RuntimeError):  # the store not answering: torch's rendezvous says so itself
-                gathered = gathering.gather_at_start(*self._gather)
+                expected = gathering.gather_at_start(*self._gather) or None
             self._gather = None
         previous = self._attempt
-        with gathering.expecting(worker_group.spec.rdzv_handler, gathered):
+        with gathering.expecting(worker_group.spec.rdzv_handler, expected):
             super()._rendezvous(worker_group)
         attempt = self._attempt = job_attempt(worker_group.store, worker_group.group_rank)
         if self._in_place_round and round_fell_back(worker_group.store, previous):

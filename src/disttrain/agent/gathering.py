@@ -1,15 +1,17 @@
-"""The first round of an elastic job that disttrain placed waits for every node started with the job.
+"""The nodes a round of an elastic job that disttrain placed waits for: every node started with the
+job, for its first round; its members and the nodes waiting to join, for a round that grows.
 
 torch's c10d rendezvous completes a round ``last_call_timeout`` (1 s here: the regroups' pace)
-after its minimum of nodes joined. Under load the nodes' agents come seconds apart (ssh, Python,
-torch, each at a share of a core), and each late one then restarts every worker for a round with
-it: five rounds before the first step were seen at a load of 12. So a node first says it came, on
-the launcher's store, and waits for the others (:func:`gather_at_start`). Even gathered they join
-torch's rendezvous a moment apart, and a process starved for over a second (CI, at a load past
-10) still missed it. So that round's settings are the gathered nodes' (:func:`expecting`): it is
-complete once all of them joined, or :data:`LAST_CALL_S` after its minimum did (one lost in
-between). A round that grows needs none of this: torch opens it only once its last member left the
-round before, and that member joins it at once.
+after its minimum of nodes joined, and a node waiting for a round looks at it once a second. Under
+load the nodes' agents come seconds apart (ssh, Python, torch, each at a share of a core), and each
+late one then restarts every worker for a round with it: five rounds before the first step were
+seen at a load of 12. So a node first says it came, on the launcher's store, and waits for the
+others (:func:`gather_at_start`). Even gathered they join torch's rendezvous a moment apart, and a
+process starved for over a second (CI, at a load past 10) still missed the first round; so may a
+member or a newcomer miss the round that grows (the members that left the round before first and
+the newcomer each look once a second). So such a round's settings are those of the nodes it waits
+for (:func:`expecting`): it is complete once all of them joined, or :data:`LAST_CALL_S` after its
+minimum did (one lost in between).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from ..workerenv import ROUND_COUNTER
 
 START_GATHER_S = 60  # the job's first round waits this long at most for every node started with the job
-LAST_CALL_S = 30  # ...and, gathered, this long after its minimum joined for the rest
+LAST_CALL_S = 10  # a round that waits for known nodes: this long after its minimum joined, for the rest
 ARRIVED_KEY = "disttrain/arrived"  # nodes that came to the job's first rendezvous
 
 
@@ -47,23 +49,24 @@ def gather_at_start(endpoint: str, nodes: int, limit_s: float = START_GATHER_S, 
 
 
 @contextlib.contextmanager
-def expecting(handler: Any, nodes: int) -> Iterator[None]:
-    """Within the block, a round of torch's dynamic rendezvous ``handler`` waits for ``nodes``: it is
-    complete once they all joined (its maximum, for the block), or :data:`LAST_CALL_S` after its
-    minimum did. Its own settings again after; with fewer ``nodes`` than its minimum (0: not the
-    first round), or a handler without those settings (another backend), it is left as it is.
+def expecting(handler: Any, nodes: int | None) -> Iterator[None]:
+    """Within the block, a round of torch's dynamic rendezvous ``handler`` waits for ``nodes`` (None:
+    as many as come, up to its maximum: a node joining a running job, which knows no count): it is
+    complete once they all joined, or :data:`LAST_CALL_S` after its minimum did. Its own settings
+    again after; with fewer ``nodes`` than its minimum (0: torch's own round), or a handler without
+    those settings (another backend), it is left as it is.
 
     torch reads the settings at each step of the join, each node its own: the deadline is set by the
     node that brings the minimum, the completion at the maximum by whichever node sees it; so every
-    gathered node sets them alike."""
+    node of such a round sets them."""
     settings = getattr(handler, "_settings", None)
     timeout = getattr(settings, "timeout", None)
-    if not hasattr(timeout, "_last_call") or not settings.min_nodes <= nodes:
+    if not hasattr(timeout, "_last_call") or nodes is not None and nodes < settings.min_nodes:
         yield
         return
     kept = settings.max_nodes, timeout._last_call
     # a frozen dataclass, shared by the handler's parts
-    object.__setattr__(settings, "max_nodes", min(nodes, settings.max_nodes))
+    object.__setattr__(settings, "max_nodes", min(nodes or settings.max_nodes, settings.max_nodes))
     timeout._last_call = timedelta(seconds=LAST_CALL_S)
     try:
         yield

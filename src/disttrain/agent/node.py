@@ -159,8 +159,9 @@ def _elastic(plan: LaunchPlan, node: NodePlan, link: Role, attempt: Attempt, sto
                                  ranks=ranks, in_place=in_place, why=why).to_line())
 
     store = f"{plan.master_addr}:{plan.master_port}"
-    # The launcher holds the store and started the nodes, unless they were started by hand.
-    gather = None if plan.by_hand or len(plan.nodes) < 2 else (store, len(plan.nodes))
+    # The launcher holds the store and started the nodes, unless they were started by hand (a node that
+    # joins a running job learns it there too: its first round waits for as many as come).
+    gather = None if plan.by_hand else (store, len(plan.nodes))
     return elastic_agent.installed(regroups=link.regroups, on_attempt=on_attempt, host=node.name, sockets=sockets,
                                    store=store if sockets else "", gather=gather)
 

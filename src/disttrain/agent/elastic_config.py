@@ -19,8 +19,9 @@ def endpoint(plan: LaunchPlan) -> str:
 # An elastic job that disttrain placed (--hosts, Slurm, a job's instances): a lost node leaves the
 # c10d rendezvous when its heartbeat is keep_alive_interval x keep_alive_max_attempt old (torch:
 # 5 s x 3), and a round with its minimum waits last_call_timeout for more nodes (torch: 30 s); both
-# are part of the time from a lost host to training again. The nodes start together (or are told
-# together to regroup), so a short last call loses no one; --rdzv-conf still wins.
+# are part of the time from a lost host to training again. The first round and a round that grows
+# wait for the nodes they know of (agent/gathering.py), so a short last call loses no one; --rdzv-conf
+# still wins.
 ELASTIC_RDZV_CONF = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 1}
 
 

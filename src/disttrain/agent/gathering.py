@@ -52,9 +52,9 @@ def gather_at_start(endpoint: str, nodes: int, limit_s: float = START_GATHER_S, 
 def expecting(handler: Any, nodes: int | None) -> Iterator[None]:
     """Within the block, a round of torch's dynamic rendezvous ``handler`` waits for ``nodes`` (None:
     as many as come, up to its maximum: a node joining a running job, which knows no count): it is
-    complete once they all joined, or :data:`LAST_CALL_S` after its minimum did. Its own settings
-    again after; with fewer ``nodes`` than its minimum (0: torch's own round), or a handler without
-    those settings (another backend), it is left as it is.
+    complete once they all joined, or :data:`LAST_CALL_S` (its own last call, if longer) after its
+    minimum did. Its own settings again after; with fewer ``nodes`` than its minimum (0: torch's own
+    round), or a handler without those settings (another backend), it is left as it is.
 
     torch reads the settings at each step of the join, each node its own: the deadline is set by the
     node that brings the minimum, the completion at the maximum by whichever node sees it; so every
@@ -67,7 +67,7 @@ def expecting(handler: Any, nodes: int | None) -> Iterator[None]:
     kept = settings.max_nodes, timeout._last_call
     # a frozen dataclass, shared by the handler's parts
     object.__setattr__(settings, "max_nodes", min(nodes or settings.max_nodes, settings.max_nodes))
-    timeout._last_call = timedelta(seconds=LAST_CALL_S)
+    timeout._last_call = max(kept[1], timedelta(seconds=LAST_CALL_S))  # a longer one of --rdzv-conf stays
     try:
         yield
     finally:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -429,15 +430,16 @@ def test_an_agent_meeting_a_waiting_node_after_the_job_finished_elsewhere_keeps_
     agent._peer_lost = agent._closed = agent._in_place_round = False
     met = []
 
-    def closed(group):
-        met.append(group)
+    def closed(group, expected=0):
+        met.append((group, expected))
         raise RendezvousClosedError()
 
     agent._rendezvous = closed
     group = WorkerGroup.__new__(WorkerGroup)
     worker = Worker(local_rank=0, global_rank=1, role_rank=1, world_size=2, role_world_size=2)
     worker.id = 4242
-    group.workers, group.state = [worker], WorkerState.HEALTHY
+    group.workers, group.state, group.group_world_size = [worker], WorkerState.HEALTHY, 2
+    group.spec = types.SimpleNamespace(rdzv_handler=types.SimpleNamespace(num_nodes_waiting=lambda: 1))
     listening = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listening.bind(socket_path(str(tmp_path), 0))  # armed
     try:
@@ -445,7 +447,7 @@ def test_an_agent_meeting_a_waiting_node_after_the_job_finished_elsewhere_keeps_
         agent._restart_workers(group)  # torch's loop sees the node still waiting: nobody to meet, not tried again
     finally:
         listening.close()
-    assert len(met) == 1 and group.state is WorkerState.HEALTHY
+    assert [expected for _, expected in met] == [3] and group.state is WorkerState.HEALTHY  # its 2 and the one waiting
     assert (worker.id, worker.global_rank, worker.world_size) == (4242, 1, 2)
 
 

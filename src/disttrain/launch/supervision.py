@@ -93,8 +93,7 @@ class Agent:
     round_at: float | None = None  # when its workers started their current round
     attempt: int | None = None  # its workers' current round (or the in-place round planned for them)
     ranks: tuple[int, ...] = ()  # its workers' global ranks in that round
-    stepped: bool = False  # its ranks have stepped, in some round
-    first_step: float | None = None  # the launcher's clock: when they first did (a join's worth begins there)
+    first_step: float | None = None  # the launcher's clock: when its ranks first stepped (a join's worth begins there)
     progress: float | None = None  # the launcher's clock: its ranks' freshest progress
     steps: dict[int, int] = field(default_factory=dict)  # rank -> steps, in the current round
     why: str | None = None  # a final state's cause, as the record says it
@@ -105,6 +104,11 @@ class Agent:
     held_since: float | None = None  # the launcher's clock: since when some of its ranks are stopped
     held_said: bool = False
     probed: bool = False  # its host was asked for a connection (once per silence)
+
+    @property
+    def stepped(self) -> bool:
+        """Its ranks have stepped, in some round."""
+        return self.first_step is not None
 
 
 class Agents:
@@ -350,7 +354,6 @@ class Supervisor:
                 self.agents.move(row.slot, AgentState.RUNNING)  # its ranks move (a job without rounds)
             if event.progress is not None:
                 row.progress = event.progress if row.progress is None else max(row.progress, event.progress)
-                row.stepped = True
                 if row.first_step is None:
                     row.first_step = event.at
                 if self.trained_at is None:

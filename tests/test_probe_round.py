@@ -41,11 +41,11 @@ def slow_torch(tmp_path, monkeypatch):
     return lambda seconds: monkeypatch.setenv("SLOW_TORCH_S", str(seconds))
 
 
-def ask_one(transport, tmp_path, hello_s: float):
+def ask_one(transport, tmp_path, hello_s: float, note_after_s: float = 30):
     sessions = open_sessions([transport], python=sys.executable, master="127.0.0.1", port=None,
                              cwd=str(tmp_path), reach=False)
     try:
-        (answer,) = ask_facts(sessions, hello_s)
+        (answer,) = ask_facts(sessions, hello_s, note_after_s=note_after_s)
     finally:
         close_all(sessions, grace_s=2)
     assert all(s.proc.poll() is not None for s in sessions)
@@ -53,11 +53,13 @@ def ask_one(transport, tmp_path, hello_s: float):
 
 
 @pytest.mark.timeout(60)
-def test_a_host_slow_to_import_torch_is_waited_for_not_called_unreachable(slow_torch, tmp_path):
-    slow_torch(6)
-    answer = ask_one(LocalTransport("node-a"), tmp_path, hello_s=3)
+def test_a_host_slow_to_import_torch_is_waited_for_not_called_unreachable(slow_torch, tmp_path, capfd):
+    slow_torch(8)
+    answer = ask_one(LocalTransport("node-a"), tmp_path, hello_s=3, note_after_s=4)
     assert isinstance(answer, ProbeFacts), answer
     assert answer.facts.versions["torch"] == torch.__version__
+    assert capfd.readouterr().err == ("disttrain: note: node-a has said nothing for 4 s; "
+                                      "waiting for its facts (torch's import there)\n")
 
 
 @pytest.mark.timeout(60)
@@ -76,9 +78,11 @@ class Silent(LocalTransport):
 
 
 @pytest.mark.timeout(60)
-def test_a_host_that_says_nothing_is_named_within_the_hello_limit(tmp_path):
-    answer = ask_one(Silent("node-b"), tmp_path, hello_s=2)
-    assert str(answer) == "node-b: no answer from its process within 2 s (the probe)"
+def test_a_host_that_says_nothing_is_named_within_the_hello_limit(tmp_path, capfd):
+    answer = ask_one(Silent("node-b"), tmp_path, hello_s=3, note_after_s=1)
+    assert str(answer) == "node-b: no answer from its process within 3 s (the probe)"
+    assert capfd.readouterr().err == ("disttrain: note: node-b has said nothing for 1 s; "
+                                      "waiting for its hello (the connection, then its Python's start)\n")
 
 
 FACTS = HostFacts(hostname="h", address="10.0.0.2", ifname="eth1", is_master=False, cpus=8, cuda_devices=0,

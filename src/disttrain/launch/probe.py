@@ -68,6 +68,7 @@ from .rendezvous_store import LauncherStore, launcher_address
 
 PROBE_TIMEOUT_S = 30  # for a node's hello: the transport's connect, a Python start, disttrain's import
 FACTS_TIMEOUT_S = 180  # then for its facts: torch's import, which a loaded host can stretch past a minute
+WAITING_NOTE_S = 15  # a node silent this long in the round of facts is named, with what it is waiting for
 
 M = TypeVar("M", bound=Message)
 
@@ -200,6 +201,7 @@ class ProbeSession:
 
     def __init__(self, transport: Transport, command: Sequence[str], *, cwd: str | None = None) -> None:
         self.transport, self.command = transport, list(command)
+        self.awaited = "its hello (the connection, then its Python's start)"  # for the note of a slow round
         argv = transport.argv(command)
         try:
             self.proc = start(argv, cwd=cwd)
@@ -222,6 +224,7 @@ class ProbeSession:
         said = self._read((ProbeHello, ProbeFacts), hello_s, "the probe")
         if isinstance(said, ProbeFacts):
             return said
+        self.awaited = "its facts (torch's import there)"
         return self.read(ProbeFacts, max(hello_s, FACTS_TIMEOUT_S), "its facts",
                          late=f"its Python started, but its facts (torch's import) took over {FACTS_TIMEOUT_S} s: "
                               "is the host overloaded, or its disk slow?")
@@ -288,10 +291,36 @@ def _each(sessions: Sequence[ProbeSession], call) -> list:
         return list(pool.map(safe, sessions))
 
 
-def ask_facts(sessions: Sequence[ProbeSession], timeout: float = PROBE_TIMEOUT_S) -> list[ProbeFacts | DisttrainError]:
+def ask_facts(sessions: Sequence[ProbeSession], timeout: float = PROBE_TIMEOUT_S, *,
+              note_after_s: float = WAITING_NOTE_S) -> list[ProbeFacts | DisttrainError]:
     """Every node's facts, in node order; a node that failed gives its error. ``timeout`` is for
-    its hello: a node that said it runs is slow, not lost, and gets :data:`FACTS_TIMEOUT_S` more."""
-    return _each(sessions, lambda s: s.read_facts(timeout))
+    its hello: a node that said it runs is slow, not lost, and gets :data:`FACTS_TIMEOUT_S` more.
+    The nodes still silent after ``note_after_s`` are named once on stderr, each with what it is
+    waiting for: the wait may be minutes, and a user (or a test's log) sees where it stands."""
+    silent = set(map(id, sessions))
+    lock = threading.Lock()
+
+    def ask(session: ProbeSession) -> ProbeFacts:
+        try:
+            return session.read_facts(timeout)
+        finally:
+            with lock:
+                silent.discard(id(session))
+
+    def note() -> None:
+        with lock:
+            slow = [s for s in sessions if id(s) in silent]
+        for session in slow:
+            print(f"disttrain: note: {session.name} has said nothing for {note_after_s:.0f} s; waiting for "
+                  f"{session.awaited}", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(note_after_s, note)
+    timer.daemon = True
+    timer.start()
+    try:
+        return _each(sessions, ask)
+    finally:
+        timer.cancel()
 
 
 def reach_round(sessions: Sequence[ProbeSession], hosts: Sequence[Host], facts: Sequence[HostFacts],

@@ -58,8 +58,8 @@ def test_a_host_slow_to_import_torch_is_waited_for_not_called_unreachable(slow_t
     answer = ask_one(LocalTransport("node-a"), tmp_path, hello_s=3, note_after_s=4)
     assert isinstance(answer, ProbeFacts), answer
     assert answer.facts.versions["torch"] == torch.__version__
-    assert capfd.readouterr().err == ("disttrain: note: node-a has said nothing for 4 s; "
-                                      "waiting for its facts (torch's import there)\n")
+    assert capfd.readouterr().err == ("disttrain: note: still waiting for node-a after 4 s: "
+                                      "its facts (torch's import there)\n")
 
 
 @pytest.mark.timeout(60)
@@ -81,8 +81,8 @@ class Silent(LocalTransport):
 def test_a_host_that_says_nothing_is_named_within_the_hello_limit(tmp_path, capfd):
     answer = ask_one(Silent("node-b"), tmp_path, hello_s=3, note_after_s=1)
     assert str(answer) == "node-b: no answer from its process within 3 s (the probe)"
-    assert capfd.readouterr().err == ("disttrain: note: node-b has said nothing for 1 s; "
-                                      "waiting for its hello (the connection, then its Python's start)\n")
+    assert capfd.readouterr().err == ("disttrain: note: still waiting for node-b after 1 s: "
+                                      "its hello (the connection, then its Python's start)\n")
 
 
 FACTS = HostFacts(hostname="h", address="10.0.0.2", ifname="eth1", is_master=False, cpus=8, cuda_devices=0,

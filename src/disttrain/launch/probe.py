@@ -311,8 +311,8 @@ def ask_facts(sessions: Sequence[ProbeSession], timeout: float = PROBE_TIMEOUT_S
         with lock:
             slow = [s for s in sessions if id(s) in silent]
         for session in slow:
-            print(f"disttrain: note: {session.name} has said nothing for {note_after_s:.0f} s; waiting for "
-                  f"{session.awaited}", file=sys.stderr, flush=True)
+            print(f"disttrain: note: still waiting for {session.name} after {note_after_s:.0f} s: {session.awaited}",
+                  file=sys.stderr, flush=True)
 
     timer = threading.Timer(note_after_s, note)
     timer.daemon = True

@@ -201,7 +201,8 @@ class ProbeSession:
 
     def __init__(self, transport: Transport, command: Sequence[str], *, cwd: str | None = None) -> None:
         self.transport, self.command = transport, list(command)
-        self.awaited = "its hello (the connection, then its Python's start)"  # for the note of a slow round
+        # What the round of facts waits for from it (for the note of a slow round); None: answered.
+        self.awaited: str | None = "its hello (the connection, then its Python's start)"
         argv = transport.argv(command)
         try:
             self.proc = start(argv, cwd=cwd)
@@ -221,13 +222,16 @@ class ProbeSession:
     def read_facts(self, hello_s: float) -> ProbeFacts:
         """The node's hello within ``hello_s``, then its facts. An agent of a disttrain without
         the hello says its facts first: they are taken, and the version check says the rest."""
-        said = self._read((ProbeHello, ProbeFacts), hello_s, "the probe")
-        if isinstance(said, ProbeFacts):
-            return said
-        self.awaited = "its facts (torch's import there)"
-        return self.read(ProbeFacts, max(hello_s, FACTS_TIMEOUT_S), "its facts",
-                         late=f"its Python started, but its facts (torch's import) took over {FACTS_TIMEOUT_S} s: "
-                              "is the host overloaded, or its disk slow?")
+        try:
+            said = self._read((ProbeHello, ProbeFacts), hello_s, "the probe")
+            if isinstance(said, ProbeFacts):
+                return said
+            self.awaited = "its facts (torch's import there)"
+            return self.read(ProbeFacts, max(hello_s, FACTS_TIMEOUT_S), "its facts",
+                             late=f"its Python started, but its facts (torch's import) took over {FACTS_TIMEOUT_S} s: "
+                                  "is the host overloaded, or its disk slow?")
+        finally:
+            self.awaited = None
 
     def _read(self, kinds: tuple[type[Message], ...], timeout: float, what: str, *, late: str | None = None):
         line: list[str] = []
@@ -297,28 +301,18 @@ def ask_facts(sessions: Sequence[ProbeSession], timeout: float = PROBE_TIMEOUT_S
     its hello: a node that said it runs is slow, not lost, and gets :data:`FACTS_TIMEOUT_S` more.
     The nodes still silent after ``note_after_s`` are named once on stderr, each with what it is
     waiting for: the wait may be minutes, and a user (or a test's log) sees where it stands."""
-    silent = set(map(id, sessions))
-    lock = threading.Lock()
-
-    def ask(session: ProbeSession) -> ProbeFacts:
-        try:
-            return session.read_facts(timeout)
-        finally:
-            with lock:
-                silent.discard(id(session))
-
     def note() -> None:
-        with lock:
-            slow = [s for s in sessions if id(s) in silent]
-        for session in slow:
-            print(f"disttrain: note: still waiting for {session.name} after {note_after_s:.0f} s: {session.awaited}",
-                  file=sys.stderr, flush=True)
+        for session in sessions:
+            awaited = session.awaited  # read once: its reader may be answered meanwhile
+            if awaited:
+                print(f"disttrain: note: still waiting for {session.name} after {note_after_s:.0f} s: {awaited}",
+                      file=sys.stderr, flush=True)
 
     timer = threading.Timer(note_after_s, note)
     timer.daemon = True
     timer.start()
     try:
-        return _each(sessions, ask)
+        return _each(sessions, lambda s: s.read_facts(timeout))
     finally:
         timer.cancel()
 

@@ -88,7 +88,7 @@ def test_an_agent_stopped_from_outside_is_a_lost_host_and_a_failure_is_not():
 def test_ssh_tells_a_killed_agent_from_a_lost_connection_by_the_silence_before():
     """ssh exits 255 for both; a lost connection only after its keep-alives went unanswered."""
     from disttrain.config.hosts import Host
-    from disttrain.launch.probe import SshTransport
+    from disttrain.launch.transport import SshTransport
 
     ssh = SshTransport(Host(name="c"))
     assert ssh.own_failure(255, "", quiet_s=0.4) == "its agent was killed by a signal: ssh exit 255 with its connection up"
@@ -104,7 +104,7 @@ def test_ssh_asks_the_hosts_own_port_and_no_port_behind_a_jump_host():
     import socket
 
     from disttrain.config.hosts import Host
-    from disttrain.launch.probe import SshTransport
+    from disttrain.launch.transport import SshTransport
     from disttrain.ssh import ssh_address
 
     with socket.socket() as listening, socket.socket() as closed:

@@ -12,7 +12,8 @@ import torch
 
 from disttrain.errors import DisttrainError
 from disttrain.launch import probe
-from disttrain.launch.probe import LocalTransport, ask_facts, close_all, open_sessions
+from disttrain.launch.probe import ask_facts, close_all, open_sessions
+from disttrain.launch.transport import LocalTransport
 from disttrain.wire import HostFacts, ProbeFacts
 
 # Installed through sitecustomize in the agent's Python only: torch's import stalls there, as it

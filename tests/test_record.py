@@ -20,9 +20,9 @@ from disttrain.config.hosts import Host
 from disttrain.launch import elastic, rounds
 from disttrain.launch.elastic import Membership
 from disttrain.launch.policies import Elastic
-from disttrain.launch.probe import SshTransport
 from disttrain.launch.relay import Relay
 from disttrain.launch.supervision import AgentState, Event, EventKind, Stop, Supervisor
+from disttrain.launch.transport import SshTransport
 from disttrain.wire import AttemptStarted, Beats
 
 BANNER = "Warning: Permanently added '10.0.0.3' (ED25519) to the list of known hosts."

@@ -31,7 +31,8 @@ from ..plan.launch import LaunchPlan, NodeFacts, make_plan
 from ..preflight.facts import local_facts
 from ..wire import HostFacts, Outcome
 from .base import AgentLauncher, Events, Facts, LaunchContext
-from .probe import LocalTransport, SessionLauncher, Transport
+from .probe import SessionLauncher
+from .transport import LocalTransport, Transport
 
 REPORT_LINES = 200  # the node's last lines kept for the run's report (failure.txt, hang_verdict.txt)
 

@@ -2,7 +2,7 @@
 own ``srun`` job step, so that the first node to fail is known and the others are stopped through
 the shared flow.
 
-Each node's job step is a probe session over :class:`~disttrain.launch.probe.SrunTransport` that
+Each node's job step is a probe session over :class:`~disttrain.launch.transport.SrunTransport` that
 says the node's facts and then becomes its agent (one job step per node for the whole launch).
 The master is the first node, at the address that node uses toward the second node's
 ``NodeAddr``, found on the first node itself (a node's own hostname often resolves to
@@ -31,9 +31,10 @@ from ..preflight.facts import route_to
 from ..wire import BatchStep, BatchStepEnded, HostFacts, JobClient, Outcome, RunClient
 from .base import BATCH_STEP_ENV, OLD_BATCH_STEP_ENV, Events, LaunchContext
 from .local import check_entry
-from .probe import SessionLauncher, SrunTransport, Transport, ask_facts, close_all, open_sessions
+from .probe import SessionLauncher, ask_facts, close_all, open_sessions
 from .slurm import record_end, slurm_command
 from .slurm_env import SlurmAllocation
+from .transport import SrunTransport, Transport
 
 PROBE_TIMEOUT_S = 180  # an srun step that imports torch on a busy node
 

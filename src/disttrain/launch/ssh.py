@@ -27,16 +27,9 @@ from ..ssh import ssh_config
 from ..wire import HostFacts, Outcome
 from ..workerenv import BOOTSTRAP_NAMES
 from .base import Events, Facts, LaunchContext
-from .probe import (
-    SessionLauncher,
-    SshTransport,
-    Transport,
-    ask_facts,
-    close_all,
-    open_sessions,
-    reach_round,
-)
+from .probe import SessionLauncher, ask_facts, close_all, open_sessions, reach_round
 from .sync import sync_all
+from .transport import SshTransport, Transport
 
 # An elastic range goes on without a host that stops answering: ssh says so (exit 255) after 3 s
 # of unanswered keep-alives instead of the kernel's TCP timeout (minutes), and a host that is down
